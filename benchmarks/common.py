@@ -1,0 +1,246 @@
+"""Shared benchmark helpers: environment, timing, input rotation, results, tables, plots.
+
+Results go to ``benchmarks/results/<name>.json`` (+ ``.png``) unless the environment
+variable ``FLAMIA_RESULTS_DIR`` names another directory (e.g. ``$OUT`` on the device).
+
+Re-plot a results file where matplotlib is installed:
+``python -m benchmarks.common plot benchmarks/results/train_attention.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+L2_BYTES = 50 * 1024 * 1024  # H200 L2
+RESULTS_ENV = "FLAMIA_RESULTS_DIR"
+TABLE_COLUMNS = ("workload", "pass", "impl", "ms", "tflops", "speedup")
+
+
+def results_dir() -> Path:
+    """Directory results are written to (``$FLAMIA_RESULTS_DIR`` or benchmarks/results)."""
+    override = os.environ.get(RESULTS_ENV)
+    path = Path(override) if override else Path(__file__).resolve().parent / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def env_info() -> dict[str, str]:
+    """GPU name, torch / triton / CUDA versions and today's date (YYYY-MM-DD)."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "n/a"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": str(torch.version.cuda),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200) -> dict:
+    """Median / p20 / p80 milliseconds of ``fn()`` via ``triton.testing.do_bench``.
+
+    ``do_bench`` also flushes L2 before every timed call; keys match result rows.
+    """
+    from triton.testing import do_bench
+
+    med, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return {"ms": float(med), "ms_p20": float(p20), "ms_p80": float(p80)}
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes held by the tensors in ``obj`` (tensors, sequences, dicts, dataclasses)."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return int(obj.numel() * obj.element_size())
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    return 0
+
+
+def num_input_sets(
+    bytes_per_set: int,
+    *,
+    l2_bytes: int = L2_BYTES,
+    factor: float = 2.0,
+    min_sets: int = 2,
+    max_sets: int = 64,
+    cap_bytes: int = 8 << 30,
+) -> int:
+    """How many input sets to rotate so they total more than ``factor`` x L2.
+
+    At least ``min_sets``; at most ``max_sets`` and never more than fit in ``cap_bytes``.
+    """
+    need = math.ceil(factor * l2_bytes / max(bytes_per_set, 1)) + 1
+    fit = max(1, cap_bytes // max(bytes_per_set, 1))
+    return max(1, min(max(need, min_sets), max_sets, fit))
+
+
+class Rotating:
+    """Zero-argument callable that calls ``fn(*arg_sets[i])``, cycling ``i`` each call.
+
+    Pre-build several input sets (see :func:`num_input_sets`) so consecutive timed calls
+    read different memory and L2 does not flatter.
+    """
+
+    def __init__(self, fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]]) -> None:
+        if not arg_sets:
+            raise ValueError("Rotating needs at least one argument set")
+        self.fn = fn
+        self.arg_sets = list(arg_sets)
+        self.i = 0
+
+    def __call__(self) -> Any:
+        args = self.arg_sets[self.i]
+        self.i = (self.i + 1) % len(self.arg_sets)
+        return self.fn(*args)
+
+
+def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
+    """Write ``<results_dir>/<name>.json`` in the DESIGN.md section-6 shape; return path.
+
+    Top level: ``benchmark, gpu, torch, triton, date, rows`` plus ``cuda`` and ``extra``.
+    """
+    env = env_info()
+    doc: dict[str, Any] = {
+        "benchmark": name,
+        "gpu": env["gpu"],
+        "torch": env["torch"],
+        "triton": env["triton"],
+        "date": env["date"],
+        "cuda": env["cuda"],
+    }
+    doc.update(extra or {})
+    doc["rows"] = [_json_safe(r) for r in rows]
+    path = results_dir() / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def _json_safe(obj: Any) -> Any:
+    """Replace NaN / inf floats by None (strict JSON), recursively."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _fmt(value: Any, digits: int) -> str:
+    """Format a table cell: floats with ``digits`` decimals, None as '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def print_table(rows: list[dict]) -> None:
+    """Print rows as a plain-text table: workload/pass/impl/ms/tflops/speedup."""
+    cells = [
+        [
+            _fmt(r.get("workload"), 0),
+            _fmt(r.get("pass"), 0),
+            _fmt(r.get("impl"), 0),
+            _fmt(r.get("ms"), 4),
+            _fmt(r.get("tflops"), 1),
+            _fmt(r.get("speedup_vs_best_baseline"), 3),
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(TABLE_COLUMNS)]
+    line = "  ".join(h.ljust(w) for h, w in zip(TABLE_COLUMNS, widths, strict=True))
+    print(line)
+    print("-" * len(line))
+    for c in cells:
+        print(
+            "  ".join(
+                v.rjust(w) if i >= 3 else v.ljust(w)
+                for i, (v, w) in enumerate(zip(c, widths, strict=True))
+            )
+        )
+
+
+def plot_rows(name: str, rows: list[dict], metric: str = "tflops") -> Path | None:
+    """Grouped bar chart ``<results_dir>/<name>.png``: a group per workload, a bar per impl.
+
+    Rows whose ``metric`` is None are left out. Returns None if matplotlib is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"plot skipped ({exc}); re-plot later with: python -m benchmarks.common plot")
+        return None
+
+    kept = [r for r in rows if r.get(metric) is not None]
+    workloads = list(dict.fromkeys(r["workload"] for r in kept))
+    passes = {r["impl"]: set() for r in kept}
+    for r in kept:
+        passes[r["impl"]].add(r["pass"])
+    labels = list(dict.fromkeys(_bar_label(r, passes) for r in kept))
+    value = {(r["workload"], _bar_label(r, passes)): r[metric] for r in kept}
+
+    width = 0.8 / max(len(labels), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(workloads) * max(len(labels), 1) / 3), 4.5))
+    for j, label in enumerate(labels):
+        xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(workloads))]
+        ys = [value.get((w, label), 0.0) for w in workloads]
+        ax.bar(xs, ys, width=width, label=label)
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads)
+    ax.set_ylabel(metric)
+    ax.set_title(name)
+    top = max((r[metric] for r in kept), default=1.0)
+    ax.set_ylim(0, 1.3 * top)  # headroom so the legend does not cover bars
+    ax.legend(fontsize="small", ncol=3, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = results_dir() / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def _bar_label(row: dict, passes: dict[str, set]) -> str:
+    """Impl name, with the pass appended when one impl appears under several passes."""
+    if len(passes[row["impl"]]) > 1:
+        return f"{row['impl']} ({row['pass']})"
+    return row["impl"]
+
+
+def _main(argv: list[str]) -> int:
+    """``plot FILE.json [metric]``: re-draw a results file's PNG into :func:`results_dir`."""
+    if len(argv) < 2 or argv[0] != "plot":
+        print("usage: python -m benchmarks.common plot RESULTS.json [metric]")
+        return 2
+    doc = json.loads(Path(argv[1]).read_text())
+    plot_rows(doc["benchmark"], doc["rows"], argv[2] if len(argv) > 2 else "tflops")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

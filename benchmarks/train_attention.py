@@ -1,0 +1,458 @@
+"""Forward benchmark of causal varlen attention on the nine training workloads W1..W9.
+
+Impls (each dropped with a printed reason when its package is missing):
+
+* ``flamia-mxfp8``        ``flamia_serve.flamia_attn_varlen(..., recipe="mxfp8")`` (BF16 in)
+* ``flamia-mxfp8-quant``  ``quantize_qkv(..., recipe="mxfp8")`` alone, pass ``"quant"``
+* ``fa4``                 FlashAttention-4 CuTe ``flash_attn_varlen_func``
+* ``cudnn-sdpa``          dense SDPA, cuDNN backend, single-document workloads only
+* ``fa2-varlen``          ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2)
+* ``flex-docmask``        compiled FlexAttention with a document-causal block mask
+
+Usage::
+
+    python benchmarks/train_attention.py [--workloads W1,W4] [--impls fa4,flex-docmask]
+                                         [--quick] [--check] [--name NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import (
+    Rotating,
+    num_input_sets,
+    plot_rows,
+    print_table,
+    tensor_bytes,
+    time_ms,
+    write_results,
+)
+from benchmarks.workloads import HEAD_DIM, HKV, HQ, WORKLOADS, Workload, training_workload
+
+Tensor = torch.Tensor
+QKV = tuple[Tensor, Tensor, Tensor]
+# prep(q, k, v) -> args (outside timing); run(*args) -> output [T, HQ, D] (timed)
+Prep = Callable[[Tensor, Tensor, Tensor], tuple]
+Run = Callable[..., Any]
+Builder = Callable[[Workload, Tensor, QKV], tuple[Prep, Run]]
+
+CHECK_WORKLOADS = ("W1", "W7")  # T=8192: one document; many short documents + one long
+CHECK_SUSPECT = 0.99  # cos-sim below this marks a baseline call as wrong
+
+
+@dataclass
+class Impl:
+    """A benchmarked implementation: name, pass, which workloads, and its builder."""
+
+    name: str
+    pass_: str
+    build: Builder
+    single_doc_only: bool = False
+
+    def applies(self, wl: Workload) -> bool:
+        """Whether this impl runs on workload ``wl``."""
+        return wl.num_docs == 1 or not self.single_doc_only
+
+
+def _first_tensor(out: Any) -> Tensor:
+    """The output tensor of an attention call that may return ``(out, lse)``."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _identity(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """Prep that passes q, k, v through unchanged."""
+    return (q, k, v)
+
+
+def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """Prep that repeats each KV head for its Hq/Hkv query heads (MHA layout)."""
+    g = q.shape[1] // k.shape[1]
+    return (q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+
+def _bhtd(x: Tensor) -> Tensor:
+    """``[T, H, D]`` -> ``[1, H, T, D]`` view (no copy)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _thd(x: Tensor) -> Tensor:
+    """``[1, H, T, D]`` -> ``[T, H, D]`` view (no copy)."""
+    return x[0].transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _load_flamia() -> Builder:
+    """``flamia_serve.flamia_attn_varlen`` with the mxfp8 recipe."""
+    import flamia_serve
+
+    attn = flamia_serve.flamia_attn_varlen
+
+    def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
+        m = wl.max_seqlen
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
+            return attn(q, k, v, cu, m, causal=True, recipe="mxfp8")
+
+        return _identity, run
+
+    return build
+
+
+def _load_flamia_quant() -> Builder:
+    """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone (mxfp8)."""
+    from flamia_serve.kernels.quant.ops import quantize_qkv
+
+    def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
+        m = wl.max_seqlen
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
+            return quantize_qkv(q, k, v, cu, m, recipe="mxfp8")
+
+        return _identity, run
+
+    return build
+
+
+def _load_fa4() -> Builder:
+    """FA4 CuTe varlen; returns ``(out [T, HQ, D], lse [HQ, T])``, GQA native."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
+        m = wl.max_seqlen
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu,
+                cu_seqlens_k=cu,
+                max_seqlen_q=m,
+                max_seqlen_k=m,
+                causal=True,
+            )
+            return _first_tensor(out)  # (out, lse)
+
+        return _identity, run
+
+    return build
+
+
+def _dense(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """Prep: contiguous ``[1, H, T, D]`` copies (the dense kernels' natural layout)."""
+    return tuple(_bhtd(x).contiguous() for x in (q, k, v))
+
+
+def _dense_expanded(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """Prep: :func:`_dense` after repeating K/V heads to Hq."""
+    return _dense(*_expand_kv(q, k, v))
+
+
+def _load_cudnn() -> Builder:
+    """Dense SDPA forced onto cuDNN on contiguous ``[1, H, T, D]`` tensors."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run_gqa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return _thd(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+    def run_mha(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return _thd(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
+        try:
+            run_gqa(*_dense(*sample))
+            return _dense, run_gqa
+        except RuntimeError as exc:
+            print(f"  cudnn-sdpa: enable_gqa refused ({_short(exc)}); K/V expanded outside timing")
+            return _dense_expanded, run_mha
+
+    return build
+
+
+def _load_fa2_varlen() -> Builder:
+    """``torch.nn.attention.varlen.varlen_attn``; adapts to its torch-version signature.
+
+    torch 2.9: ``is_causal=``; 2.10/2.11: ``window_size=(-1, 0)`` means causal;
+    2.12+: also ``enable_gqa=``. Without ``enable_gqa`` we pass Hkv heads (the FA2 kernel
+    takes GQA natively) and expand K/V outside timing only if that call is refused.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kw: dict[str, Any] = {}
+    if "is_causal" in params:
+        kw["is_causal"] = True
+    elif "window_size" in params:
+        kw["window_size"] = (-1, 0)
+    else:
+        raise AttributeError("varlen_attn has neither is_causal nor window_size")
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+
+    def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
+        m = wl.max_seqlen
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return varlen_attn(q, k, v, cu, cu, m, m, **kw)
+
+        try:
+            run(*sample)
+            return _identity, run
+        except (RuntimeError, ValueError) as exc:
+            print(f"  fa2-varlen: Hkv<Hq refused ({_short(exc)}); K/V expanded outside timing")
+            return _expand_kv, run
+
+    return build
+
+
+_FLEX: dict[str, Callable[..., Any]] = {}
+
+
+def _load_flex() -> Builder:
+    """Compiled FlexAttention with a document-causal ``create_block_mask`` mask."""
+    import torch._dynamo.config as dynamo_config
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # three sequence lengths x block masks; keep the default limit from recompiling forever
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, knob):
+            setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), 64))
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    flex = _FLEX["fn"]
+
+    def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
+        t = wl.total_tokens
+        lens = torch.tensor(wl.seqlens, device=cu.device)
+        doc = torch.repeat_interleave(torch.arange(len(wl.seqlens), device=cu.device), lens)
+
+        def doc_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+        mask = create_block_mask(doc_causal, None, None, t, t, device=cu.device)
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return _thd(flex(q, k, v, block_mask=mask, enable_gqa=True))
+
+        return _dense, run
+
+    return build
+
+
+IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
+    # name: (pass, loader, single-document workloads only)
+    "flamia-mxfp8": ("fwd", _load_flamia, False),
+    "flamia-mxfp8-quant": ("quant", _load_flamia_quant, False),
+    "fa4": ("fwd", _load_fa4, False),
+    "cudnn-sdpa": ("fwd", _load_cudnn, True),
+    "fa2-varlen": ("fwd", _load_fa2_varlen, False),
+    "flex-docmask": ("fwd", _load_flex, False),
+}
+
+
+def _short(exc: BaseException, n: int = 160) -> str:
+    """One-line, truncated description of an exception."""
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def load_impls(names: list[str]) -> list[Impl]:
+    """Import each requested impl; print why one is dropped and keep going."""
+    impls = []
+    for name in names:
+        pass_, loader, single = IMPLS[name]
+        try:
+            impls.append(Impl(name, pass_, loader(), single))
+        except (ImportError, AttributeError, RuntimeError) as exc:
+            print(f"[skip] {name}: {_short(exc)}")
+    return impls
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def make_inputs(wl: Workload, seed: int, device: torch.device) -> QKV:
+    """Random-normal BF16 q ``[T, HQ, D]``, k / v ``[T, HKV, D]`` (never zeros)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    t = wl.total_tokens
+
+    def randn(h: int) -> Tensor:
+        return torch.randn(t, h, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
+
+    return randn(HQ), randn(HKV), randn(HKV)
+
+
+def reference_fwd(q: Tensor, k: Tensor, v: Tensor, seqlens: list[int]) -> Tensor:
+    """Float32 causal SDPA per document, K/V heads repeated; returns ``[T, HQ, D]``."""
+    g = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    start = 0
+    for n in seqlens:
+        sl = slice(start, start + n)
+        qd, kd, vd = (
+            _bhtd(x[sl].float().repeat_interleave(r, dim=1)) for x, r in ((q, 1), (k, g), (v, g))
+        )
+        out[sl] = _thd(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True))
+        start += n
+    return out
+
+
+def check_impls(impls: list[Impl], device: torch.device) -> dict[str, dict[str, float]]:
+    """Cos-sim of each forward impl against :func:`reference_fwd` on the check workloads."""
+    results: dict[str, dict[str, float]] = {}
+    print(f"correctness check vs fp32 SDPA per document on {', '.join(CHECK_WORKLOADS)}:")
+    for name in CHECK_WORKLOADS:
+        wl = training_workload(name)
+        cu = wl.cu_seqlens(device)
+        q, k, v = make_inputs(wl, seed=1234, device=device)
+        ref = reference_fwd(q, k, v, wl.seqlens)
+        for impl in impls:
+            if impl.pass_ != "fwd" or not impl.applies(wl):
+                continue
+            try:
+                prep, run = impl.build(wl, cu, (q, k, v))
+                out = _first_tensor(run(*prep(q, k, v))).float()
+                if out.shape != ref.shape:
+                    raise ValueError(f"output shape {tuple(out.shape)} != {tuple(ref.shape)}")
+                cos = F.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+                err = (out - ref).abs().max().item()
+            except Exception as exc:  # a broken baseline must not stop the others
+                print(f"  {name} {impl.name:20s} FAILED {_short(exc)}")
+                continue
+            flag = "" if cos >= CHECK_SUSPECT else "   <-- SUSPECT: wrong call?"
+            print(f"  {name} {impl.name:20s} cos={cos:.6f} max|err|={err:.4g}{flag}")
+            results.setdefault(impl.name, {})[name] = cos
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+    return results
+
+
+def bench_workload(
+    wl: Workload, impls: list[Impl], device: torch.device, warmup_ms: float, rep_ms: float
+) -> list[dict]:
+    """Time every applicable impl on ``wl``; a failing impl prints its reason and is skipped."""
+    cu = wl.cu_seqlens(device)
+    raw0 = make_inputs(wl, seed=0, device=device)
+    n_sets = num_input_sets(tensor_bytes(raw0))
+    raw = [raw0] + [make_inputs(wl, seed=i, device=device) for i in range(1, n_sets)]
+    flops = wl.flops(HQ, HEAD_DIM)
+    print(
+        f"{wl.name}: T={wl.total_tokens} docs={wl.num_docs} max={wl.max_seqlen} input sets={n_sets}"
+    )
+    rows = []
+    for impl in impls:
+        if not impl.applies(wl):
+            continue
+        try:
+            prep, run = impl.build(wl, cu, raw[0])
+            arg_sets = [prep(*s) for s in raw]
+            out = run(*arg_sets[0])  # compile / autotune outside timing
+            out_bytes = tensor_bytes(out)
+            del out
+            torch.cuda.synchronize()
+            t = time_ms(Rotating(run, arg_sets), warmup_ms=warmup_ms, rep_ms=rep_ms)
+        except Exception as exc:  # keep going: one broken impl must not hide the others
+            print(f"  [fail] {impl.name}: {_short(exc)}")
+            continue
+        finally:
+            arg_sets = None
+            torch.cuda.empty_cache()
+        row = {"workload": wl.name, "pass": impl.pass_, "impl": impl.name, **t}
+        if impl.pass_ == "fwd":
+            row["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
+            row["gbps"] = None
+        else:  # quantization: bytes read (BF16 q, k, v) + bytes written, per second
+            row["tflops"] = None
+            row["gbps"] = (tensor_bytes(raw[0]) + out_bytes) / (t["ms"] * 1e-3) / 1e9
+        print(
+            f"  {impl.name:20s} {t['ms']:8.4f} ms  "
+            + (f"{row['tflops']:7.1f} TFLOP/s" if row["tflops"] else f"{row['gbps']:7.1f} GB/s")
+        )
+        rows.append(row)
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Set ``speedup_vs_best_baseline`` (best baseline ms / ms) on flamia forward rows."""
+    for r in rows:
+        if not r["impl"].startswith("flamia"):
+            continue
+        base = [
+            b["ms"]
+            for b in rows
+            if b["workload"] == r["workload"]
+            and b["pass"] == "fwd"
+            and not b["impl"].startswith("flamia")
+        ]
+        ok = r["pass"] == "fwd" and bool(base)
+        r["speedup_vs_best_baseline"] = min(base) / r["ms"] if ok else None
+
+
+def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """Parse a comma list and reject names outside ``allowed``."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what}: {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="e.g. W1,W4,W7")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=", ".join(IMPLS))
+    ap.add_argument("--quick", action="store_true", help="short timing (warm-up 10, rep 50 ms)")
+    ap.add_argument("--check", action="store_true", help="cos-sim vs fp32 SDPA before timing")
+    ap.add_argument("--name", default="train_attention", help="results file stem")
+    args = ap.parse_args(argv)
+    workloads = _csv(args.workloads, WORKLOADS, "workloads")
+    names = _csv(args.impls, tuple(IMPLS), "impls")
+    if not torch.cuda.is_available():
+        raise SystemExit("train_attention needs a CUDA GPU")
+    device = torch.device("cuda")
+    warmup_ms, rep_ms = (10.0, 50.0) if args.quick else (25.0, 200.0)
+
+    impls = load_impls(names)
+    if not impls:
+        raise SystemExit("no impl could be loaded")
+    extra: dict[str, Any] = {
+        "heads": {"hq": HQ, "hkv": HKV, "d": HEAD_DIM},
+        "causal": True,
+        "dtype": "bfloat16",
+        "warmup_ms": warmup_ms,
+        "rep_ms": rep_ms,
+    }
+    rows: list[dict] = []
+    with torch.no_grad():
+        if args.check:
+            extra["check_cos_vs_fp32"] = check_impls(impls, device)
+        for name in workloads:
+            rows += bench_workload(training_workload(name), impls, device, warmup_ms, rep_ms)
+    add_speedups(rows)
+    print()
+    print_table(rows)
+    write_results(args.name, rows, extra)
+    plot_rows(args.name, rows, "tflops")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Argument checks shared by every public entry point: clear errors naming the argument."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class VarlenShape:
+    """Sizes of a packed varlen attention call."""
+
+    total_tokens: int
+    num_docs: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+
+def check_tensor(
+    x: object, name: str, *, ndim: int, dtypes: tuple[torch.dtype, ...]
+) -> torch.Tensor:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``x`` fits."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_cu_seqlens(cu_seqlens: object, total_tokens: int, device: torch.device) -> int:
+    """Validate ``cu_seqlens`` (int32, 1-D, starts at 0, non-decreasing, ends at T).
+
+    Returns the largest document length. Reads the values on the host (one sync).
+    """
+    cu = check_tensor(cu_seqlens, "cu_seqlens", ndim=1, dtypes=(torch.int32,))
+    if cu.device != device:
+        raise ValueError(f"cu_seqlens must be on {device}, got {cu.device}")
+    if cu.numel() < 2:
+        raise ValueError(f"cu_seqlens needs at least 2 entries (B+1), got {cu.numel()}")
+    host = cu.cpu()
+    if int(host[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(host[0])}")
+    lengths = host[1:] - host[:-1]
+    if bool((lengths < 0).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    if int(host[-1]) != total_tokens:
+        raise ValueError(
+            f"cu_seqlens must end at the number of tokens {total_tokens}, got {int(host[-1])}"
+        )
+    return int(lengths.max())
+
+
+def check_varlen_inputs(
+    q: object,
+    k: object,
+    v: object,
+    cu_seqlens: object,
+    max_seqlen: object,
+    *,
+    head_dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS,
+) -> VarlenShape:
+    """Check a packed varlen call: q ``[T, Hq, d]``, k/v ``[T, Hkv, d]``, BF16/FP16."""
+    q = check_tensor(q, "q", ndim=3, dtypes=INPUT_DTYPES)
+    k = check_tensor(k, "k", ndim=3, dtypes=INPUT_DTYPES)
+    v = check_tensor(v, "v", ndim=3, dtypes=INPUT_DTYPES)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}")
+    total, hq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[0] != total:
+        raise ValueError(f"k must have {total} tokens like q, got {k.shape[0]}")
+    if k.shape[2] != d:
+        raise ValueError(f"k head dim {k.shape[2]} differs from q head dim {d}")
+    if d not in head_dims:
+        raise ValueError(f"head dim must be one of {head_dims}, got {d}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
+    longest = check_cu_seqlens(cu_seqlens, total, q.device)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
+    if max_seqlen < longest:
+        raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest document ({longest})")
+    return VarlenShape(total, cu_seqlens.numel() - 1, hq, hkv, d)
+
+
+def check_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """Default ``1/sqrt(d)``; a given scale must be a positive finite number."""
+    if softmax_scale is None:
+        return head_dim**-0.5
+    scale = float(softmax_scale)
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
+    return scale

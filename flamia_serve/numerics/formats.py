@@ -1,0 +1,137 @@
+"""Element codecs: E4M3, E2M1, power-of-two exponents, E4M3 round-up, Hadamard.
+
+Every rule here is written with float32 bit operations and exact comparisons only (no
+float division, no log2), so a Triton kernel can repeat it instruction for instruction and
+match bit for bit. A *scale exponent* ``e`` is an int8 in ``[EXP_MIN, EXP_MAX]`` and means
+the factor ``2**e`` (the range of ``torch.float8_e8m0fnu``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+#: NVFP4 two-level maximum: largest E2M1 code times largest E4M3 block scale.
+NVFP4_MAX = E2M1_MAX * E4M3_MAX
+EXP_MIN = -127
+EXP_MAX = 127
+#: E2M1 magnitudes indexed by the 3-bit code.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+_MANT_MASK = 0x7FFFFF
+_EXP_BIAS = 127
+
+
+def _exponent_and_mantissa(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unbiased float32 exponent field (−127 for zero/subnormal) and 23-bit mantissa."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF) - _EXP_BIAS, bits & _MANT_MASK
+
+
+def _split_constant(fmax: float) -> tuple[int, int]:
+    m, k = math.frexp(fmax)  # fmax = m * 2**k, m in [0.5, 1)
+    mant = round((2 * m - 1) * 2**23)
+    return k - 1, mant
+
+
+def pow2_exponent_ceil(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """Smallest ``e`` with ``amax <= fmax * 2**e`` (N1), clamped to [EXP_MIN, EXP_MAX], int8.
+
+    Exact: compares exponent and mantissa fields, so no element scaled by ``2**-e`` can
+    exceed ``fmax``. All-zero (and float32-subnormal) groups get ``EXP_MIN``.
+    """
+    ea, ma = _exponent_and_mantissa(amax)
+    ef, mf = _split_constant(fmax)
+    e = ea - ef + (ma > mf).to(torch.int32)
+    e = torch.where(ea == -_EXP_BIAS, torch.full_like(e, EXP_MIN), e)
+    return e.clamp(EXP_MIN, EXP_MAX).to(torch.int8)
+
+
+def exp2i(e: torch.Tensor) -> torch.Tensor:
+    """``2**e`` as float32 for an integer exponent tensor in [-149, 127] (exact)."""
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32))
+
+
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even cast to ``float8_e4m3fn``; |x| must already be <= 448."""
+    return x.float().to(torch.float8_e4m3fn)
+
+
+def e4m3_ceil(y: torch.Tensor) -> torch.Tensor:
+    """Smallest E4M3 value >= y for 0 <= y <= 448, as float32 (exact)."""
+    ey, _ = _exponent_and_mantissa(y)
+    step = exp2i(ey.clamp(min=-6) - 3)
+    return torch.ceil(y.float() / step) * step
+
+
+def _e4m3_next_up(c: torch.Tensor) -> torch.Tensor:
+    ec, _ = _exponent_and_mantissa(c)
+    return c + exp2i(ec.clamp(min=-6) - 3)
+
+
+def nvfp4_block_scale(amax16: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scale for an NVFP4 group of 16: smallest E4M3 ``c`` with ``6*c >= amax16``.
+
+    ``amax16`` is float32, already divided by the group's power-of-two second level, and
+    <= 2688. Computed as round-up of ``amax16 * (1/6)`` nudged low, then one exact check
+    (``6*c`` is exact: c has 4 significant bits), so the result never lets a code clamp.
+    """
+    t = amax16.float()
+    low = e4m3_ceil(t * (1.0 / 6.0) * (1.0 - 2.0**-20))
+    return torch.where(6.0 * low >= t, low, _e4m3_next_up(low))
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even E2M1 code (uint8 in [0, 15], bit 3 = sign); |x| must be <= 6."""
+    x = x.float()
+    v = x.abs()
+    code = (
+        (v > 0.25).to(torch.uint8)
+        + (v >= 0.75).to(torch.uint8)
+        + (v > 1.25).to(torch.uint8)
+        + (v >= 1.75).to(torch.uint8)
+        + (v > 2.5).to(torch.uint8)
+        + (v >= 3.5).to(torch.uint8)
+        + (v > 5.0).to(torch.uint8)
+    )
+    return code | ((x < 0).to(torch.uint8) << 3)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """float32 value of E2M1 codes (uint8 in [0, 15])."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
+    mag = table[(code & 7).long()]
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+def pack_e2m1(code: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[..., n]`` (n even) into uint8 ``[..., n/2]``: low nibble = even element."""
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous()
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_e2m1`: uint8 ``[..., n/2]`` -> codes ``[..., n]``."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+@functools.cache
+def _hadamard_cpu(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(d)
+
+
+def hadamard(d: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal Sylvester–Hadamard matrix ``[d, d]`` (float32) for d a power of two.
+
+    Rotating Q and K by the same matrix leaves ``Q @ K.T`` unchanged in exact arithmetic.
+    """
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard: d must be a power of two, got {d}")
+    return _hadamard_cpu(d).float().to(device)

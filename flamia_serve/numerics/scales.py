@@ -1,0 +1,200 @@
+"""Scale rules and quantizers (DESIGN.md N1–N7, N10): the executable spec of every quantizer.
+
+Packed tensors are ``[T, H, d]`` with documents given by ``cu_seqlens`` (int32, ``B+1``).
+FP8 operands carry one int8 exponent per token and head (``[T, H]``): for token-block
+scales (N2) it is equal across each 32-token, document-local block; per-token (N4 exact
+causal) and per-key V (N3) use the same storage. All functions are vectorized.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from flamia_serve.numerics.formats import (
+    E4M3_MAX,
+    NVFP4_MAX,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_encode,
+    exp2i,
+    nvfp4_block_scale,
+    pack_e2m1,
+    pow2_exponent_ceil,
+    unpack_e2m1,
+)
+
+TOKEN_BLOCK = 32
+NVFP4_GROUP = 16
+
+
+class Granularity(enum.Enum):
+    """Which tokens share one FP8 scale exponent (per head, whole head dimension)."""
+
+    TOKEN = "token"  # one exponent per token: exact causal (N4), per-key V (N3)
+    TOKEN_BLOCK = "token_block"  # 32 consecutive tokens of one document (N2)
+
+
+@dataclass(frozen=True)
+class FP8Tensor:
+    """E4M3 codes ``[T, H, d]`` and exponents ``[T, H]`` int8: value = code * 2**exponent."""
+
+    codes: torch.Tensor
+    exponents: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[T, H, d]``."""
+        return self.codes.float() * exp2i(self.exponents)[..., None]
+
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """NVFP4 per token: packed E2M1 codes ``[T, H, d/2]`` uint8 (low nibble = even element),
+    E4M3 scales ``[T, H, d/16]``, power-of-two second level ``[T, H]`` int8.
+
+    value = e2m1(code) * block_scale * 2**exponent.
+    """
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    exponents: torch.Tensor
+
+    def dequantize(self, *, second_level: bool = True) -> torch.Tensor:
+        """float32 ``[T, H, d]``; ``second_level=False`` leaves out ``2**exponent``."""
+        vals = e2m1_decode(unpack_e2m1(self.codes))
+        t, h, d = vals.shape
+        scale = self.block_scales.float().repeat_interleave(NVFP4_GROUP, dim=-1)
+        out = vals * scale
+        if second_level:
+            out = out * exp2i(self.exponents)[..., None]
+        return out.view(t, h, d)
+
+
+def token_documents(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document index and document-local position of every packed token, both int64 ``[T]``."""
+    cu = cu_seqlens.long()
+    tok = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(cu[1:], tok, right=True)
+    return doc, tok - cu[doc]
+
+
+def token_block_ids(cu_seqlens: torch.Tensor, total: int, block: int = TOKEN_BLOCK) -> torch.Tensor:
+    """Global index of each token's document-local ``block``-token group, int64 ``[T]``.
+
+    Blocks restart at every document start; a document's last block may be short.
+    """
+    doc, pos = token_documents(cu_seqlens, total)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    blocks_per_doc = (lengths + block - 1) // block
+    first_block = torch.cumsum(blocks_per_doc, 0) - blocks_per_doc
+    return first_block[doc] + pos // block
+
+
+def group_amax(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Per-head amax over tokens sharing a group id: ``[T, H, d]`` -> ``[T, H]`` (per token)."""
+    token_amax = x.float().abs().amax(dim=-1)
+    n_groups = int(group_ids.max().item()) + 1 if group_ids.numel() else 0
+    out = torch.zeros(n_groups, x.shape[1], dtype=torch.float32, device=x.device)
+    idx = group_ids[:, None].expand_as(token_amax)
+    out.scatter_reduce_(0, idx, token_amax, reduce="amax", include_self=True)
+    return out[group_ids]
+
+
+def fp8_exponents(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    granularity: Granularity,
+    block: int = TOKEN_BLOCK,
+) -> torch.Tensor:
+    """Scale exponents ``[T, H]`` int8 for E4M3 codes of ``x`` ``[T, H, d]`` (N1, N2, N4)."""
+    if granularity is Granularity.TOKEN:
+        amax = x.float().abs().amax(dim=-1)
+    else:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens is required for token-block scales")
+        amax = group_amax(x, token_block_ids(cu_seqlens, x.shape[0], block))
+    return pow2_exponent_ceil(amax, E4M3_MAX)
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    granularity: Granularity = Granularity.TOKEN_BLOCK,
+    block: int = TOKEN_BLOCK,
+) -> FP8Tensor:
+    """E4M3 codes with power-of-two exponents rounded up (never clamps), RNE codes."""
+    exponents = fp8_exponents(x, cu_seqlens, granularity, block)
+    codes = e4m3_encode(x.float() * exp2i(-exponents.int())[..., None])
+    return FP8Tensor(codes, exponents)
+
+
+def quantize_nvfp4(x: torch.Tensor, *, second_level: bool = True) -> NVFP4Tensor:
+    """NVFP4 per token (N7, N10): E2M1 codes, one E4M3 scale per 16 elements.
+
+    With ``second_level`` a per-token power-of-two exponent ``e = ceil(log2(amax/2688))``
+    first brings the token into E4M3-scale range (never a per-tensor scale: that leaks the
+    future). Block scales round up, so no code clamps. Without it (KV-cache slot with no
+    room for the exponent) block scales saturate at 448.
+    """
+    t, h, d = x.shape
+    if d % NVFP4_GROUP:
+        raise ValueError(f"x: head dim must be a multiple of {NVFP4_GROUP}, got {d}")
+    xf = x.float().reshape(t, h, d // NVFP4_GROUP, NVFP4_GROUP)
+    amax16 = xf.abs().amax(dim=-1)
+    if second_level:
+        exponents = pow2_exponent_ceil(amax16.amax(dim=-1), NVFP4_MAX)
+    else:
+        exponents = torch.zeros(t, h, dtype=torch.int8, device=x.device)
+    pow2 = exp2i(-exponents.int())[..., None]
+    scaled_amax = (amax16 * pow2).clamp(max=NVFP4_MAX)
+    scale = nvfp4_block_scale(scaled_amax)
+    scaled = xf * pow2[..., None]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    ratio = torch.where(scale[..., None] > 0, scaled / safe, torch.zeros_like(scaled))
+    codes = e2m1_encode(ratio.clamp(-6.0, 6.0)).reshape(t, h, d)
+    return NVFP4Tensor(pack_e2m1(codes), scale.to(torch.float8_e4m3fn), exponents)
+
+
+@dataclass(frozen=True)
+class Block2DTensor:
+    """E4M3 codes ``[..., M, N]`` and one exponent per ``(bm, bn)`` block ``[..., ⌈M/bm⌉,
+    ⌈N/bn⌉]`` int8 (dS, N6)."""
+
+    codes: torch.Tensor
+    exponents: torch.Tensor
+    block: tuple[int, int]
+
+    def expanded_exponents(self) -> torch.Tensor:
+        """Exponent of every element, int8 ``[..., M, N]``."""
+        return _expand_blocks(self.exponents, self.block, *self.codes.shape[-2:])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * exp2i(self.expanded_exponents())
+
+
+def quantize_blocks_2d(x: torch.Tensor, block: tuple[int, int]) -> Block2DTensor:
+    """E4M3 with one power-of-two exponent per ``block`` tile of the last two dims (N6).
+
+    Blocks start at index 0 of each of the last two dims (callers pass one document's
+    ``[H, L, L]`` slab, so blocks are document-local); edge blocks may be short.
+    """
+    bm, bn = block
+    if bm < 1 or bn < 1:
+        raise ValueError(f"block must be positive, got {block}")
+    *lead, m, n = x.shape
+    mb, nb = -(-m // bm), -(-n // bn)
+    padded = torch.zeros(*lead, mb * bm, nb * bn, dtype=torch.float32, device=x.device)
+    padded[..., :m, :n] = x.float().abs()
+    amax = padded.view(*lead, mb, bm, nb, bn).amax(dim=(-3, -1))
+    exponents = pow2_exponent_ceil(amax, E4M3_MAX)
+    per_element = _expand_blocks(exponents, block, m, n)
+    codes = e4m3_encode(x.float() * exp2i(-per_element.int()))
+    return Block2DTensor(codes, exponents, block)
+
+
+def _expand_blocks(exponents: torch.Tensor, block: tuple[int, int], m: int, n: int) -> torch.Tensor:
+    bm, bn = block
+    e = exponents.repeat_interleave(bm, dim=-2).repeat_interleave(bn, dim=-1)
+    return e[..., :m, :n]

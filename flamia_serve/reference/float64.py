@@ -1,0 +1,103 @@
+"""Unquantized references: float64 softmax attention, and per-tensor-scaled FP8 (leaky)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from flamia_serve.numerics import E4M3_MAX
+from flamia_serve.numerics.checks import check_softmax_scale, check_varlen_inputs
+
+
+def _doc_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale
+    if causal:
+        length = q.shape[0]
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    return torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), v)
+
+
+def _varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    outs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in itertools.pairwise(bounds):
+        if end > start:
+            outs.append(_doc_attention(q[start:end], k[start:end], v[start:end], causal, scale))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+def attention_float64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Exact softmax attention in float64 for packed documents (differentiable by autograd).
+
+    Same arguments as :func:`flamia_serve.reference.attention`; returns float64 ``[T, Hq, d]``.
+    Inputs are upcast inside (gradients flow back to them in their dtype).
+    """
+    shape = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
+    scale = check_softmax_scale(softmax_scale, shape.head_dim)
+    return _varlen(q.double(), k.double(), v.double(), cu_seqlens, causal, scale)
+
+
+def _per_tensor_fp8(x: torch.Tensor) -> torch.Tensor:
+    scale = x.float().abs().amax().clamp(min=1e-30) / E4M3_MAX
+    return (x.float() / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def per_tensor_fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """The known-leaky comparison: Q, K, V each E4M3 with one scale from the current amax
+    over the whole packed tensor (future tokens and other documents included), P in E4M3.
+
+    Forward only; returns ``[T, Hq, d]`` in the input dtype.
+    """
+    shape = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
+    scale = check_softmax_scale(softmax_scale, shape.head_dim)
+    qd, kd, vd = (_per_tensor_fp8(t) for t in (q, k, v))
+    group = shape.heads_q // shape.heads_kv
+    outs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in itertools.pairwise(bounds):
+        if end == start:
+            continue
+        qs = qd[start:end]
+        ks = kd[start:end].repeat_interleave(group, dim=1)
+        vs = vd[start:end].repeat_interleave(group, dim=1)
+        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        if causal:
+            length = end - start
+            future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+            s = s.masked_fill(future, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        p_hat = (p * E4M3_MAX).to(torch.float8_e4m3fn).float() / E4M3_MAX
+        outs.append(torch.einsum("hij,jhd->ihd", p_hat, vs) / p.sum(-1).t()[..., None])
+    out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=torch.float32)
+    return out.to(q.dtype)

@@ -1,0 +1,306 @@
+"""Reference twin of the FLAMIA attention core: plain PyTorch, float32 math (DESIGN.md §2).
+
+Definitions, per document and query row ``i`` (keys ``j`` in the same document, ``j <= i``
+when causal), with ``c = softmax_scale * log2(e)``:
+
+* scores ``x_ij = (Q̂_i · K̂_j) 2^(eQ_i + eK_j) c`` from the stored codes (base-2 logits);
+* V fold (N3): ``y_ij = x_ij + eV_j``; row reference ``M_i = ceil(max_j y_ij)`` (an integer,
+  so a kernel with integer running maxima differs only in E4M3's subnormal range);
+* ``P'_ij = 2^(y_ij − M_i)`` in (0, 1]; ``P̂ = E4M3(P')`` (N5);
+  ``l_i = Σ_j P'_ij 2^(−eV_j)``; ``O_i = Σ_j P̂_ij V̂_j / l_i``;
+  row statistics: ``M`` and ``lse = M + log2(l)`` (base 2), float32 ``[T, Hq]``.
+
+Backward (N5, N6): dO is quantized with token-block exponents (``dÔ``);
+``D_i = rowsum(dÔ_i ∘ O_i)``; P̂ is rebuilt from the stored codes exactly as above;
+``dV = P̂ᵀ·dÔ`` with P̂ carrying its ``2^(−eV_j)/l_i`` factors; ``dP = dÔ·Vᵀ``;
+``dS = P ∘ (dP − D)`` with the unquantized ``P = 2^(x − lse)`` (straight-through);
+dS is E4M3 with one exponent per ``recipe.ds_block`` (document-local);
+``dQ = scale·dŜ·K̂``, ``dK = scale·dŜᵀ·Q̂`` with the E4M3 Q/K (also in the mixed recipe).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flamia_serve.numerics import (
+    FP8Tensor,
+    Granularity,
+    NVFP4Tensor,
+    Recipe,
+    exp2i,
+    hadamard,
+    quantize_blocks_2d,
+    quantize_fp8,
+    quantize_nvfp4,
+    resolve_recipe,
+)
+from flamia_serve.numerics.checks import check_softmax_scale, check_varlen_inputs
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class QuantizedQKV:
+    """All quantized operands of one call (what the fused quantization kernel writes).
+
+    ``q8``/``k8``: E4M3 Q/K (token-block, or per-token with ``exact_causal``) — QKᵀ in the
+    MXFP8 recipe and dQ/dK products in both; ``q4``/``k4``: NVFP4 Q/K (mixed recipe, after
+    the optional Hadamard rotation); ``v8``: E4M3 V per key.
+    """
+
+    q8: FP8Tensor
+    k8: FP8Tensor
+    v8: FP8Tensor
+    q4: NVFP4Tensor | None = None
+    k4: NVFP4Tensor | None = None
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    recipe: Recipe,
+    exact_causal: bool,
+) -> QuantizedQKV:
+    """Quantize Q, K, V for ``recipe`` (reference twin of the fused quantization kernel)."""
+    qk_gran = Granularity.TOKEN if exact_causal else Granularity.TOKEN_BLOCK
+    q8 = quantize_fp8(q, cu_seqlens, qk_gran, recipe.token_block)
+    k8 = quantize_fp8(k, cu_seqlens, qk_gran, recipe.token_block)
+    v8 = quantize_fp8(v, cu_seqlens, Granularity.TOKEN)
+    if recipe.qk_format == "e4m3":
+        return QuantizedQKV(q8, k8, v8)
+    qr, kr = q.float(), k.float()
+    if recipe.hadamard:
+        rot = hadamard(q.shape[-1], device=q.device)
+        qr, kr = qr @ rot, kr @ rot
+    return QuantizedQKV(q8, k8, v8, quantize_nvfp4(qr), quantize_nvfp4(kr))
+
+
+def _qk_operands(
+    qkv: QuantizedQKV,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Score operands without their per-token power of two, and those exponents."""
+    if qkv.q4 is not None and qkv.k4 is not None:
+        return (
+            qkv.q4.dequantize(second_level=False),
+            qkv.k4.dequantize(second_level=False),
+            qkv.q4.exponents,
+            qkv.k4.exponents,
+        )
+    return qkv.q8.codes.float(), qkv.k8.codes.float(), qkv.q8.exponents, qkv.k8.exponents
+
+
+def _per_q_head(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[L, Hkv, ...]`` -> ``[L, Hq, ...]`` (query head h reads kv head h // group)."""
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+@dataclass(frozen=True)
+class _DocProbs:
+    mask: torch.Tensor  # [L, L] bool, key allowed
+    x: torch.Tensor  # [Hq, L, L] base-2 logits, -inf where masked
+    p_hat: torch.Tensor  # [Hq, L, L] E4M3 P̂ as float32, 0 where masked
+    p_prime: torch.Tensor  # [Hq, L, L] P' float32, 0 where masked
+    m: torch.Tensor  # [Hq, L] integer row reference
+    ev: torch.Tensor  # [Hq, L] V exponents per key (float)
+
+
+def _doc_probs(
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    eq: torch.Tensor,
+    ek: torch.Tensor,
+    ev: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> _DocProbs:
+    """Scores, row references and P̂ of one document; operands per query head."""
+    length = qs.shape[0]
+    dots = torch.einsum("ihd,jhd->hij", qs, ks)
+    row = exp2i(eq.int()).t()[:, :, None]  # [Hq, L, 1]
+    col = exp2i(ek.int()).t()[:, None, :]  # [Hq, 1, L]
+    x = dots * row * col * (scale * LOG2E)
+    mask = torch.ones(length, length, dtype=torch.bool, device=qs.device)
+    if causal:
+        mask = torch.tril(mask)
+    x = x.masked_fill(~mask, float("-inf"))
+    evf = ev.float().t()  # [Hq, L]
+    y = x + evf[:, None, :]
+    m = torch.ceil(y.amax(dim=-1))
+    p_prime = torch.exp2(y - m[..., None])
+    p_hat = p_prime.to(torch.float8_e4m3fn).float()
+    return _DocProbs(mask, x, p_hat, p_prime, m, evf)
+
+
+def attention_forward(
+    qkv: QuantizedQKV,
+    cu_seqlens: torch.Tensor,
+    *,
+    heads_q: int,
+    causal: bool,
+    softmax_scale: float,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward from quantized operands: ``(O [T, Hq, d] out_dtype, M [T, Hq], lse [T, Hq])``.
+
+    ``M`` is the integer row reference and ``lse`` the base-2 log-sum-exp (float32).
+    """
+    qs_all, ks_all, eq_all, ek_all = _qk_operands(qkv)
+    total, _, d = qkv.v8.codes.shape
+    group = heads_q // qkv.v8.codes.shape[1]
+    out = torch.zeros(total, heads_q, d, dtype=torch.float32, device=qs_all.device)
+    m_all = torch.zeros(total, heads_q, dtype=torch.float32, device=qs_all.device)
+    lse_all = torch.zeros_like(m_all)
+    bounds = cu_seqlens.tolist()
+    for start, end in itertools.pairwise(bounds):
+        if end == start:
+            continue
+        sl = slice(start, end)
+        vc = _per_q_head(qkv.v8.codes[sl].float(), group)
+        ev = _per_q_head(qkv.v8.exponents[sl], group)
+        probs = _doc_probs(
+            qs_all[sl],
+            _per_q_head(ks_all[sl], group),
+            eq_all[sl],
+            _per_q_head(ek_all[sl], group),
+            ev,
+            causal,
+            softmax_scale,
+        )
+        l_row = (probs.p_prime * exp2i(-ev.int()).t()[:, None, :]).sum(-1)  # [Hq, L]
+        o = torch.einsum("hij,jhd->ihd", probs.p_hat, vc) / l_row.t()[..., None]
+        out[sl] = o
+        m_all[sl] = probs.m.t()
+        lse_all[sl] = (probs.m + torch.log2(l_row)).t()
+    return out.to(out_dtype), m_all, lse_all
+
+
+def attention_backward(
+    d_out: torch.Tensor,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    qkv: QuantizedQKV,
+    cu_seqlens: torch.Tensor,
+    recipe: Recipe,
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 ``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv, d])`` (see module docstring)."""
+    qs_all, ks_all, eq_all, ek_all = _qk_operands(qkv)
+    total, heads_q, d = d_out.shape
+    heads_kv = qkv.v8.codes.shape[1]
+    group = heads_q // heads_kv
+    do8 = quantize_fp8(d_out, cu_seqlens, Granularity.TOKEN_BLOCK, recipe.token_block)
+    do_q = do8.dequantize()
+    delta = (do_q * out.float()).sum(-1)  # [T, Hq]
+    q_deq, k_deq, v_deq = qkv.q8.dequantize(), qkv.k8.dequantize(), qkv.v8.dequantize()
+    dq = torch.zeros(total, heads_q, d, dtype=torch.float32, device=d_out.device)
+    dk_q = torch.zeros_like(dq)
+    dv_q = torch.zeros_like(dq)
+    bounds = cu_seqlens.tolist()
+    for start, end in itertools.pairwise(bounds):
+        if end == start:
+            continue
+        sl = slice(start, end)
+        ev = _per_q_head(qkv.v8.exponents[sl], group)
+        probs = _doc_probs(
+            qs_all[sl],
+            _per_q_head(ks_all[sl], group),
+            eq_all[sl],
+            _per_q_head(ek_all[sl], group),
+            ev,
+            causal,
+            softmax_scale,
+        )
+        m_doc, lse_doc = m_rows[sl].t(), lse_rows[sl].t()  # [Hq, L]
+        inv_l = torch.exp2(m_doc - lse_doc)  # 1 / l_i
+        # forward's probabilities as multiplied with V: P̂ 2^(−eV_j) / l_i
+        p_used = probs.p_hat * exp2i(-ev.int()).t()[:, None, :] * inv_l[..., None]
+        dv_q[sl] = torch.einsum("hij,ihd->jhd", p_used, do_q[sl])
+        dp = torch.einsum("ihd,jhd->hij", do_q[sl], _per_q_head(v_deq[sl], group))
+        p = torch.exp2(probs.x - lse_doc[..., None])
+        ds = p * (dp - delta[sl].t()[..., None])
+        ds_q = quantize_blocks_2d(ds, recipe.ds_block).dequantize()
+        dq[sl] = softmax_scale * torch.einsum("hij,jhd->ihd", ds_q, _per_q_head(k_deq[sl], group))
+        dk_q[sl] = softmax_scale * torch.einsum("hij,ihd->jhd", ds_q, q_deq[sl])
+    dk = dk_q.view(total, heads_kv, group, d).sum(2)
+    dv = dv_q.view(total, heads_kv, group, d).sum(2)
+    return dq, dk, dv
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, causal, recipe, exact_causal, softmax_scale):
+        qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, exact_causal)
+        out, m_rows, lse_rows = attention_forward(
+            qkv,
+            cu_seqlens,
+            heads_q=q.shape[1],
+            causal=causal,
+            softmax_scale=softmax_scale,
+            out_dtype=q.dtype,
+        )
+        ctx.qkv = qkv
+        ctx.save_for_backward(out, m_rows, lse_rows, cu_seqlens)
+        ctx.args = (recipe, causal, softmax_scale, q.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        out, m_rows, lse_rows, cu_seqlens = ctx.saved_tensors
+        recipe, causal, softmax_scale, dtype = ctx.args
+        dq, dk, dv = attention_backward(
+            d_out,
+            out,
+            m_rows,
+            lse_rows,
+            ctx.qkv,
+            cu_seqlens,
+            recipe,
+            causal=causal,
+            softmax_scale=softmax_scale,
+        )
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    recipe: str | Recipe = "mxfp8",
+    exact_causal: bool = False,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Reference FLAMIA attention for packed documents, differentiable.
+
+    Args:
+        q: ``[T, Hq, d]`` BF16/FP16; k, v: ``[T, Hkv, d]``, same dtype, ``Hq % Hkv == 0``,
+            d in {64, 128, 256}.
+        cu_seqlens: ``[B+1]`` int32, 0 first, non-decreasing, T last.
+        max_seqlen: an int >= the longest document.
+        causal: mask keys after the query (within its document).
+        recipe: ``"mxfp8"``, ``"mixed_nvfp4"``, ``"mixed_nvfp4_hadamard"`` or a Recipe.
+        exact_causal: per-token Q/K exponents, so no output depends on a later token.
+        softmax_scale: defaults to ``1/sqrt(d)``.
+
+    Returns:
+        O ``[T, Hq, d]`` in the input dtype. The backward is the manual one the kernels
+        implement (module docstring), not autograd through the quantizers.
+    """
+    shape = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
+    rec = resolve_recipe(recipe)
+    scale = check_softmax_scale(softmax_scale, shape.head_dim)
+    return _ReferenceAttention.apply(
+        q, k, v, cu_seqlens, bool(causal), rec, bool(exact_causal), scale
+    )
