@@ -119,6 +119,27 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized fast Walsh–Hadamard transform over the last dim (a power of two), float32.
+
+    Butterfly stages of distance 1, 2, 4, … (``a + b``, ``a − b``) in float32: a kernel that
+    runs the same stages in the same order matches bit for bit. Equals ``x @ (hadamard(d) *
+    sqrt(d))``; rotating both Q and K multiplies their scores by exactly ``d``.
+    """
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard_transform: last dim must be a power of two, got {d}")
+    lead = x.shape[:-1]
+    y = x.float()
+    dist = 1
+    while dist < d:
+        pairs = y.reshape(*lead, d // (2 * dist), 2, dist)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, d)
+        dist *= 2
+    return y
+
+
 @functools.cache
 def _hadamard_cpu(d: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)

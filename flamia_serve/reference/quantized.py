@@ -4,6 +4,8 @@ Definitions, per document and query row ``i`` (keys ``j`` in the same document, 
 when causal), with ``c = softmax_scale * log2(e)``:
 
 * scores ``x_ij = (Q̂_i · K̂_j) 2^(eQ_i + eK_j) c`` from the stored codes (base-2 logits);
+  with the Hadamard option Q and K are rotated by the unnormalized transform and ``c`` also
+  carries the exact ``1/d`` that restores the scores;
 * V fold (N3): ``y_ij = x_ij + eV_j``; row reference ``M_i = ceil(max_j y_ij)`` (an integer,
   so a kernel with integer running maxima differs only in E4M3's subnormal range);
 * ``P'_ij = 2^(y_ij − M_i)`` in (0, 1]; ``P̂ = E4M3(P')`` (N5);
@@ -32,7 +34,7 @@ from flamia_serve.numerics import (
     NVFP4Tensor,
     Recipe,
     exp2i,
-    hadamard,
+    hadamard_transform,
     quantize_blocks_2d,
     quantize_fp8,
     quantize_nvfp4,
@@ -57,6 +59,8 @@ class QuantizedQKV:
     v8: FP8Tensor
     q4: NVFP4Tensor | None = None
     k4: NVFP4Tensor | None = None
+    #: exact factor restoring the scores after an unnormalized Hadamard rotation (1/d)
+    qk_rescale: float = 1.0
 
 
 def quantize_qkv(
@@ -74,11 +78,10 @@ def quantize_qkv(
     v8 = quantize_fp8(v, cu_seqlens, Granularity.TOKEN)
     if recipe.qk_format == "e4m3":
         return QuantizedQKV(q8, k8, v8)
-    qr, kr = q.float(), k.float()
-    if recipe.hadamard:
-        rot = hadamard(q.shape[-1], device=q.device)
-        qr, kr = qr @ rot, kr @ rot
-    return QuantizedQKV(q8, k8, v8, quantize_nvfp4(qr), quantize_nvfp4(kr))
+    if not recipe.hadamard:
+        return QuantizedQKV(q8, k8, v8, quantize_nvfp4(q), quantize_nvfp4(k))
+    qr, kr = hadamard_transform(q), hadamard_transform(k)
+    return QuantizedQKV(q8, k8, v8, quantize_nvfp4(qr), quantize_nvfp4(kr), 1.0 / q.shape[-1])
 
 
 def _qk_operands(
@@ -170,7 +173,7 @@ def attention_forward(
             _per_q_head(ek_all[sl], group),
             ev,
             causal,
-            softmax_scale,
+            softmax_scale * qkv.qk_rescale,
         )
         l_row = (probs.p_prime * exp2i(-ev.int()).t()[:, None, :]).sum(-1)  # [Hq, L]
         o = torch.einsum("hij,jhd->ihd", probs.p_hat, vc) / l_row.t()[..., None]
@@ -217,7 +220,7 @@ def attention_backward(
             _per_q_head(ek_all[sl], group),
             ev,
             causal,
-            softmax_scale,
+            softmax_scale * qkv.qk_rescale,
         )
         m_doc, lse_doc = m_rows[sl].t(), lse_rows[sl].t()  # [Hq, L]
         inv_l = torch.exp2(m_doc - lse_doc)  # 1 / l_i

@@ -1,0 +1,1 @@
+"""Fused Q/K/V quantization (Triton) and its launcher."""

@@ -1,0 +1,88 @@
+"""GPU-built schedules for packed documents: token-block table and attention work list.
+
+Both are built with tensor ops on the device (no host synchronisation): their sizes are
+upper bounds known from ``T`` and ``B`` alone, and unused slots are marked empty. Build
+them once per microbatch (``plan``) and reuse them in forward and backward (``run``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _tiles_of_documents(
+    cu_seqlens: torch.Tensor, total_tokens: int, tile: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For ``T // tile + B`` slots: (document, tile index in the document, valid) int64."""
+    cu = cu_seqlens.long()
+    num_docs = cu.numel() - 1
+    tiles_per_doc = (cu[1:] - cu[:-1] + tile - 1) // tile
+    ends = torch.cumsum(tiles_per_doc, 0)
+    slots = torch.arange(total_tokens // tile + num_docs, device=cu.device)
+    doc = torch.searchsorted(ends, slots, right=True)
+    valid = doc < num_docs
+    doc = doc.clamp(max=max(num_docs - 1, 0))
+    local = slots - (ends - tiles_per_doc)[doc]
+    return doc, local, valid
+
+
+@dataclass(frozen=True)
+class TokenBlocks:
+    """Document-local 32-token blocks: first token and length (0 = empty slot), int32."""
+
+    start: torch.Tensor
+    length: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.start.numel()
+
+
+def token_block_table(cu_seqlens: torch.Tensor, total_tokens: int, block: int = 32) -> TokenBlocks:
+    """Every document-local ``block``-token block of a pack (blocks restart per document)."""
+    doc, local, valid = _tiles_of_documents(cu_seqlens, total_tokens, block)
+    cu = cu_seqlens.long()
+    start = cu[doc] + local * block
+    length = torch.where(valid, (cu[doc + 1] - start).clamp(0, block), 0)
+    return TokenBlocks(start.to(torch.int32), length.to(torch.int32))
+
+
+@dataclass(frozen=True)
+class WorkList:
+    """(document, query tile) items sorted by work, longest first; heads are expanded by
+    the kernel (item ``i`` covers programs ``i*H .. i*H+H-1``). ``count`` ([1] int32) is
+    the number of valid items; slots after it are padding."""
+
+    doc: torch.Tensor
+    tile: torch.Tensor
+    count: torch.Tensor
+    block_m: int
+    block_n: int
+    causal: bool
+
+    @property
+    def num_slots(self) -> int:
+        return self.doc.numel()
+
+
+def build_work_list(
+    cu_seqlens: torch.Tensor, total_tokens: int, *, block_m: int, block_n: int, causal: bool
+) -> WorkList:
+    """Work list of query tiles, sorted by the number of key tiles each one visits."""
+    doc, tile, valid = _tiles_of_documents(cu_seqlens, total_tokens, block_m)
+    cu = cu_seqlens.long()
+    length = cu[doc + 1] - cu[doc]
+    key_end = torch.minimum((tile + 1) * block_m, length) if causal else length
+    cost = torch.where(valid, (key_end + block_n - 1) // block_n, -1)
+    order = torch.argsort(cost, descending=True, stable=True)
+    count = valid.sum().to(torch.int32).reshape(1)
+    return WorkList(
+        doc[order].to(torch.int32),
+        tile[order].to(torch.int32),
+        count,
+        block_m,
+        block_n,
+        causal,
+    )
