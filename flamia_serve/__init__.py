@@ -1,0 +1,7 @@
+"""flamia_serve: low-precision, causally safe attention for training and serving."""
+
+from flamia_serve.attention import flamia_attn, flamia_attn_varlen
+from flamia_serve.numerics import RECIPES, Recipe
+
+__all__ = ["RECIPES", "Recipe", "flamia_attn", "flamia_attn_varlen"]
+__version__ = "0.1.0"

@@ -12,8 +12,9 @@ import triton
 import triton.language as tl
 
 
-def soft_round() -> bool:
-    """True under Triton's CPU interpreter, whose float -> E4M3 cast rounds wrongly."""
+def interpreted() -> bool:
+    """True under Triton's CPU interpreter (3.6), which needs two workarounds: its float ->
+    E4M3 cast rounds wrongly (see ``to_e4m3``) and its BF16 ``tl.dot`` returns garbage."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -35,15 +36,15 @@ def exp2i(e):
 
 
 @triton.jit
-def to_e4m3(x, SOFT_ROUND: tl.constexpr):
+def to_e4m3(x, INTERPRET: tl.constexpr):
     """Round-to-nearest-even cast of float32 |x| <= 448 to E4M3.
 
     The hardware cast (GPU) is exact RNE. Triton's CPU interpreter rounds wrongly (ties away,
-    a mantissa carry is lost: 7.875 -> 4, and -0 becomes +0), so with SOFT_ROUND the code is
+    a mantissa carry is lost: 7.875 -> 4, and -0 becomes +0), so with INTERPRET the code is
     built from bits: round |x| to its E4M3 quantum 2^(max(E, -6) - 3) with the magic-number
     RNE add, then assemble sign, exponent field and mantissa.
     """
-    if SOFT_ROUND:
+    if INTERPRET:
         e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         shift = tl.maximum(e, -6) - 3
         mag = ((tl.abs(x) * exp2i(-shift) + 12582912.0) - 12582912.0) * exp2i(shift)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import soft_round
+from flamia_serve.kernels._common import interpreted
 from flamia_serve.kernels.quant.triton import quantize_qkv_kernel
 from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
 from flamia_serve.numerics import FP8Tensor, NVFP4Tensor, Recipe, resolve_recipe
@@ -99,7 +99,7 @@ def quantize_qkv(
             t_pad,
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
-            LOG2_D=d.bit_length() - 1, SOFT_ROUND=soft_round(),
+            LOG2_D=d.bit_length() - 1, INTERPRET=interpreted(),
             num_warps=4,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0

@@ -22,14 +22,14 @@ NVFP4_EXP, NVFP4_MANT = 11, 0x280000  # 2688 = 6 * 448
 
 
 @triton.jit
-def _fp8_rows(x, PER_TOKEN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+def _fp8_rows(x, PER_TOKEN: tl.constexpr, INTERPRET: tl.constexpr):
     """E4M3 codes and int32 exponents of a ``[BLOCK, D]`` fp32 tile: one exponent per row
     (PER_TOKEN) or one for the whole tile (token block)."""
     amax = tl.max(tl.abs(x), axis=1)
     if not PER_TOKEN:
         amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
     e = pow2_exponent_ceil(amax, E4M3_EXP, E4M3_MANT)
-    codes = to_e4m3(x * exp2i(-e)[:, None], SOFT_ROUND)
+    codes = to_e4m3(x * exp2i(-e)[:, None], INTERPRET)
     return codes, e
 
 
@@ -68,13 +68,13 @@ def _quantize_qk_head(
     x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, out4, out4_scale, out4_exp,
     N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr,
     QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One block of one Q or K head: E4M3 codes + exponents, and NVFP4 when asked."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    codes, e = _fp8_rows(x, PER_TOKEN, SOFT_ROUND)
+    codes, e = _fp8_rows(x, PER_TOKEN, INTERPRET)
     row_off = tok * N_HEADS + h
     tl.store(out8 + row_off[:, None] * D + cols[None, :], codes, mask=row_ok[:, None])
     tl.store(out_exp + row_off, e.to(tl.int8), mask=row_ok)
@@ -86,7 +86,7 @@ def _quantize_qk_head(
         groups = tl.arange(0, D // 16)
         tl.store(out4 + row_off[:, None] * (D // 2) + half[None, :], packed, mask=row_ok[:, None])
         scale_ptrs = out4_scale + row_off[:, None] * (D // 16) + groups[None, :]
-        tl.store(scale_ptrs, to_e4m3(scale, SOFT_ROUND), mask=row_ok[:, None])
+        tl.store(scale_ptrs, to_e4m3(scale, INTERPRET), mask=row_ok[:, None])
         tl.store(out4_exp + row_off, e4.to(tl.int8), mask=row_ok)
 
 
@@ -124,7 +124,7 @@ def quantize_qkv_kernel(
     QK_NVFP4: tl.constexpr,
     HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Program (block slot, head of Q|K|V): quantizes one 32-token block of one head."""
     slot = tl.program_id(0)
@@ -140,19 +140,19 @@ def quantize_qkv_kernel(
             _quantize_qk_head(
                 q_ptr, stride_qt, stride_qh, head, tok, row_ok, q8_ptr, q_exp_ptr,
                 q4_ptr, q4_scale_ptr, q4_exp_ptr,
-                HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, SOFT_ROUND,
+                HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
             )  # fmt: skip
         elif head < HQ + HKV:
             _quantize_qk_head(
                 k_ptr, stride_kt, stride_kh, head - HQ, tok, row_ok, k8_ptr, k_exp_ptr,
                 k4_ptr, k4_scale_ptr, k4_exp_ptr,
-                HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, SOFT_ROUND,
+                HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
             )  # fmt: skip
         else:
             h = head - HQ - HKV
             x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            codes, e = _fp8_rows(x, True, SOFT_ROUND)
+            codes, e = _fp8_rows(x, True, INTERPRET)
             vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + tok[None, :]
             tl.store(vt_ptrs, tl.trans(codes), mask=row_ok[None, :])
             tl.store(v_exp_ptr + tok * HKV + h, e.to(tl.int8), mask=row_ok)

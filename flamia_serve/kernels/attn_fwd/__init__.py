@@ -1,0 +1,1 @@
+"""FP8 attention forward for packed documents (Triton) and its launcher."""

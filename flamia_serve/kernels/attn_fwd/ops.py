@@ -1,0 +1,100 @@
+"""Launcher of the forward attention kernel (``attn_fwd_kernel``)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from flamia_serve.kernels._common import interpreted
+from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
+from flamia_serve.kernels.quant.ops import KernelQKV
+from flamia_serve.kernels.schedule import WorkList, build_work_list
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile shape and launch options (``block_m % block_n == 0``)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    persistent: bool = True
+    two_pass: bool = False
+
+
+def default_config(head_dim: int, device: torch.device) -> FwdConfig:
+    """Tiles per head dim; small tiles under the CPU interpreter (fast tests)."""
+    if device.type != "cuda":
+        return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    if head_dim >= 256:
+        return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    return FwdConfig()
+
+
+def _persistent_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count * 2
+
+
+def attn_fwd(
+    qkv: KernelQKV,
+    cu_seqlens: torch.Tensor,
+    *,
+    heads_q: int,
+    causal: bool,
+    softmax_scale: float,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: FwdConfig | None = None,
+    work: WorkList | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, WorkList]:
+    """Forward from quantized operands: ``(O [T, Hq, d], M [T, Hq], lse [T, Hq], work)``.
+
+    Same contract as ``flamia_serve.reference.attention_forward`` (M integer row reference,
+    lse base 2). ``work`` (built if None) is returned for reuse by the backward.
+    """
+    total, heads_kv, d = qkv.k8.codes.shape
+    dev = qkv.k8.codes.device
+    cfg = config or default_config(d, dev)
+    if cfg.block_m % cfg.block_n:
+        raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
+    two_pass = cfg.two_pass or os.environ.get("FLAMIA_TWO_PASS", "0") == "1"
+    if work is None or (work.block_m, work.block_n, work.causal) != (
+        cfg.block_m,
+        cfg.block_n,
+        causal,
+    ):
+        work = build_work_list(
+            cu_seqlens, total, block_m=cfg.block_m, block_n=cfg.block_n, causal=causal
+        )
+    out = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
+    m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=dev)
+    lse_rows = torch.empty_like(m_rows)
+    if total == 0:
+        return out, m_rows, lse_rows, work
+    q4, k4 = qkv.q4, qkv.k4
+    nvfp4 = q4 is not None and k4 is not None
+    if nvfp4:
+        q4_args = (q4.codes, q4.block_scales, q4.exponents)
+        k4_args = (k4.codes, k4.block_scales, k4.exponents)
+    else:  # placeholders of the right dtypes, never read
+        q4_args = k4_args = (qkv.q8.codes.view(torch.uint8), qkv.q8.codes, qkv.q8.exponents)
+    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    grid = (_persistent_programs(dev) if cfg.persistent else work.num_slots * heads_q,)
+    attn_fwd_kernel[grid](
+        qkv.q8.codes, qkv.q8.exponents, qkv.k8.codes, qkv.k8.exponents,
+        *q4_args, *k4_args, qkv.v_t, qkv.v_exp,
+        cu_seqlens, work.doc, work.tile, work.count, ticket,
+        out, m_rows, lse_rows,
+        softmax_scale * LOG2E * qkv.qk_rescale, qkv.v_t.shape[-1],
+        HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=two_pass, INTERPRET=interpreted(),
+        PERSISTENT=cfg.persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, m_rows, lse_rows, work

@@ -1,0 +1,259 @@
+"""FP8 attention forward for packed documents (Triton, Hopper ``wgmma`` via ``tl.dot``).
+
+Twin: ``flamia_serve.reference.attention_forward``. Per score element: the Q/K exponents
+are row/column factors of the ``Q̂·K̂ᵀ`` tile, the V exponent is added to the base-2 logit
+(N3 fold), ``P' = 2^(y − m)`` with an integer ``m``, ``P̂ = E4M3(P')`` feeds ``P̂·V̂``.
+
+Row reference ``m`` (DESIGN N5): ``TWO_PASS`` first runs a max-only pass so every tile is
+quantized against the final ``M = ceil(max y)`` (bit-compatible with the backward);
+otherwise ``m`` is an integer running maximum and earlier tiles are rescaled by exact
+powers of two (differs from the reference only where P lands in E4M3's subnormal range).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flamia_serve.kernels._common import e2m1_decode, exp2i, to_e4m3
+
+
+@triton.jit
+def _load_nvfp4_tile(
+    codes_ptr, scale_ptr, rows, row_ok, H: tl.constexpr, h, D: tl.constexpr, ROWS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Dequantize an NVFP4 ``[ROWS, D]`` tile to BF16 (exact: <= 6 significant bits), without
+    its per-token power of two (float32 under the interpreter, whose BF16 dot is broken)."""
+    half = tl.arange(0, D // 2)
+    groups = tl.arange(0, D // 16)
+    base = (rows.to(tl.int64) * H + h)[:, None]
+    packed = tl.load(codes_ptr + base * (D // 2) + half[None, :], mask=row_ok[:, None], other=0)
+    vals = tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))
+    vals = tl.reshape(vals, (ROWS, D // 16, 16))
+    scale_ptrs = scale_ptr.to(tl.pointer_type(tl.uint8)) + base * (D // 16) + groups[None, :]
+    scale = tl.load(scale_ptrs, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+    vals = vals * scale.to(tl.float32)[:, :, None]
+    vals = tl.reshape(vals, (ROWS, D))
+    if INTERPRET:
+        return vals
+    return vals.to(tl.bfloat16)
+
+
+@triton.jit
+def _load_qk_tile(
+    x8_ptr, x_exp_ptr, x4_ptr, x4_scale_ptr, x4_exp_ptr, rows, row_ok,
+    H: tl.constexpr, h, D: tl.constexpr, ROWS: tl.constexpr, QK_NVFP4: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Score operand tile (E4M3 codes or NVFP4 as BF16) and its per-row exponents (int32)."""
+    flat = rows.to(tl.int64) * H + h
+    if QK_NVFP4:
+        tile = _load_nvfp4_tile(x4_ptr, x4_scale_ptr, rows, row_ok, H, h, D, ROWS, INTERPRET)
+        e = tl.load(x4_exp_ptr + flat, mask=row_ok, other=0).to(tl.int32)
+    else:
+        cols = tl.arange(0, D)
+        tile = tl.load(x8_ptr + flat[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
+        e = tl.load(x_exp_ptr + flat, mask=row_ok, other=0).to(tl.int32)
+    return tile, e
+
+
+@triton.jit
+def _scores(
+    q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+    doc_start, key0, key_end, offs_m, HKV: tl.constexpr, hk, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Folded base-2 logits ``y = (Q̂·K̂ᵀ) qfac_i 2^eK_j + eV_j`` of one key tile, −inf where
+    masked, and ``2^(−eV_j)``."""
+    offs_n = key0 + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < key_end
+    rows = doc_start + offs_n
+    k, ke = _load_qk_tile(
+        k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, rows, key_ok, HKV, hk, D, BLOCK_N,
+        QK_NVFP4, INTERPRET,
+    )  # fmt: skip
+    ev = tl.load(v_exp_ptr + rows.to(tl.int64) * HKV + hk, mask=key_ok, other=0).to(tl.int32)
+    s = tl.dot(q, tl.trans(k))
+    y = s * qfac[:, None] * exp2i(ke)[None, :] + ev.to(tl.float32)[None, :]
+    if MASK:
+        ok = key_ok[None, :]
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= offs_m[:, None])
+        y = tl.where(ok, y, float("-inf"))
+    return y, exp2i(-ev)
+
+
+@triton.jit
+def _row_max_pass(
+    m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+    doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    for key0 in range(lo, hi, BLOCK_N):
+        y, _ = _scores(
+            q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+            doc_start, key0, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, MASK,
+            INTERPRET,
+        )  # fmt: skip
+        m_i = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
+    return m_i
+
+
+@triton.jit
+def _accumulate(
+    acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
+    v_exp_ptr, t_pad, doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr,
+    MASK: tl.constexpr, TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    cols = tl.arange(0, D)
+    for key0 in range(lo, hi, BLOCK_N):
+        y, v_inv = _scores(
+            q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+            doc_start, key0, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, MASK,
+            INTERPRET,
+        )  # fmt: skip
+        if not TWO_PASS:
+            m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
+            alpha = tl.math.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.math.exp2(y - m_i[:, None])
+        l_i += tl.sum(p * v_inv[None, :], axis=1)
+        offs_n = key0 + tl.arange(0, BLOCK_N)
+        vt_ptrs = (
+            vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + doc_start + offs_n[None, :]
+        )
+        vt = tl.load(vt_ptrs, mask=(offs_n < key_end)[None, :], other=0.0)
+        acc = tl.dot(to_e4m3(p, INTERPRET), tl.trans(vt), acc)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_item(
+    work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
+    k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, v_exp_ptr, cu_ptr, item_doc_ptr, item_tile_ptr,
+    out_ptr, m_ptr, lse_ptr, qk_scale, t_pad,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, QK_NVFP4: tl.constexpr,
+    TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One (document, query tile, head) work item."""
+    pair = work // HQ
+    h = work % HQ
+    hk = h // (HQ // HKV)
+    doc = tl.load(item_doc_ptr + pair)
+    tile = tl.load(item_tile_ptr + pair)
+    doc_start = tl.load(cu_ptr + doc)
+    length = tl.load(cu_ptr + doc + 1) - doc_start
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < length
+    rows = doc_start + offs_m
+    q, qe = _load_qk_tile(
+        q8_ptr, q_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr, rows, row_ok, HQ, h, D, BLOCK_M,
+        QK_NVFP4, INTERPRET,
+    )  # fmt: skip
+    qfac = exp2i(qe) * qk_scale
+    if CAUSAL:
+        # key tiles wholly below the query tile need no mask; the rest is the diagonal
+        full_end = tile * BLOCK_M
+        key_end = tl.minimum((tile + 1) * BLOCK_M, length)
+    else:
+        full_end = (length // BLOCK_N) * BLOCK_N
+        key_end = length
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if TWO_PASS:
+        m_i = _row_max_pass(
+            m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+            doc_start, 0, full_end, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, False,
+            INTERPRET,
+        )  # fmt: skip
+        m_i = _row_max_pass(
+            m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+            doc_start, full_end, key_end, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4,
+            CAUSAL, True, INTERPRET,
+        )  # fmt: skip
+    acc, l_i, m_i = _accumulate(
+        acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
+        v_exp_ptr, t_pad, doc_start, 0, full_end, key_end, offs_m, HKV, hk, D, BLOCK_N,
+        QK_NVFP4, CAUSAL, False, TWO_PASS, INTERPRET,
+    )  # fmt: skip
+    acc, l_i, m_i = _accumulate(
+        acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
+        v_exp_ptr, t_pad, doc_start, full_end, key_end, key_end, offs_m, HKV, hk, D, BLOCK_N,
+        QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    flat = rows.to(tl.int64) * HQ + h
+    cols = tl.arange(0, D)
+    tl.store(
+        out_ptr + flat[:, None] * D + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    tl.store(m_ptr + flat, m_i, mask=row_ok)
+    tl.store(lse_ptr + flat, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def attn_fwd_kernel(
+    q8_ptr,  # [T, HQ, D] e4m3
+    q_exp_ptr,  # [T, HQ] int8
+    k8_ptr,  # [T, HKV, D] e4m3
+    k_exp_ptr,  # [T, HKV] int8
+    q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4)
+    q4_scale_ptr,  # [T, HQ, D/16] e4m3
+    q4_exp_ptr,  # [T, HQ] int8
+    k4_ptr,  # [T, HKV, D/2] uint8
+    k4_scale_ptr,  # [T, HKV, D/16] e4m3
+    k4_exp_ptr,  # [T, HKV] int8
+    vt_ptr,  # [HKV, D, t_pad] e4m3, keys contiguous
+    v_exp_ptr,  # [T, HKV] int8
+    cu_ptr,  # [B+1] int32
+    item_doc_ptr,  # [N] int32, work list (longest first)
+    item_tile_ptr,  # [N] int32
+    count_ptr,  # [1] int32 valid items
+    ticket_ptr,  # [1] int32, zero before launch (persistent mode)
+    out_ptr,  # [T, HQ, D] bf16/fp16
+    m_ptr,  # [T, HQ] f32 integer row reference
+    lse_ptr,  # [T, HQ] f32 base-2 log-sum-exp
+    qk_scale,  # softmax_scale * log2(e) (* 1/d after Hadamard)
+    t_pad,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    QK_NVFP4: tl.constexpr,
+    TWO_PASS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """Work items ``w = item * HQ + head``; persistent programs take them by atomic ticket."""
+    n_work = tl.load(count_ptr) * HQ
+    if PERSISTENT:
+        work = tl.atomic_add(ticket_ptr, 1)
+        while work < n_work:
+            _attn_item(
+                work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
+                k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, v_exp_ptr, cu_ptr, item_doc_ptr,
+                item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, HQ, HKV, D, BLOCK_M,
+                BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
+            )  # fmt: skip
+            work = tl.atomic_add(ticket_ptr, 1)
+    else:
+        work = tl.program_id(0)
+        if work < n_work:
+            _attn_item(
+                work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
+                k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, v_exp_ptr, cu_ptr, item_doc_ptr,
+                item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, HQ, HKV, D, BLOCK_M,
+                BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
+            )  # fmt: skip

@@ -1,0 +1,75 @@
+"""Fused quantization kernel: bit-exact against the reference quantizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia_serve.kernels.quant.ops import quantize_qkv
+from flamia_serve.kernels.schedule import token_block_table
+from flamia_serve.numerics import resolve_recipe, token_block_ids
+from flamia_serve.probes import make_pack
+from flamia_serve.reference import quantize_qkv as reference_quantize_qkv
+
+CASES = [
+    # lens, hq, hkv, d, recipe, exact_causal
+    ((1, 63, 100, 37, 0, 5), 4, 2, 64, "mxfp8", False),
+    ((70, 33), 2, 2, 128, "mxfp8", True),
+    ((45, 1, 50), 4, 1, 128, "mixed_nvfp4_hadamard", False),
+    ((31, 33), 2, 1, 256, "mixed_nvfp4", True),
+    ((40,), 2, 1, 256, "mxfp8", False),
+]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.element_size() == 1 else x
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(_bits(a.cpu()), _bits(b.cpu()))
+
+
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d", "recipe", "exact"),
+    CASES,
+    ids=[f"T{sum(c[0])}-HQ{c[1]}-H{c[2]}-D{c[3]}-{c[4]}{'-exact' if c[5] else ''}" for c in CASES],
+)
+def test_quant_kernel_bit_exact(lens, hq, hkv, d, recipe, exact, device) -> None:
+    q, k, v, cu, ms = make_pack(lens, hq, hkv, d, seed=5, device=device)
+    # adversarial magnitudes: per-token spread over ~2^40, a zero token, a huge one
+    spread = torch.exp(torch.randn(q.shape[0], 1, 1) * 6).to(device=device, dtype=q.dtype)
+    q, k = q * spread, k * spread.flip(0)
+    q[3] = 0
+    v[2] = 3e4
+    before = [x.clone() for x in (q, k, v, cu)]
+    got = quantize_qkv(q, k, v, cu, ms, recipe=recipe, exact_causal=exact).to_reference()
+    ref = reference_quantize_qkv(q, k, v, cu, resolve_recipe(recipe), exact)
+    for name in ("q8", "k8", "v8"):
+        a, b = getattr(got, name), getattr(ref, name)
+        assert _same(a.codes, b.codes), name
+        assert _same(a.exponents, b.exponents), name
+    if ref.q4 is not None:
+        for a, b in ((got.q4, ref.q4), (got.k4, ref.k4)):
+            assert _same(a.codes, b.codes)
+            assert _same(a.block_scales, b.block_scales)
+            assert _same(a.exponents, b.exponents)
+    assert got.qk_rescale == ref.qk_rescale
+    for a, b in zip(before, (q, k, v, cu), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_token_block_table_matches_numerics() -> None:
+    cu = torch.tensor([0, 5, 40, 40, 107, 108], dtype=torch.int32)
+    table = token_block_table(cu, 108)
+    ids = token_block_ids(cu, 108)
+    valid = table.length > 0
+    assert int(valid.sum()) == int(ids.max()) + 1
+    tokens = torch.cat(
+        [
+            torch.arange(int(s), int(s) + int(n))
+            for s, n in zip(table.start, table.length, strict=True)
+        ]
+    )
+    assert torch.equal(tokens, torch.arange(108))
+    for s, n in zip(table.start[valid], table.length[valid], strict=True):
+        assert bool((ids[int(s) : int(s) + int(n)] == ids[int(s)]).all())
