@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd
+from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, default_config
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.numerics import Recipe, resolve_recipe
 from flamia_serve.numerics.checks import (
@@ -18,6 +18,7 @@ from flamia_serve.numerics.checks import (
     check_tensor,
     check_varlen_inputs,
 )
+from flamia_serve.plan import VarlenPlan, plan_varlen
 
 
 def flamia_attn_varlen(
@@ -32,6 +33,7 @@ def flamia_attn_varlen(
     exact_causal: bool = False,
     softmax_scale: float | None = None,
     return_stats: bool = False,
+    plan: VarlenPlan | None = None,
     config: FwdConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FLAMIA attention over packed documents (fused quantization + FP8 forward kernel).
@@ -47,11 +49,16 @@ def flamia_attn_varlen(
         softmax_scale: defaults to ``1/sqrt(d)``.
         return_stats: also return ``M`` (integer row reference) and ``lse`` (base 2), both
             float32 ``[T, Hq]``, which the backward needs.
+        plan: ``plan_varlen(cu_seqlens, T, max_seqlen)`` built once per microbatch: skips
+            the host read that validates ``cu_seqlens`` and reuses the schedules.
+        config: kernel tile shape (default per head dim; ``FLAMIA_FWD_CONFIG`` overrides).
 
     Returns:
         ``O [T, Hq, d]`` in the input dtype (and the statistics when asked).
     """
-    shape = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
+    if plan is not None and plan.cu_seqlens is not cu_seqlens:
+        raise ValueError("plan was built for another cu_seqlens tensor")
+    shape = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, check_values=plan is None)
     rec = resolve_recipe(recipe)
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -59,7 +66,12 @@ def flamia_attn_varlen(
             "flamia_attn_varlen has no backward kernel yet: call it under torch.no_grad(), "
             "or use flamia_serve.reference.attention for gradients"
         )
-    qkv = quantize_qkv(q, k, v, cu_seqlens, max_seqlen, recipe=rec, exact_causal=exact_causal)
+    if plan is None:
+        plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen)
+    cfg = config or default_config(shape.head_dim, q.device)
+    qkv = quantize_qkv(
+        q, k, v, cu_seqlens, max_seqlen, recipe=rec, exact_causal=exact_causal, blocks=plan.blocks
+    )
     out, m_rows, lse_rows, _ = attn_fwd(
         qkv,
         cu_seqlens,
@@ -67,7 +79,8 @@ def flamia_attn_varlen(
         causal=bool(causal),
         softmax_scale=scale,
         out_dtype=q.dtype,
-        config=config,
+        config=cfg,
+        work=plan.work_list(cfg.block_m, cfg.block_n, bool(causal)),
     )
     return (out, m_rows, lse_rows) if return_stats else out
 

@@ -58,6 +58,15 @@ def check_cu_seqlens(cu_seqlens: object, total_tokens: int, device: torch.device
     return int(lengths.max())
 
 
+def check_max_seqlen(max_seqlen: object, longest: int) -> int:
+    """``max_seqlen`` must be an int >= the longest document."""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
+    if max_seqlen < longest:
+        raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest document ({longest})")
+    return max_seqlen
+
+
 def check_varlen_inputs(
     q: object,
     k: object,
@@ -66,8 +75,12 @@ def check_varlen_inputs(
     max_seqlen: object,
     *,
     head_dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS,
+    check_values: bool = True,
 ) -> VarlenShape:
-    """Check a packed varlen call: q ``[T, Hq, d]``, k/v ``[T, Hkv, d]``, BF16/FP16."""
+    """Check a packed varlen call: q ``[T, Hq, d]``, k/v ``[T, Hkv, d]``, BF16/FP16.
+
+    ``check_values=False`` skips reading ``cu_seqlens`` on the host (a plan validated it).
+    """
     q = check_tensor(q, "q", ndim=3, dtypes=INPUT_DTYPES)
     k = check_tensor(k, "k", ndim=3, dtypes=INPUT_DTYPES)
     v = check_tensor(v, "v", ndim=3, dtypes=INPUT_DTYPES)
@@ -88,11 +101,9 @@ def check_varlen_inputs(
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
-    longest = check_cu_seqlens(cu_seqlens, total, q.device)
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
-    if max_seqlen < longest:
-        raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest document ({longest})")
+    if not check_values:
+        return VarlenShape(total, cu_seqlens.numel() - 1, hq, k.shape[1], d)
+    check_max_seqlen(max_seqlen, check_cu_seqlens(cu_seqlens, total, q.device))
     return VarlenShape(total, cu_seqlens.numel() - 1, hq, hkv, d)
 
 

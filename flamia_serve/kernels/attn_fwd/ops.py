@@ -29,9 +29,16 @@ class FwdConfig:
 
 
 def default_config(head_dim: int, device: torch.device) -> FwdConfig:
-    """Tiles per head dim; small tiles under the CPU interpreter (fast tests)."""
+    """Tiles per head dim; small tiles under the CPU interpreter (fast tests).
+
+    ``FLAMIA_FWD_CONFIG="block_m,block_n,num_warps,num_stages"`` overrides (tuning runs).
+    """
     if device.type != "cuda":
         return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    override = os.environ.get("FLAMIA_FWD_CONFIG")
+    if override:
+        bm, bn, warps, stages = (int(x) for x in override.split(","))
+        return FwdConfig(bm, bn, warps, stages)
     if head_dim >= 256:
         return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     return FwdConfig()

@@ -36,7 +36,7 @@ class KernelQKV:
     def to_reference(self) -> QuantizedQKV:
         """The same operands in the reference twin's layout (V token-major)."""
         total = self.v_exp.shape[0]
-        v_codes = self.v_t[:, :, :total].permute(2, 0, 1).contiguous()
+        v_codes = self.v_t[:, :, :total].permute(2, 0, 1).contiguous()  # padding never read
         return QuantizedQKV(
             self.q8, self.k8, FP8Tensor(v_codes, self.v_exp), self.q4, self.k4, self.qk_rescale
         )
@@ -84,7 +84,7 @@ def quantize_qkv(
         torch.empty(total, heads_kv, d, dtype=torch.float8_e4m3fn, device=dev),
         torch.empty(total, heads_kv, dtype=torch.int8, device=dev),
     )
-    v_t = torch.zeros(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
+    v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
     v_exp = torch.empty(total, heads_kv, dtype=torch.int8, device=dev)
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)

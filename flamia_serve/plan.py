@@ -1,0 +1,47 @@
+"""Per-microbatch plan: validated ``cu_seqlens`` plus the GPU-built schedules.
+
+Build once per packed microbatch (one host sync, for validation) and pass to every
+attention call of the step: no further host synchronisation, and the token-block table
+and work lists are reused across layers and by the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flamia_serve.kernels.schedule import (
+    TokenBlocks,
+    WorkList,
+    build_work_list,
+    token_block_table,
+)
+from flamia_serve.numerics.checks import check_cu_seqlens, check_max_seqlen
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """Schedules of one pack; ``work_list`` builds (and caches) one per tile shape."""
+
+    cu_seqlens: torch.Tensor
+    total_tokens: int
+    max_seqlen: int
+    blocks: TokenBlocks
+    _work: dict[tuple[int, int, bool], WorkList] = field(default_factory=dict, repr=False)
+
+    def work_list(self, block_m: int, block_n: int, causal: bool) -> WorkList:
+        key = (block_m, block_n, causal)
+        if key not in self._work:
+            self._work[key] = build_work_list(
+                self.cu_seqlens, self.total_tokens, block_m=block_m, block_n=block_n, causal=causal
+            )
+        return self._work[key]
+
+
+def plan_varlen(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> VarlenPlan:
+    """Validate ``cu_seqlens`` ([B+1] int32: 0 … T, non-decreasing) once and plan the pack."""
+    device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
+    check_max_seqlen(max_seqlen, check_cu_seqlens(cu_seqlens, total_tokens, device))
+    blocks = token_block_table(cu_seqlens, total_tokens)
+    return VarlenPlan(cu_seqlens, total_tokens, max_seqlen, blocks)
