@@ -39,7 +39,7 @@ def test_fwd_large_pack_matches_reference(recipe: str, d: int, causal: bool) -> 
 def test_exact_causal_zero_leakage_large() -> None:
     q, k, v, cu, ms = make_pack((700, 1500), 8, 2, 128, seed=12, device="cuda")
 
-    def fn(*args):  # noqa: ANN002, ANN202
+    def fn(*args):
         return flamia_attn_varlen(*args, exact_causal=True)
 
     for t in (0, 129, 1000, 1498):
