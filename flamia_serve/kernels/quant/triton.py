@@ -17,8 +17,10 @@ from flamia_serve.kernels._common import (
 )
 
 # ceil(log2(amax / FMAX)) constants: FMAX = (1 + MANT / 2**23) * 2**EXP
-E4M3_EXP, E4M3_MANT = 8, 0x600000  # 448
-NVFP4_EXP, NVFP4_MANT = 11, 0x280000  # 2688 = 6 * 448
+E4M3_EXP = tl.constexpr(8)  # 448 = 1.75 * 2**8
+E4M3_MANT = tl.constexpr(0x600000)
+NVFP4_EXP = tl.constexpr(11)  # 2688 = 6 * 448 = 1.3125 * 2**11
+NVFP4_MANT = tl.constexpr(0x280000)
 
 
 @triton.jit
@@ -37,8 +39,8 @@ def _fp8_rows(x, PER_TOKEN: tl.constexpr, INTERPRET: tl.constexpr):
 def _hadamard_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
     """Unnormalized Walsh–Hadamard transform of each row (numerics.hadamard_transform)."""
     for i in tl.static_range(LOG2_D):
-        dist: tl.constexpr = 1 << i
-        y = tl.reshape(x, (BLOCK, D // (2 * dist), 2, dist))
+        # pairs at distance 2**i: [BLOCK, D / 2**(i+1), 2, 2**i]
+        y = tl.reshape(x, (BLOCK, D // (2 << i), 2, 1 << i))
         y = tl.permute(y, (0, 1, 3, 2))
         a, b = tl.split(y)
         y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))

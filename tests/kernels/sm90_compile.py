@@ -1,0 +1,72 @@
+"""Compile every kernel variant for Hopper (sm_90) without a GPU; prints one line each.
+
+Run as a script with TRITON_INTERPRET unset (``test_compile_sm90.py`` does): Triton lowers
+the kernels through TTIR/TTGIR/LLVM/PTX to a cubin with its bundled ptxas, so errors that
+the CPU interpreter cannot see (constexpr rules, layouts, dtypes) show up in CI.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
+from flamia_serve.kernels.quant.triton import quantize_qkv_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+FP8, I8, I32, U8, BF16, F32 = "*fp8e4nv", "*i8", "*i32", "*u8", "*bf16", "*fp32"
+
+
+def _compile(kernel: triton.JITFunction, ptrs: dict[str, str], consts: dict, warps: int) -> None:
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        sig[name] = ptrs.get(name) or ("constexpr" if name in consts else "i32")
+    if "qk_scale" in sig:
+        sig["qk_scale"] = "fp32"
+    triton.compile(ASTSource(kernel, sig, consts), target=TARGET, options={"num_warps": warps})
+
+
+def quant_variants() -> None:
+    ptrs = {
+        "q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "block_start_ptr": I32,
+        "block_len_ptr": I32, "q8_ptr": FP8, "q_exp_ptr": I8, "k8_ptr": FP8, "k_exp_ptr": I8,
+        "vt_ptr": FP8, "v_exp_ptr": I8, "q4_ptr": U8, "q4_scale_ptr": FP8, "q4_exp_ptr": I8,
+        "k4_ptr": U8, "k4_scale_ptr": FP8, "k4_exp_ptr": I8,
+    }  # fmt: skip
+    for d in (64, 128, 256):
+        for exact, nvfp4, had in ((False, False, False), (True, True, False), (False, True, True)):
+            consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
+                          HADAMARD=had, LOG2_D=d.bit_length() - 1, INTERPRET=False)  # fmt: skip
+            _compile(quantize_qkv_kernel, ptrs, consts, 4)
+            print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had}: ok")
+
+
+def fwd_variants() -> None:
+    ptrs = {
+        "q8_ptr": FP8, "q_exp_ptr": I8, "k8_ptr": FP8, "k_exp_ptr": I8, "q4_ptr": U8,
+        "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
+        "k4_exp_ptr": I8, "vt_ptr": FP8, "v_exp_ptr": I8, "cu_ptr": I32, "item_doc_ptr": I32,
+        "item_tile_ptr": I32, "count_ptr": I32, "ticket_ptr": I32, "out_ptr": BF16,
+        "m_ptr": F32, "lse_ptr": F32,
+    }  # fmt: skip
+    for d, bm, bn, warps in ((64, 128, 64, 8), (128, 128, 64, 8), (256, 64, 64, 4)):
+        for causal, nvfp4, two_pass, persistent in (
+            (True, False, False, True),
+            (False, False, True, False),
+            (True, True, False, True),
+        ):
+            consts = dict(HQ=32, HKV=8, D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+                          QK_NVFP4=nvfp4, TWO_PASS=two_pass, INTERPRET=False,
+                          PERSISTENT=persistent)  # fmt: skip
+            _compile(attn_fwd_kernel, ptrs, consts, warps)
+            print(f"attn_fwd d={d} causal={causal} nvfp4={nvfp4} two_pass={two_pass}: ok")
+
+
+if __name__ == "__main__":
+    quant_variants()
+    fwd_variants()
+    sys.exit(0)
