@@ -28,12 +28,25 @@ def _tiles_of_documents(
     return doc, local, valid
 
 
+#: each document's keys start at a multiple of this in the K-major V layout (16-byte loads)
+V_T_ALIGN = 16
+
+
+def v_t_length(total_tokens: int, num_docs: int) -> int:
+    """Columns of the K-major V layout: room for every document padded to ``V_T_ALIGN``."""
+    return -(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN
+
+
 @dataclass(frozen=True)
 class TokenBlocks:
-    """Document-local 32-token blocks: first token and length (0 = empty slot), int32."""
+    """Document-local 32-token blocks: first token and length (0 = empty slot), int32;
+    ``v_t_start``: the block's first column in the K-major V layout; ``doc_v_t_start``:
+    each document's first column there (a multiple of ``V_T_ALIGN``)."""
 
     start: torch.Tensor
     length: torch.Tensor
+    v_t_start: torch.Tensor
+    doc_v_t_start: torch.Tensor
 
     @property
     def num_slots(self) -> int:
@@ -46,7 +59,15 @@ def token_block_table(cu_seqlens: torch.Tensor, total_tokens: int, block: int = 
     cu = cu_seqlens.long()
     start = cu[doc] + local * block
     length = torch.where(valid, (cu[doc + 1] - start).clamp(0, block), 0)
-    return TokenBlocks(start.to(torch.int32), length.to(torch.int32))
+    padded = (cu[1:] - cu[:-1] + V_T_ALIGN - 1) // V_T_ALIGN * V_T_ALIGN
+    doc_v_t_start = torch.cumsum(padded, 0) - padded
+    v_t_start = doc_v_t_start[doc] + local * block
+    return TokenBlocks(
+        start.to(torch.int32),
+        length.to(torch.int32),
+        v_t_start.to(torch.int32),
+        doc_v_t_start.to(torch.int32),
+    )
 
 
 @dataclass(frozen=True)

@@ -21,19 +21,26 @@ TARGET = GPUTarget("cuda", 90, 32)
 FP8, I8, I32, U8, BF16, F32 = "*fp8e4nv", "*i8", "*i32", "*u8", "*bf16", "*fp32"
 
 
-def _compile(kernel: triton.JITFunction, ptrs: dict[str, str], consts: dict, warps: int) -> None:
-    sig = {}
-    for name in inspect.signature(kernel.fn).parameters:
+def _compile(
+    kernel: triton.JITFunction, ptrs: dict[str, str], consts: dict, warps: int
+) -> triton.compiler.CompiledKernel:
+    """Compile as the JIT would for 16-byte aligned tensors and 16-divisible ``t_pad``."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(kernel.fn).parameters):
         sig[name] = ptrs.get(name) or ("constexpr" if name in consts else "i32")
+        if name in ptrs or name == "t_pad":
+            attrs[(i,)] = [["tt.divisibility", 16]]
     if "qk_scale" in sig:
         sig["qk_scale"] = "fp32"
-    triton.compile(ASTSource(kernel, sig, consts), target=TARGET, options={"num_warps": warps})
+    source = ASTSource(kernel, sig, consts, attrs)
+    return triton.compile(source, target=TARGET, options={"num_warps": warps})
 
 
 def quant_variants() -> None:
     ptrs = {
         "q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "block_start_ptr": I32,
-        "block_len_ptr": I32, "q8_ptr": FP8, "q_exp_ptr": I8, "k8_ptr": FP8, "k_exp_ptr": I8,
+        "block_len_ptr": I32, "block_v_t_ptr": I32, "q8_ptr": FP8, "q_exp_ptr": I8,
+        "k8_ptr": FP8, "k_exp_ptr": I8,
         "vt_ptr": FP8, "v_exp_ptr": I8, "q4_ptr": U8, "q4_scale_ptr": FP8, "q4_exp_ptr": I8,
         "k4_ptr": U8, "k4_scale_ptr": FP8, "k4_exp_ptr": I8,
     }  # fmt: skip
@@ -49,7 +56,8 @@ def fwd_variants() -> None:
     ptrs = {
         "q8_ptr": FP8, "q_exp_ptr": I8, "k8_ptr": FP8, "k_exp_ptr": I8, "q4_ptr": U8,
         "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
-        "k4_exp_ptr": I8, "vt_ptr": FP8, "v_exp_ptr": I8, "cu_ptr": I32, "item_doc_ptr": I32,
+        "k4_exp_ptr": I8, "vt_ptr": FP8, "doc_v_t_ptr": I32, "v_exp_ptr": I8, "cu_ptr": I32,
+        "item_doc_ptr": I32,
         "item_tile_ptr": I32, "count_ptr": I32, "ticket_ptr": I32, "out_ptr": BF16,
         "m_ptr": F32, "lse_ptr": F32,
     }  # fmt: skip

@@ -4,7 +4,8 @@ Tolerance (accumulation order): the kernel sums P̂·V̂ in a different order, r
 once, and (online mode) quantizes early tiles against a smaller running maximum, which can
 change P̂ only in E4M3's subnormal range. Bound: ‖O − O_ref‖/‖O_ref‖ <= 5e-3 and
 max|O − O_ref| <= 2^-5 · max|O_ref|; the integer row reference M matches exactly and the
-base-2 lse within 1e-4.
+base-2 lse within 1e-4. ``M = ceil(max y)`` can differ by one where the row max sits within
+rounding of an integer (the MMA sums in another order): at most 1, on under 1% of rows.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _check_close(out, m, lse, ref_out, ref_m, ref_lse) -> None:
     assert bool(torch.isfinite(o).all())
     assert float((o - r).norm() / r.norm()) <= 5e-3
     assert float((o - r).abs().max()) <= 2**-5 * float(r.abs().max())
-    assert torch.equal(m.cpu(), ref_m.cpu())
+    m_diff = (m.cpu() - ref_m.cpu()).abs()
+    assert float(m_diff.max()) <= 1 and float((m_diff > 0).float().mean()) < 0.01
     assert float((lse.cpu() - ref_lse.cpu()).abs().max()) <= 1e-4
 
 

@@ -96,10 +96,10 @@ def attn_fwd(
     grid = (_persistent_programs(dev) if cfg.persistent else work.num_slots * heads_q,)
     attn_fwd_kernel[grid](
         qkv.q8.codes, qkv.q8.exponents, qkv.k8.codes, qkv.k8.exponents,
-        *q4_args, *k4_args, qkv.v_t, qkv.v_exp,
+        *q4_args, *k4_args, qkv.v_t, qkv.doc_v_t_start, qkv.v_exp,
         cu_seqlens, work.doc, work.tile, work.count, ticket,
         out, m_rows, lse_rows,
-        softmax_scale * LOG2E * qkv.qk_rescale, qkv.v_t.shape[-1],
+        softmax_scale * LOG2E * qkv.qk_rescale, qkv.v_t.shape[-1], total,
         HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=two_pass, INTERPRET=interpreted(),
         PERSISTENT=cfg.persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -42,7 +42,7 @@ def _load_nvfp4_tile(
 
 @triton.jit
 def _load_qk_tile(
-    x8_ptr, x_exp_ptr, x4_ptr, x4_scale_ptr, x4_exp_ptr, rows, row_ok,
+    x8_ptr, x_exp_ptr, x4_ptr, x4_scale_ptr, x4_exp_ptr, rows, row_ok, n_tok,
     H: tl.constexpr, h, D: tl.constexpr, ROWS: tl.constexpr, QK_NVFP4: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -50,17 +50,17 @@ def _load_qk_tile(
     flat = rows.to(tl.int64) * H + h
     if QK_NVFP4:
         tile = _load_nvfp4_tile(x4_ptr, x4_scale_ptr, rows, row_ok, H, h, D, ROWS, INTERPRET)
-        e = tl.load(x4_exp_ptr + flat, mask=row_ok, other=0).to(tl.int32)
+        e = tl.load(x4_exp_ptr + h * n_tok + rows, mask=row_ok, other=0).to(tl.int32)
     else:
         cols = tl.arange(0, D)
         tile = tl.load(x8_ptr + flat[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
-        e = tl.load(x_exp_ptr + flat, mask=row_ok, other=0).to(tl.int32)
+        e = tl.load(x_exp_ptr + h * n_tok + rows, mask=row_ok, other=0).to(tl.int32)
     return tile, e
 
 
 @triton.jit
 def _scores(
-    q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+    q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
     doc_start, key0, key_end, offs_m, HKV: tl.constexpr, hk, D: tl.constexpr,
     BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -71,10 +71,11 @@ def _scores(
     key_ok = offs_n < key_end
     rows = doc_start + offs_n
     k, ke = _load_qk_tile(
-        k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, rows, key_ok, HKV, hk, D, BLOCK_N,
+        k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, rows, key_ok, n_tok, HKV, hk, D,
+        BLOCK_N,
         QK_NVFP4, INTERPRET,
     )  # fmt: skip
-    ev = tl.load(v_exp_ptr + rows.to(tl.int64) * HKV + hk, mask=key_ok, other=0).to(tl.int32)
+    ev = tl.load(v_exp_ptr + hk * n_tok + rows, mask=key_ok, other=0).to(tl.int32)
     s = tl.dot(q, tl.trans(k))
     y = s * qfac[:, None] * exp2i(ke)[None, :] + ev.to(tl.float32)[None, :]
     if MASK:
@@ -87,14 +88,14 @@ def _scores(
 
 @triton.jit
 def _row_max_pass(
-    m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+    m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
     doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk, D: tl.constexpr,
     BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     for key0 in range(lo, hi, BLOCK_N):
         y, _ = _scores(
-            q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+            q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
             doc_start, key0, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, MASK,
             INTERPRET,
         )  # fmt: skip
@@ -105,14 +106,14 @@ def _row_max_pass(
 @triton.jit
 def _accumulate(
     acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
-    v_exp_ptr, t_pad, doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk,
+    v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk,
     D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr,
     MASK: tl.constexpr, TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     cols = tl.arange(0, D)
     for key0 in range(lo, hi, BLOCK_N):
         y, v_inv = _scores(
-            q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+            q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
             doc_start, key0, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, MASK,
             INTERPRET,
         )  # fmt: skip
@@ -126,7 +127,7 @@ def _accumulate(
         l_i += tl.sum(p * v_inv[None, :], axis=1)
         offs_n = key0 + tl.arange(0, BLOCK_N)
         vt_ptrs = (
-            vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + doc_start + offs_n[None, :]
+            vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + v_t_start + offs_n[None, :]
         )
         vt = tl.load(vt_ptrs, mask=(offs_n < key_end)[None, :], other=0.0)
         acc = tl.dot(to_e4m3(p, INTERPRET), tl.trans(vt), acc)
@@ -136,8 +137,8 @@ def _accumulate(
 @triton.jit
 def _attn_item(
     work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
-    k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, v_exp_ptr, cu_ptr, item_doc_ptr, item_tile_ptr,
-    out_ptr, m_ptr, lse_ptr, qk_scale, t_pad,
+    k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr, item_doc_ptr,
+    item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tok,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, QK_NVFP4: tl.constexpr,
     TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -150,11 +151,12 @@ def _attn_item(
     tile = tl.load(item_tile_ptr + pair)
     doc_start = tl.load(cu_ptr + doc)
     length = tl.load(cu_ptr + doc + 1) - doc_start
+    v_t_start = tl.multiple_of(tl.load(doc_v_t_ptr + doc), 16)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < length
     rows = doc_start + offs_m
     q, qe = _load_qk_tile(
-        q8_ptr, q_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr, rows, row_ok, HQ, h, D, BLOCK_M,
+        q8_ptr, q_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr, rows, row_ok, n_tok, HQ, h, D, BLOCK_M,
         QK_NVFP4, INTERPRET,
     )  # fmt: skip
     qfac = exp2i(qe) * qk_scale
@@ -170,24 +172,26 @@ def _attn_item(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     if TWO_PASS:
         m_i = _row_max_pass(
-            m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+            m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
             doc_start, 0, full_end, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, False,
             INTERPRET,
         )  # fmt: skip
         m_i = _row_max_pass(
-            m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr,
+            m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
             doc_start, full_end, key_end, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4,
             CAUSAL, True, INTERPRET,
         )  # fmt: skip
     acc, l_i, m_i = _accumulate(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
-        v_exp_ptr, t_pad, doc_start, 0, full_end, key_end, offs_m, HKV, hk, D, BLOCK_N,
+        v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, 0, full_end, key_end, offs_m, HKV, hk, D,
+        BLOCK_N,
         QK_NVFP4, CAUSAL, False, TWO_PASS, INTERPRET,
     )  # fmt: skip
     acc, l_i, m_i = _accumulate(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
-        v_exp_ptr, t_pad, doc_start, full_end, key_end, key_end, offs_m, HKV, hk, D, BLOCK_N,
-        QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET,
+        v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, full_end, key_end, key_end, offs_m, HKV,
+        hk, D,
+        BLOCK_N, QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET,
     )  # fmt: skip
     out = acc / l_i[:, None]
     flat = rows.to(tl.int64) * HQ + h
@@ -204,17 +208,18 @@ def _attn_item(
 @triton.jit
 def attn_fwd_kernel(
     q8_ptr,  # [T, HQ, D] e4m3
-    q_exp_ptr,  # [T, HQ] int8
+    q_exp_ptr,  # [HQ, T] int8 (head-major)
     k8_ptr,  # [T, HKV, D] e4m3
-    k_exp_ptr,  # [T, HKV] int8
+    k_exp_ptr,  # [HKV, T] int8
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
-    q4_exp_ptr,  # [T, HQ] int8
+    q4_exp_ptr,  # [HQ, T] int8
     k4_ptr,  # [T, HKV, D/2] uint8
     k4_scale_ptr,  # [T, HKV, D/16] e4m3
-    k4_exp_ptr,  # [T, HKV] int8
+    k4_exp_ptr,  # [HKV, T] int8
     vt_ptr,  # [HKV, D, t_pad] e4m3, keys contiguous
-    v_exp_ptr,  # [T, HKV] int8
+    doc_v_t_ptr,  # [B] int32: first column of each document in vt (multiple of 16)
+    v_exp_ptr,  # [HKV, T] int8
     cu_ptr,  # [B+1] int32
     item_doc_ptr,  # [N] int32, work list (longest first)
     item_tile_ptr,  # [N] int32
@@ -225,6 +230,7 @@ def attn_fwd_kernel(
     lse_ptr,  # [T, HQ] f32 base-2 log-sum-exp
     qk_scale,  # softmax_scale * log2(e) (* 1/d after Hadamard)
     t_pad,
+    n_tokens,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -243,8 +249,10 @@ def attn_fwd_kernel(
         while work < n_work:
             _attn_item(
                 work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
-                k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, v_exp_ptr, cu_ptr, item_doc_ptr,
-                item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, HQ, HKV, D, BLOCK_M,
+                k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr,
+                item_doc_ptr,
+                item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens, HQ, HKV, D,
+                BLOCK_M,
                 BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
             )  # fmt: skip
             work = tl.atomic_add(ticket_ptr, 1)
@@ -253,7 +261,9 @@ def attn_fwd_kernel(
         if work < n_work:
             _attn_item(
                 work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
-                k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, v_exp_ptr, cu_ptr, item_doc_ptr,
-                item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, HQ, HKV, D, BLOCK_M,
+                k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr,
+                item_doc_ptr,
+                item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens, HQ, HKV, D,
+                BLOCK_M,
                 BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
             )  # fmt: skip

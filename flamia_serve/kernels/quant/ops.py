@@ -8,26 +8,33 @@ import torch
 
 from flamia_serve.kernels._common import interpreted
 from flamia_serve.kernels.quant.triton import quantize_qkv_kernel
-from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
-from flamia_serve.numerics import FP8Tensor, NVFP4Tensor, Recipe, resolve_recipe
+from flamia_serve.kernels.schedule import TokenBlocks, token_block_table, v_t_length
+from flamia_serve.numerics import (
+    FP8Tensor,
+    NVFP4Tensor,
+    Recipe,
+    resolve_recipe,
+    token_documents,
+)
 from flamia_serve.reference import QuantizedQKV
-
-#: keys of the K-major V copy are padded to this multiple (16-byte aligned rows)
-V_T_ALIGN = 16
 
 
 @dataclass(frozen=True)
 class KernelQKV:
     """What the quantization kernel writes (the attention kernels' operands).
 
-    q8 ``[T, Hq, d]`` / k8 ``[T, Hkv, d]`` E4M3 with ``[T, H]`` int8 exponents; ``v_t``
-    ``[Hkv, d, t_pad]`` E4M3 V codes with keys contiguous; ``v_exp`` ``[T, Hkv]`` int8;
+    q8 ``[T, Hq, d]`` / k8 ``[T, Hkv, d]`` E4M3 with ``[T, H]`` int8 exponents (stored
+    head-major: ``exponents.t()`` is contiguous, so a kernel reads a tile's in one load); ``v_t``
+    ``[Hkv, d, t_pad]`` E4M3 V codes with keys contiguous, document ``b`` starting at
+    column ``doc_v_t_start[b]`` (16-aligned; padding never read); ``v_exp`` ``[T, Hkv]``;
     q4/k4 NVFP4 (mixed recipe only); ``qk_rescale`` = 1/d after the Hadamard option.
     """
 
     q8: FP8Tensor
     k8: FP8Tensor
     v_t: torch.Tensor
+    doc_v_t_start: torch.Tensor
+    cu_seqlens: torch.Tensor
     v_exp: torch.Tensor
     q4: NVFP4Tensor | None
     k4: NVFP4Tensor | None
@@ -35,18 +42,31 @@ class KernelQKV:
 
     def to_reference(self) -> QuantizedQKV:
         """The same operands in the reference twin's layout (V token-major)."""
-        total = self.v_exp.shape[0]
-        v_codes = self.v_t[:, :, :total].permute(2, 0, 1).contiguous()  # padding never read
+        doc, pos = token_documents(self.cu_seqlens, self.v_exp.shape[0])
+        column = self.doc_v_t_start.long()[doc] + pos
+        v_codes = self.v_t[:, :, column].permute(2, 0, 1).contiguous()
         return QuantizedQKV(
             self.q8, self.k8, FP8Tensor(v_codes, self.v_exp), self.q4, self.k4, self.qk_rescale
         )
+
+
+def _head_major_exponents(total: int, heads: int, device: torch.device) -> torch.Tensor:
+    """``[T, H]`` int8 view of a ``[H, T]`` buffer."""
+    return torch.empty(heads, total, dtype=torch.int8, device=device).t()
+
+
+def _fp8_empty(total: int, heads: int, d: int, device: torch.device) -> FP8Tensor:
+    return FP8Tensor(
+        torch.empty(total, heads, d, dtype=torch.float8_e4m3fn, device=device),
+        _head_major_exponents(total, heads, device),
+    )
 
 
 def _nvfp4_empty(total: int, heads: int, d: int, device: torch.device) -> NVFP4Tensor:
     return NVFP4Tensor(
         torch.empty(total, heads, d // 2, dtype=torch.uint8, device=device),
         torch.empty(total, heads, d // 16, dtype=torch.float8_e4m3fn, device=device),
-        torch.empty(total, heads, dtype=torch.int8, device=device),
+        _head_major_exponents(total, heads, device),
     )
 
 
@@ -75,32 +95,29 @@ def quantize_qkv(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1)")
-    t_pad = max(-(-total // V_T_ALIGN) * V_T_ALIGN, V_T_ALIGN)
-    q8 = FP8Tensor(
-        torch.empty(total, heads_q, d, dtype=torch.float8_e4m3fn, device=dev),
-        torch.empty(total, heads_q, dtype=torch.int8, device=dev),
-    )
-    k8 = FP8Tensor(
-        torch.empty(total, heads_kv, d, dtype=torch.float8_e4m3fn, device=dev),
-        torch.empty(total, heads_kv, dtype=torch.int8, device=dev),
-    )
+    t_pad = v_t_length(total, cu_seqlens.numel() - 1)
+    q8 = _fp8_empty(total, heads_q, d, dev)
+    k8 = _fp8_empty(total, heads_kv, d, dev)
     v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
-    v_exp = torch.empty(total, heads_kv, dtype=torch.int8, device=dev)
+    v_exp = _head_major_exponents(total, heads_kv, dev)
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)
     k4 = _nvfp4_empty(total if nvfp4 else 0, heads_kv, d, dev)
     if total > 0:
         grid = (blocks.num_slots, heads_q + 2 * heads_kv)
         quantize_qkv_kernel[grid](
-            q, k, v, blocks.start, blocks.length,
+            q, k, v, blocks.start, blocks.length, blocks.v_t_start,
             q8.codes, q8.exponents, k8.codes, k8.exponents, v_t, v_exp,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            t_pad,
+            t_pad, total,
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, INTERPRET=interpreted(),
             num_warps=4,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
-    return KernelQKV(q8, k8, v_t, v_exp, q4 if nvfp4 else None, k4 if nvfp4 else None, rescale)
+    return KernelQKV(
+        q8, k8, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp,
+        q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
+    )  # fmt: skip

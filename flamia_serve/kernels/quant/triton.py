@@ -67,7 +67,7 @@ def _nvfp4_rows(x, BLOCK: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _quantize_qk_head(
-    x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, out4, out4_scale, out4_exp,
+    x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, out4, out4_scale, out4_exp, n_tok,
     N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr,
     QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -79,7 +79,7 @@ def _quantize_qk_head(
     codes, e = _fp8_rows(x, PER_TOKEN, INTERPRET)
     row_off = tok * N_HEADS + h
     tl.store(out8 + row_off[:, None] * D + cols[None, :], codes, mask=row_ok[:, None])
-    tl.store(out_exp + row_off, e.to(tl.int8), mask=row_ok)
+    tl.store(out_exp + h * n_tok + tok, e.to(tl.int8), mask=row_ok)
     if QK_NVFP4:
         if HADAMARD:
             x = _hadamard_rows(x, BLOCK, D, LOG2_D)
@@ -89,7 +89,7 @@ def _quantize_qk_head(
         tl.store(out4 + row_off[:, None] * (D // 2) + half[None, :], packed, mask=row_ok[:, None])
         scale_ptrs = out4_scale + row_off[:, None] * (D // 16) + groups[None, :]
         tl.store(scale_ptrs, to_e4m3(scale, INTERPRET), mask=row_ok[:, None])
-        tl.store(out4_exp + row_off, e4.to(tl.int8), mask=row_ok)
+        tl.store(out4_exp + h * n_tok + tok, e4.to(tl.int8), mask=row_ok)
 
 
 @triton.jit
@@ -99,18 +99,19 @@ def quantize_qkv_kernel(
     v_ptr,  # [T, HKV, D]
     block_start_ptr,  # [NB] int32: first token of each document-local 32-token block
     block_len_ptr,  # [NB] int32: tokens in the block (0 = unused slot)
+    block_v_t_ptr,  # [NB] int32: column of the block's first key in v_t (16-aligned doc starts)
     q8_ptr,  # [T, HQ, D] e4m3
-    q_exp_ptr,  # [T, HQ] int8
+    q_exp_ptr,  # [HQ, T] int8 (head-major: contiguous loads per key tile)
     k8_ptr,  # [T, HKV, D] e4m3
-    k_exp_ptr,  # [T, HKV] int8
-    vt_ptr,  # [HKV, D, t_pad] e4m3: V codes with keys contiguous (K-major for P·V)
-    v_exp_ptr,  # [T, HKV] int8
+    k_exp_ptr,  # [HKV, T] int8
+    vt_ptr,  # [HKV, D, t_pad] e4m3: V codes, keys contiguous (K-major for P·V)
+    v_exp_ptr,  # [HKV, T] int8
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4 only)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
-    q4_exp_ptr,  # [T, HQ] int8
+    q4_exp_ptr,  # [HQ, T] int8
     k4_ptr,  # [T, HKV, D/2] uint8
     k4_scale_ptr,  # [T, HKV, D/16] e4m3
-    k4_exp_ptr,  # [T, HKV] int8
+    k4_exp_ptr,  # [HKV, T] int8
     stride_qt,
     stride_qh,
     stride_kt,
@@ -118,6 +119,7 @@ def quantize_qkv_kernel(
     stride_vt,
     stride_vh,
     t_pad,
+    n_tokens,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -141,13 +143,13 @@ def quantize_qkv_kernel(
         if head < HQ:
             _quantize_qk_head(
                 q_ptr, stride_qt, stride_qh, head, tok, row_ok, q8_ptr, q_exp_ptr,
-                q4_ptr, q4_scale_ptr, q4_exp_ptr,
+                q4_ptr, q4_scale_ptr, q4_exp_ptr, n_tokens,
                 HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
             )  # fmt: skip
         elif head < HQ + HKV:
             _quantize_qk_head(
                 k_ptr, stride_kt, stride_kh, head - HQ, tok, row_ok, k8_ptr, k_exp_ptr,
-                k4_ptr, k4_scale_ptr, k4_exp_ptr,
+                k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
                 HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
             )  # fmt: skip
         else:
@@ -155,6 +157,7 @@ def quantize_qkv_kernel(
             x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
             codes, e = _fp8_rows(x, True, INTERPRET)
-            vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + tok[None, :]
+            col = tl.load(block_v_t_ptr + slot).to(tl.int64) + rows
+            vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
             tl.store(vt_ptrs, tl.trans(codes), mask=row_ok[None, :])
-            tl.store(v_exp_ptr + tok * HKV + h, e.to(tl.int8), mask=row_ok)
+            tl.store(v_exp_ptr + h * n_tokens + tok, e.to(tl.int8), mask=row_ok)
