@@ -24,11 +24,11 @@ CONFIGS = [
     # block_m, block_n, num_warps, num_stages, persistent, two_pass
     (128, 64, 8, 2, True, False),
     (128, 64, 8, 3, True, False),
-    (128, 128, 8, 2, True, False),
-    (128, 64, 4, 2, True, False),
+    (128, 128, 8, 3, True, False),
+    (128, 64, 4, 3, True, False),
     (64, 64, 4, 3, True, False),
-    (128, 64, 8, 2, False, False),
-    (128, 64, 8, 2, True, True),
+    (128, 64, 8, 3, False, False),
+    (128, 64, 8, 3, True, True),
 ]
 
 

@@ -30,11 +30,14 @@ def _tiles_of_documents(
 
 #: each document's keys start at a multiple of this in the K-major V layout (16-byte loads)
 V_T_ALIGN = 16
+#: zero columns after the last document: a key tile may read up to this far past it
+V_T_SLACK = 256
 
 
 def v_t_length(total_tokens: int, num_docs: int) -> int:
-    """Columns of the K-major V layout: room for every document padded to ``V_T_ALIGN``."""
-    return -(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN
+    """Columns of the K-major V layout: every document padded to ``V_T_ALIGN``, plus slack."""
+    padded = -(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN
+    return padded + V_T_SLACK
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ class KernelQKV:
     q8 ``[T, Hq, d]`` / k8 ``[T, Hkv, d]`` E4M3 with ``[T, H]`` int8 exponents (stored
     head-major: ``exponents.t()`` is contiguous, so a kernel reads a tile's in one load); ``v_t``
     ``[Hkv, d, t_pad]`` E4M3 V codes with keys contiguous, document ``b`` starting at
-    column ``doc_v_t_start[b]`` (16-aligned; padding never read); ``v_exp`` ``[T, Hkv]``;
+    column ``doc_v_t_start[b]`` (16-aligned; zero padding); ``v_exp`` ``[T, Hkv]``;
     q4/k4 NVFP4 (mixed recipe only); ``qk_rescale`` = 1/d after the Hadamard option.
     """
 
@@ -98,7 +98,8 @@ def quantize_qkv(
     t_pad = v_t_length(total, cu_seqlens.numel() - 1)
     q8 = _fp8_empty(total, heads_q, d, dev)
     k8 = _fp8_empty(total, heads_kv, d, dev)
-    v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
+    # zero padding: attention reads whole key tiles past a document's end (times P = 0)
+    v_t = torch.zeros(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
     v_exp = _head_major_exponents(total, heads_kv, dev)
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)
