@@ -21,7 +21,7 @@ from benchmarks.common import Rotating, num_input_sets, tensor_bytes, time_ms, w
 from benchmarks.workloads import HEAD_DIM, HKV, HQ, training_workload
 
 CONFIGS = [
-    # block_m, block_n, num_warps, num_stages, persistent, two_pass
+    # block_m, block_n, num_warps, num_stages, persistent, two_pass[, lazy_rescale]
     (128, 64, 8, 2, True, False),
     (128, 64, 8, 3, True, False),
     (128, 128, 8, 3, True, False),
@@ -29,6 +29,8 @@ CONFIGS = [
     (64, 64, 4, 3, True, False),
     (128, 64, 8, 3, False, False),
     (128, 64, 8, 3, True, True),
+    (128, 64, 4, 3, True, False, True),
+    (64, 64, 4, 3, True, False, True),
 ]
 
 
@@ -53,8 +55,8 @@ def tune_workload(name: str, recipe: str) -> list[dict]:
     ]
     flops = wl.flops(HQ, HEAD_DIM)
     rows = []
-    for bm, bn, warps, stages, persistent, two_pass in CONFIGS:
-        cfg = FwdConfig(bm, bn, warps, stages, persistent, two_pass)
+    for entry in CONFIGS:
+        cfg = FwdConfig(*entry)
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FwdConfig = cfg):
             return flamia_serve.flamia_attn_varlen(
@@ -68,10 +70,9 @@ def tune_workload(name: str, recipe: str) -> list[dict]:
             print(f"{name} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:120]}")
             continue
         tflops = flops / (t["ms"] * 1e-3) / 1e12
-        print(f"{name} bm={bm} bn={bn} w={warps} s={stages} pers={persistent} "
-              f"2pass={two_pass}: {t['ms']:.3f} ms {tflops:.0f} TFLOP/s")  # fmt: skip
+        print(f"{name} {cfg}: {t['ms']:.3f} ms {tflops:.0f} TFLOP/s")
         rows.append({"workload": name, "pass": "fwd", "impl": f"flamia-{recipe}",
-                     "config": [bm, bn, warps, stages, persistent, two_pass],
+                     "config": list(entry),
                      **t, "tflops": tflops, "gbps": None})  # fmt: skip
     return rows
 

@@ -17,6 +17,11 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 #: NVFP4 two-level maximum: largest E2M1 code times largest E4M3 block scale.
 NVFP4_MAX = E2M1_MAX * E4M3_MAX
+#: P̂ holds E4M3(P' * 2**P_HAT_EXP): the largest shift that keeps P̂ <= 448 for P' <= 1. It
+#: moves E4M3's subnormal range to below 2^-14 of the row maximum, so a kernel quantizing
+#: against a (smaller, integer) running maximum agrees with the final-maximum rule except on
+#: probabilities under 2^-14, and fewer small probabilities round to zero (DESIGN N5 (b)).
+P_HAT_EXP = 8
 EXP_MIN = -127
 EXP_MAX = 127
 #: E2M1 magnitudes indexed by the 3-bit code.

@@ -3,10 +3,10 @@
 Tolerance (accumulation order): the kernel sums P̂·V̂ in a different order, rounds O to BF16
 once, and (online mode) quantizes early tiles against a smaller running maximum, which can
 change P̂ only in E4M3's subnormal range. Bound: ‖O − O_ref‖/‖O_ref‖ <= 5e-3 and
-max|O − O_ref| <= 2^-5 · max|O_ref|; the integer row reference M matches exactly and the
-base-2 lse within 1e-4 (2e-3 on Hopper, whose FP8 ``wgmma`` accumulates Q̂·K̂ᵀ with ~14
-mantissa bits; P̂·V̂ is promoted to FP32 once per key tile). ``M = ceil(max y)`` can differ by one where the row max sits within
-rounding of an integer (the MMA sums in another order): at most 1, on under 1% of rows.
+max|O − O_ref| <= 2^-5 · max|O_ref|; the base-2 lse within 1e-4 (2e-3 on Hopper, whose FP8
+``wgmma`` accumulates Q̂·K̂ᵀ with ~14 mantissa bits; P̂·V̂ is promoted to FP32 once per key
+tile). The integer row reference ``M = ceil(max y)`` can differ by one where the row max sits
+within rounding of an integer (the MMA sums in another order): at most 1, on under 1% of rows.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ class FwdConfig:
     num_stages: int = 2
     persistent: bool = True
     two_pass: bool = False
+    lazy_rescale: bool = False
 
 
 def default_config(head_dim: int, device: torch.device) -> FwdConfig:
@@ -41,7 +42,8 @@ def default_config(head_dim: int, device: torch.device) -> FwdConfig:
         return FwdConfig(bm, bn, warps, stages)
     if head_dim >= 256:
         return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-    return FwdConfig()
+    # measured on the H200 (benchmarks/tune_fwd.py, W3/W6/W9): 4 warps, 3 stages best
+    return FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
 
 
 def _persistent_programs(device: torch.device) -> int:
@@ -102,6 +104,7 @@ def attn_fwd(
         softmax_scale * LOG2E * qkv.qk_rescale, qkv.v_t.shape[-1], total,
         HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=two_pass, INTERPRET=interpreted(),
-        PERSISTENT=cfg.persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PERSISTENT=cfg.persistent, LAZY_RESCALE=cfg.lazy_rescale,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, m_rows, lse_rows, work

@@ -2,7 +2,7 @@
 
 Twin: ``flamia_serve.reference.attention_forward``. Per score element: the Q/K exponents
 are row/column factors of the ``Q̂·K̂ᵀ`` tile, the V exponent is added to the base-2 logit
-(N3 fold), ``P' = 2^(y − m)`` with an integer ``m``, ``P̂ = E4M3(P')`` feeds ``P̂·V̂``.
+(N3 fold), ``P̂ = E4M3(2^(y − m + 8))`` with an integer ``m`` feeds ``P̂·V̂`` and the normaliser.
 
 Row reference ``m`` (DESIGN N5): ``TWO_PASS`` first runs a max-only pass so every tile is
 quantized against the final ``M = ceil(max y)`` (bit-compatible with the backward);
@@ -16,6 +16,9 @@ import triton
 import triton.language as tl
 
 from flamia_serve.kernels._common import e2m1_decode, exp2i, to_e4m3
+from flamia_serve.numerics import P_HAT_EXP as _P_HAT_EXP
+
+P_HAT_EXP = tl.constexpr(_P_HAT_EXP)
 
 
 @triton.jit
@@ -109,6 +112,7 @@ def _accumulate(
     v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk,
     D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr,
     MASK: tl.constexpr, TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):  # fmt: skip
     cols = tl.arange(0, D)
     for key0 in range(lo, hi, BLOCK_N):
@@ -119,12 +123,20 @@ def _accumulate(
         )  # fmt: skip
         if not TWO_PASS:
             m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
-            alpha = tl.math.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.math.exp2(y - m_i[:, None])
-        l_i += tl.sum(p * v_inv[None, :], axis=1)
+            if LAZY_RESCALE:
+                # integer maxima rarely move after the first tiles: rescale only when one did
+                if tl.max(m_new - m_i, axis=0) > 0:
+                    alpha = tl.math.exp2(m_i - m_new)
+                    acc = acc * alpha[:, None]
+                    l_i = l_i * alpha
+                    m_i = m_new
+            else:
+                alpha = tl.math.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+        p_hat = to_e4m3(tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP)), INTERPRET)
+        l_i += tl.sum(p_hat.to(tl.float32) * v_inv[None, :], axis=1)
         offs_n = key0 + tl.arange(0, BLOCK_N)
         vt_ptrs = (
             vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + v_t_start + offs_n[None, :]
@@ -133,7 +145,7 @@ def _accumulate(
         # document read the next document or zero padding, both finite, times P = 0
         vt = tl.load(vt_ptrs)
         # promote the FP8 MMA's reduced-precision accumulator to FP32 once per key tile
-        acc = tl.dot(to_e4m3(p, INTERPRET), tl.trans(vt), acc, max_num_imprecise_acc=BLOCK_N)
+        acc = tl.dot(p_hat, tl.trans(vt), acc, max_num_imprecise_acc=BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -144,7 +156,7 @@ def _attn_item(
     item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tok,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, QK_NVFP4: tl.constexpr,
-    TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+    TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):  # fmt: skip
     """One (document, query tile, head) work item."""
     pair = work // HQ
@@ -188,13 +200,13 @@ def _attn_item(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
         v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, 0, full_end, key_end, offs_m, HKV, hk, D,
         BLOCK_N,
-        QK_NVFP4, CAUSAL, False, TWO_PASS, INTERPRET,
+        QK_NVFP4, CAUSAL, False, TWO_PASS, INTERPRET, LAZY_RESCALE,
     )  # fmt: skip
     acc, l_i, m_i = _accumulate(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
         v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, full_end, key_end, key_end, offs_m, HKV,
         hk, D,
-        BLOCK_N, QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET,
+        BLOCK_N, QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET, LAZY_RESCALE,
     )  # fmt: skip
     out = acc / l_i[:, None]
     flat = rows.to(tl.int64) * HQ + h
@@ -205,7 +217,7 @@ def _attn_item(
         mask=row_ok[:, None],
     )
     tl.store(m_ptr + flat, m_i, mask=row_ok)
-    tl.store(lse_ptr + flat, m_i + tl.math.log2(l_i), mask=row_ok)
+    tl.store(lse_ptr + flat, m_i - P_HAT_EXP + tl.math.log2(l_i), mask=row_ok)
 
 
 @triton.jit
@@ -244,6 +256,7 @@ def attn_fwd_kernel(
     TWO_PASS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     """Work items ``w = item * HQ + head``; persistent programs take them by atomic ticket."""
     n_work = tl.load(count_ptr) * HQ
@@ -256,7 +269,7 @@ def attn_fwd_kernel(
                 item_doc_ptr,
                 item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens, HQ, HKV, D,
                 BLOCK_M,
-                BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
+                BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET, LAZY_RESCALE,
             )  # fmt: skip
             work = tl.atomic_add(ticket_ptr, 1)
     else:
@@ -268,5 +281,5 @@ def attn_fwd_kernel(
                 item_doc_ptr,
                 item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens, HQ, HKV, D,
                 BLOCK_M,
-                BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
+                BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET, LAZY_RESCALE,
             )  # fmt: skip
