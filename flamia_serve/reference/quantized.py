@@ -10,11 +10,12 @@ when causal), with ``c = softmax_scale * log2(e)``:
   so a kernel with integer running maxima differs only in E4M3's subnormal range);
 * ``P'_ij = 2^(y_ij − M_i)`` in (0, 1]; ``P̂ = E4M3(P' 2^8)`` (N5; ``P_HAT_EXP``: the shift
   keeps P̂ <= 448 and pushes E4M3's subnormal range below 2^-14 of the row max);
-  ``l_i = Σ_j P̂_ij 2^(−eV_j)``; ``O_i = Σ_j P̂_ij V̂_j / l_i`` — the normaliser sums the
-  *quantized* weights (DESIGN N3 writes P'), so O is a convex combination of V̂ rows: a
-  row with one key returns V̂ exactly, and an E4M3 rounding flip of a dominant P̂ moves
-  numerator and denominator together instead of shifting O by up to 6%;
-  row statistics: ``M`` and ``lse = M − 8 + log2(l)`` = log2 Σ_j 2^x_ij, float32 ``[T, Hq]``.
+  ``l_i = Σ_j P'_ij 2^(−eV_j)`` (unquantized, as DESIGN N3); ``O_i = Σ_j P̂_ij V̂_j / (2^8 l_i)``.
+  (A normaliser from the quantized P̂ would make O a convex combination of V̂ rows — a row
+  dominated by one key would not carry that key's E4M3 rounding of P, up to 6% — but on
+  the H200 with Triton 3.6 reading the E4M3 P̂ back to FP32 next to its use in ``wgmma``
+  returned zeros; kept for later);
+  row statistics: ``M`` and ``lse = M + log2(l)`` = log2 Σ_j 2^x_ij, float32 ``[T, Hq]``.
 
 Backward (N5, N6): dO is quantized with token-block exponents (``dÔ``);
 ``D_i = rowsum(dÔ_i ∘ O_i)``; P̂ is rebuilt from the stored codes exactly as above;
@@ -113,6 +114,7 @@ class _DocProbs:
     mask: torch.Tensor  # [L, L] bool, key allowed
     x: torch.Tensor  # [Hq, L, L] base-2 logits, -inf where masked
     p_hat: torch.Tensor  # [Hq, L, L] E4M3 P̂ = E4M3(2^(y − M + 8)) as float32, 0 where masked
+    p_prime: torch.Tensor  # [Hq, L, L] P' = 2^(y − M) float32, 0 where masked
     m: torch.Tensor  # [Hq, L] integer row reference
     ev: torch.Tensor  # [Hq, L] V exponents per key (float)
 
@@ -139,8 +141,9 @@ def _doc_probs(
     evf = ev.float().t()  # [Hq, L]
     y = x + evf[:, None, :]
     m = torch.ceil(y.amax(dim=-1))
+    p_prime = torch.exp2(y - m[..., None])
     p_hat = torch.exp2(y - (m[..., None] - P_HAT_EXP)).to(torch.float8_e4m3fn).float()
-    return _DocProbs(mask, x, p_hat, m, evf)
+    return _DocProbs(mask, x, p_hat, p_prime, m, evf)
 
 
 def attention_forward(
@@ -178,11 +181,12 @@ def attention_forward(
             causal,
             softmax_scale * qkv.qk_rescale,
         )
-        l_row = (probs.p_hat * exp2i(-ev.int()).t()[:, None, :]).sum(-1)  # [Hq, L]
-        o = torch.einsum("hij,jhd->ihd", probs.p_hat, vc) / l_row.t()[..., None]
+        l_row = (probs.p_prime * exp2i(-ev.int()).t()[:, None, :]).sum(-1)  # [Hq, L]
+        pv = torch.einsum("hij,jhd->ihd", probs.p_hat, vc)
+        o = pv / (l_row.t()[..., None] * 2.0**P_HAT_EXP)
         out[sl] = o
         m_all[sl] = probs.m.t()
-        lse_all[sl] = (probs.m - P_HAT_EXP + torch.log2(l_row)).t()
+        lse_all[sl] = (probs.m + torch.log2(l_row)).t()
     return out.to(out_dtype), m_all, lse_all
 
 
@@ -226,7 +230,7 @@ def attention_backward(
             softmax_scale * qkv.qk_rescale,
         )
         m_doc, lse_doc = m_rows[sl].t(), lse_rows[sl].t()  # [Hq, L]
-        inv_l = torch.exp2(m_doc - P_HAT_EXP - lse_doc)  # 1 / l_i
+        inv_l = torch.exp2(m_doc - P_HAT_EXP - lse_doc)  # 1 / (2^8 l_i): P̂ carries 2^8
         # forward's probabilities as multiplied with V: P̂ 2^(−eV_j) / l_i
         p_used = probs.p_hat * exp2i(-ev.int()).t()[:, None, :] * inv_l[..., None]
         dv_q[sl] = torch.einsum("hij,ihd->jhd", p_used, do_q[sl])

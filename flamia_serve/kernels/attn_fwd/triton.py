@@ -2,7 +2,8 @@
 
 Twin: ``flamia_serve.reference.attention_forward``. Per score element: the Q/K exponents
 are row/column factors of the ``Q̂·K̂ᵀ`` tile, the V exponent is added to the base-2 logit
-(N3 fold), ``P̂ = E4M3(2^(y − m + 8))`` with an integer ``m`` feeds ``P̂·V̂`` and the normaliser.
+(N3 fold), ``P̂ = E4M3(2^(y − m + 8))`` with an integer ``m`` feeds ``P̂·V̂``; the normaliser sums
+the unquantized ``P' = 2^(y − m)`` times ``2^(−eV)``.
 
 Row reference ``m`` (DESIGN N5): ``TWO_PASS`` first runs a max-only pass so every tile is
 quantized against the final ``M = ceil(max y)`` (bit-compatible with the backward);
@@ -18,7 +19,7 @@ import triton.language as tl
 from flamia_serve.kernels._common import e2m1_decode, exp2i, to_e4m3
 from flamia_serve.numerics import P_HAT_EXP as _P_HAT_EXP
 
-P_HAT_EXP = tl.constexpr(_P_HAT_EXP)
+P_HAT_SCALE = tl.constexpr(float(2**_P_HAT_EXP))  # P̂ holds E4M3(P' * 2^8)
 
 
 @triton.jit
@@ -135,8 +136,9 @@ def _accumulate(
                 acc = acc * alpha[:, None]
                 l_i = l_i * alpha
                 m_i = m_new
-        p_hat = to_e4m3(tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP)), INTERPRET)
-        l_i += tl.sum(p_hat.to(tl.float32) * v_inv[None, :], axis=1)
+        p = tl.math.exp2(y - m_i[:, None])
+        l_i += tl.sum(p * v_inv[None, :], axis=1)
+        p_hat = to_e4m3(p * P_HAT_SCALE, INTERPRET)
         offs_n = key0 + tl.arange(0, BLOCK_N)
         vt_ptrs = (
             vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + v_t_start + offs_n[None, :]
@@ -208,7 +210,7 @@ def _attn_item(
         hk, D,
         BLOCK_N, QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET, LAZY_RESCALE,
     )  # fmt: skip
-    out = acc / l_i[:, None]
+    out = acc / (l_i * P_HAT_SCALE)[:, None]
     flat = rows.to(tl.int64) * HQ + h
     cols = tl.arange(0, D)
     tl.store(
@@ -217,7 +219,7 @@ def _attn_item(
         mask=row_ok[:, None],
     )
     tl.store(m_ptr + flat, m_i, mask=row_ok)
-    tl.store(lse_ptr + flat, m_i - P_HAT_EXP + tl.math.log2(l_i), mask=row_ok)
+    tl.store(lse_ptr + flat, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
 @triton.jit
