@@ -30,14 +30,11 @@ def _tiles_of_documents(
 
 #: each document's keys start at a multiple of this in the K-major V layout (16-byte loads)
 V_T_ALIGN = 16
-#: zero columns after the last document: a key tile may read up to this far past it
-V_T_SLACK = 256
 
 
 def v_t_length(total_tokens: int, num_docs: int) -> int:
-    """Columns of the K-major V layout: every document padded to ``V_T_ALIGN``, plus slack."""
-    padded = -(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN
-    return padded + V_T_SLACK
+    """Columns of the K-major V layout: every document padded to ``V_T_ALIGN``."""
+    return max(-(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN, V_T_ALIGN)
 
 
 @dataclass(frozen=True)

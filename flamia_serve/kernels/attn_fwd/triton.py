@@ -19,7 +19,7 @@ import triton.language as tl
 from flamia_serve.kernels._common import e2m1_decode, exp2i, to_e4m3
 from flamia_serve.numerics import P_HAT_EXP as _P_HAT_EXP
 
-P_HAT_SCALE = tl.constexpr(float(2**_P_HAT_EXP))  # P̂ holds E4M3(P' * 2^8)
+P_HAT_EXP = tl.constexpr(_P_HAT_EXP)  # P̂ holds E4M3(P' * 2^8)
 
 
 @triton.jit
@@ -136,16 +136,18 @@ def _accumulate(
                 acc = acc * alpha[:, None]
                 l_i = l_i * alpha
                 m_i = m_new
-        p = tl.math.exp2(y - m_i[:, None])
+        # P' * 2^8 straight from the exponential (the shift rides on the row reference)
+        p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
         l_i += tl.sum(p * v_inv[None, :], axis=1)
-        p_hat = to_e4m3(p * P_HAT_SCALE, INTERPRET)
+        p_hat = to_e4m3(p, INTERPRET)
         offs_n = key0 + tl.arange(0, BLOCK_N)
         vt_ptrs = (
             vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + v_t_start + offs_n[None, :]
         )
-        # no mask along the contiguous key axis (it would forbid 16-byte loads): keys past the
-        # document read the next document or zero padding, both finite, times P = 0
-        vt = tl.load(vt_ptrs)
+        if MASK:  # the diagonal / tail tiles: keys past the document must read as 0
+            vt = tl.load(vt_ptrs, mask=(offs_n < key_end)[None, :], other=0.0)
+        else:  # a mask along the contiguous key axis would forbid 16-byte loads
+            vt = tl.load(vt_ptrs)
         # promote the FP8 MMA's reduced-precision accumulator to FP32 once per key tile
         acc = tl.dot(p_hat, tl.trans(vt), acc, max_num_imprecise_acc=BLOCK_N)
     return acc, l_i, m_i
@@ -210,7 +212,7 @@ def _attn_item(
         hk, D,
         BLOCK_N, QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET, LAZY_RESCALE,
     )  # fmt: skip
-    out = acc / (l_i * P_HAT_SCALE)[:, None]
+    out = acc / l_i[:, None]
     flat = rows.to(tl.int64) * HQ + h
     cols = tl.arange(0, D)
     tl.store(
@@ -219,7 +221,7 @@ def _attn_item(
         mask=row_ok[:, None],
     )
     tl.store(m_ptr + flat, m_i, mask=row_ok)
-    tl.store(lse_ptr + flat, m_i + tl.math.log2(l_i), mask=row_ok)
+    tl.store(lse_ptr + flat, m_i - P_HAT_EXP + tl.math.log2(l_i), mask=row_ok)
 
 
 @triton.jit

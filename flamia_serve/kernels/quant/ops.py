@@ -26,7 +26,7 @@ class KernelQKV:
     q8 ``[T, Hq, d]`` / k8 ``[T, Hkv, d]`` E4M3 with ``[T, H]`` int8 exponents (stored
     head-major: ``exponents.t()`` is contiguous, so a kernel reads a tile's in one load); ``v_t``
     ``[Hkv, d, t_pad]`` E4M3 V codes with keys contiguous, document ``b`` starting at
-    column ``doc_v_t_start[b]`` (16-aligned; zero padding); ``v_exp`` ``[T, Hkv]``;
+    column ``doc_v_t_start[b]`` (16-aligned; padding never read); ``v_exp`` ``[T, Hkv]``;
     q4/k4 NVFP4 (mixed recipe only); ``qk_rescale`` = 1/d after the Hadamard option.
     """
 
@@ -80,6 +80,7 @@ def quantize_qkv(
     recipe: str | Recipe = "mxfp8",
     exact_causal: bool = False,
     blocks: TokenBlocks | None = None,
+    num_warps: int = 4,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
@@ -98,8 +99,7 @@ def quantize_qkv(
     t_pad = v_t_length(total, cu_seqlens.numel() - 1)
     q8 = _fp8_empty(total, heads_q, d, dev)
     k8 = _fp8_empty(total, heads_kv, d, dev)
-    # zero padding: attention reads whole key tiles past a document's end (times P = 0)
-    v_t = torch.zeros(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
+    v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
     v_exp = _head_major_exponents(total, heads_kv, dev)
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)
@@ -115,7 +115,7 @@ def quantize_qkv(
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, INTERPRET=interpreted(),
-            num_warps=4,
+            num_warps=num_warps,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
     return KernelQKV(
