@@ -63,6 +63,27 @@ def attention_fn(recipe: str | None, exact_causal: bool) -> AttnFn:
     )
 
 
+def _replaced_rows(
+    fn: AttnFn,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    replace: torch.Tensor,
+    watch: slice,
+    seed: int,
+) -> float:
+    """Largest |ΔO| on the ``watch`` rows when the tokens where ``replace`` is True get fresh
+    values ``SPIKE`` times larger; the inputs themselves are not modified."""
+    gen = torch.Generator().manual_seed(seed)
+    changed = []
+    for x in qkv:
+        noise = (torch.randn(x.shape, generator=gen) * SPIKE).to(device=x.device, dtype=x.dtype)
+        changed.append(torch.where(replace.to(x.device)[:, None, None], noise, x))
+    base = fn(*qkv, cu_seqlens, max_seqlen)[watch].float()
+    moved = fn(*changed, cu_seqlens, max_seqlen)[watch].float()
+    return float((base - moved).abs().max())
+
+
 def future_leakage(
     fn: AttnFn,
     q: torch.Tensor,
@@ -78,16 +99,9 @@ def future_leakage(
     """Largest |ΔO| at positions ``<= t`` of ``doc`` when its tokens after ``t`` change."""
     start, end = int(cu_seqlens[doc]), int(cu_seqlens[doc + 1])
     cut = start + t + 1
-    gen = torch.Generator().manual_seed(seed)
-    changed = []
-    for x in (q, k, v):
-        y = x.clone()
-        noise = torch.randn(y[cut:end].shape, generator=gen) * SPIKE
-        y[cut:end] = noise.to(device=y.device, dtype=y.dtype)
-        changed.append(y)
-    base = fn(q, k, v, cu_seqlens, max_seqlen)[start:cut].float()
-    moved = fn(*changed, cu_seqlens, max_seqlen)[start:cut].float()
-    return float((base - moved).abs().max())
+    replace = torch.zeros(q.shape[0], dtype=torch.bool)
+    replace[cut:end] = True
+    return _replaced_rows(fn, (q, k, v), cu_seqlens, max_seqlen, replace, slice(start, cut), seed)
 
 
 def cross_document_leakage(
@@ -103,15 +117,9 @@ def cross_document_leakage(
 ) -> float:
     """Largest |ΔO| anywhere in ``doc`` when every other document of the pack changes."""
     start, end = int(cu_seqlens[doc]), int(cu_seqlens[doc + 1])
-    gen = torch.Generator().manual_seed(seed)
-    changed = []
-    for x in (q, k, v):
-        y = torch.randn(x.shape, generator=gen).to(device=x.device, dtype=x.dtype) * SPIKE
-        y[start:end] = x[start:end]
-        changed.append(y)
-    base = fn(q, k, v, cu_seqlens, max_seqlen)[start:end].float()
-    moved = fn(*changed, cu_seqlens, max_seqlen)[start:end].float()
-    return float((base - moved).abs().max())
+    replace = torch.ones(q.shape[0], dtype=torch.bool)
+    replace[start:end] = False
+    return _replaced_rows(fn, (q, k, v), cu_seqlens, max_seqlen, replace, slice(start, end), seed)
 
 
 @dataclass(frozen=True)

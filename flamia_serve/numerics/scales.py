@@ -9,6 +9,7 @@ causal) and per-key V (N3) use the same storage. All functions are vectorized.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,11 @@ def token_documents(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor,
     tok = torch.arange(total, device=cu.device)
     doc = torch.searchsorted(cu[1:], tok, right=True)
     return doc, tok - cu[doc]
+
+
+def document_slices(cu_seqlens: torch.Tensor) -> list[slice]:
+    """Token slices of the non-empty documents of a pack (reads ``cu_seqlens`` on the host)."""
+    return [slice(a, b) for a, b in itertools.pairwise(cu_seqlens.tolist()) if b > a]
 
 
 def token_block_ids(cu_seqlens: torch.Tensor, total: int, block: int = TOKEN_BLOCK) -> torch.Tensor:

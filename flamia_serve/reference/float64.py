@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from flamia_serve.numerics import E4M3_MAX
+from flamia_serve.numerics import E4M3_MAX, document_slices
 from flamia_serve.numerics.checks import check_softmax_scale, check_varlen_inputs
 
 
-def _doc_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+def _doc_probs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Softmax probabilities ``[Hq, L, L]`` of one document (k per kv head, GQA expanded)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = torch.einsum("ihd,jhd->hij", q, k) * scale
     if causal:
         length = q.shape[0]
         future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(future, float("-inf"))
-    return torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), v)
+    return torch.softmax(s, dim=-1)
+
+
+def _doc_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor:
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return torch.einsum("hij,jhd->ihd", _doc_probs(q, k, causal, scale), v)
 
 
 def _varlen(
@@ -31,11 +34,9 @@ def _varlen(
     causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    outs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in itertools.pairwise(bounds):
-        if end > start:
-            outs.append(_doc_attention(q[start:end], k[start:end], v[start:end], causal, scale))
+    outs = [
+        _doc_attention(q[sl], k[sl], v[sl], causal, scale) for sl in document_slices(cu_seqlens)
+    ]
     return torch.cat(outs) if outs else q.new_zeros(q.shape)
 
 
@@ -84,19 +85,9 @@ def per_tensor_fp8_attention(
     qd, kd, vd = (_per_tensor_fp8(t) for t in (q, k, v))
     group = shape.heads_q // shape.heads_kv
     outs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in itertools.pairwise(bounds):
-        if end == start:
-            continue
-        qs = qd[start:end]
-        ks = kd[start:end].repeat_interleave(group, dim=1)
-        vs = vd[start:end].repeat_interleave(group, dim=1)
-        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
-        if causal:
-            length = end - start
-            future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-            s = s.masked_fill(future, float("-inf"))
-        p = torch.softmax(s, dim=-1)
+    for sl in document_slices(cu_seqlens):
+        p = _doc_probs(qd[sl], kd[sl], causal, scale)
+        vs = vd[sl].repeat_interleave(group, dim=1)
         p_hat = (p * E4M3_MAX).to(torch.float8_e4m3fn).float() / E4M3_MAX
         outs.append(torch.einsum("hij,jhd->ihd", p_hat, vs) / p.sum(-1).t()[..., None])
     out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=torch.float32)

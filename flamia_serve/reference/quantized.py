@@ -27,7 +27,6 @@ dS is E4M3 with one exponent per ``recipe.ds_block`` (document-local);
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -39,6 +38,7 @@ from flamia_serve.numerics import (
     Granularity,
     NVFP4Tensor,
     Recipe,
+    document_slices,
     exp2i,
     hadamard_transform,
     quantize_blocks_2d,
@@ -120,15 +120,20 @@ class _DocProbs:
 
 
 def _doc_probs(
-    qs: torch.Tensor,
-    ks: torch.Tensor,
-    eq: torch.Tensor,
-    ek: torch.Tensor,
-    ev: torch.Tensor,
+    qkv: QuantizedQKV,
+    operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    sl: slice,
+    group: int,
     causal: bool,
-    scale: float,
+    softmax_scale: float,
 ) -> _DocProbs:
-    """Scores, row references and P̂ of one document; operands per query head."""
+    """Scores, row references and P̂ of document ``sl``, per query head (``operands`` from
+    ``_qk_operands``)."""
+    qs_all, ks_all, eq_all, ek_all = operands
+    qs, eq = qs_all[sl], eq_all[sl]
+    ks, ek = _per_q_head(ks_all[sl], group), _per_q_head(ek_all[sl], group)
+    ev = _per_q_head(qkv.v8.exponents[sl], group)
+    scale = softmax_scale * qkv.qk_rescale
     length = qs.shape[0]
     dots = torch.einsum("ihd,jhd->hij", qs, ks)
     row = exp2i(eq.int()).t()[:, :, None]  # [Hq, L, 1]
@@ -159,29 +164,17 @@ def attention_forward(
 
     ``M`` is the integer row reference and ``lse`` the base-2 log-sum-exp (float32).
     """
-    qs_all, ks_all, eq_all, ek_all = _qk_operands(qkv)
+    operands = _qk_operands(qkv)
     total, _, d = qkv.v8.codes.shape
     group = heads_q // qkv.v8.codes.shape[1]
-    out = torch.zeros(total, heads_q, d, dtype=torch.float32, device=qs_all.device)
-    m_all = torch.zeros(total, heads_q, dtype=torch.float32, device=qs_all.device)
+    dev = qkv.v8.codes.device
+    out = torch.zeros(total, heads_q, d, dtype=torch.float32, device=dev)
+    m_all = torch.zeros(total, heads_q, dtype=torch.float32, device=dev)
     lse_all = torch.zeros_like(m_all)
-    bounds = cu_seqlens.tolist()
-    for start, end in itertools.pairwise(bounds):
-        if end == start:
-            continue
-        sl = slice(start, end)
+    for sl in document_slices(cu_seqlens):
         vc = _per_q_head(qkv.v8.codes[sl].float(), group)
-        ev = _per_q_head(qkv.v8.exponents[sl], group)
-        probs = _doc_probs(
-            qs_all[sl],
-            _per_q_head(ks_all[sl], group),
-            eq_all[sl],
-            _per_q_head(ek_all[sl], group),
-            ev,
-            causal,
-            softmax_scale * qkv.qk_rescale,
-        )
-        l_row = (probs.p_prime * exp2i(-ev.int()).t()[:, None, :]).sum(-1)  # [Hq, L]
+        probs = _doc_probs(qkv, operands, sl, group, causal, softmax_scale)
+        l_row = (probs.p_prime * exp2i(-probs.ev.int())[:, None, :]).sum(-1)  # [Hq, L]
         pv = torch.einsum("hij,jhd->ihd", probs.p_hat, vc)
         o = pv / (l_row.t()[..., None] * 2.0**P_HAT_EXP)
         out[sl] = o
@@ -203,7 +196,7 @@ def attention_backward(
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 ``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv, d])`` (see module docstring)."""
-    qs_all, ks_all, eq_all, ek_all = _qk_operands(qkv)
+    operands = _qk_operands(qkv)
     total, heads_q, d = d_out.shape
     heads_kv = qkv.v8.codes.shape[1]
     group = heads_q // heads_kv
@@ -214,25 +207,12 @@ def attention_backward(
     dq = torch.zeros(total, heads_q, d, dtype=torch.float32, device=d_out.device)
     dk_q = torch.zeros_like(dq)
     dv_q = torch.zeros_like(dq)
-    bounds = cu_seqlens.tolist()
-    for start, end in itertools.pairwise(bounds):
-        if end == start:
-            continue
-        sl = slice(start, end)
-        ev = _per_q_head(qkv.v8.exponents[sl], group)
-        probs = _doc_probs(
-            qs_all[sl],
-            _per_q_head(ks_all[sl], group),
-            eq_all[sl],
-            _per_q_head(ek_all[sl], group),
-            ev,
-            causal,
-            softmax_scale * qkv.qk_rescale,
-        )
+    for sl in document_slices(cu_seqlens):
+        probs = _doc_probs(qkv, operands, sl, group, causal, softmax_scale)
         m_doc, lse_doc = m_rows[sl].t(), lse_rows[sl].t()  # [Hq, L]
         inv_l = torch.exp2(m_doc - P_HAT_EXP - lse_doc)  # 1 / (2^8 l_i): P̂ carries 2^8
         # forward's probabilities as multiplied with V: P̂ 2^(−eV_j) / l_i
-        p_used = probs.p_hat * exp2i(-ev.int()).t()[:, None, :] * inv_l[..., None]
+        p_used = probs.p_hat * exp2i(-probs.ev.int())[:, None, :] * inv_l[..., None]
         dv_q[sl] = torch.einsum("hij,ihd->jhd", p_used, do_q[sl])
         dp = torch.einsum("ihd,jhd->hij", do_q[sl], _per_q_head(v_deq[sl], group))
         p = torch.exp2(probs.x - lse_doc[..., None])

@@ -266,24 +266,16 @@ def attn_fwd_kernel(
     n_work = tl.load(count_ptr) * HQ
     if PERSISTENT:
         work = tl.atomic_add(ticket_ptr, 1)
-        while work < n_work:
-            _attn_item(
-                work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
-                k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr,
-                item_doc_ptr,
-                item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens, HQ, HKV, D,
-                BLOCK_M,
-                BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET, LAZY_RESCALE,
-            )  # fmt: skip
-            work = tl.atomic_add(ticket_ptr, 1)
     else:
         work = tl.program_id(0)
-        if work < n_work:
-            _attn_item(
-                work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
-                k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr,
-                item_doc_ptr,
-                item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens, HQ, HKV, D,
-                BLOCK_M,
-                BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET, LAZY_RESCALE,
-            )  # fmt: skip
+    while work < n_work:
+        _attn_item(
+            work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
+            k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr,
+            item_doc_ptr, item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens,
+            HQ, HKV, D, BLOCK_M, BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET, LAZY_RESCALE,
+        )  # fmt: skip
+        if PERSISTENT:
+            work = tl.atomic_add(ticket_ptr, 1)
+        else:
+            work = n_work
