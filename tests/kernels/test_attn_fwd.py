@@ -133,3 +133,14 @@ def test_api_errors(device) -> None:
         flamia_attn_varlen(q.requires_grad_(), k, v, cu, ms)
     with pytest.raises(ValueError, match="share \\[B, S\\]"):
         flamia_attn(q.view(1, 60, 4, 64), k.view(2, 30, 2, 64), v.view(2, 30, 2, 64))
+
+
+def test_empty_pack_and_empty_documents(device) -> None:
+    q, k, v, cu, ms = make_pack((0,), 2, 1, 64, device=device)
+    assert flamia_attn_varlen(q, k, v, cu, 0).shape == (0, 2, 64)
+    q, k, v, cu, ms = make_pack((0, 3, 0, 0, 1, 0), 2, 1, 64, seed=2, device=device)
+    out = flamia_attn_varlen(q, k, v, cu, ms)
+    qkv = quantize_qkv(q, k, v, cu, ms)
+    ref = attention_forward(qkv.to_reference(), cu, heads_q=2, causal=True, softmax_scale=0.125)
+    assert bool(torch.isfinite(out).all())
+    assert float((out.float() - ref[0].float()).abs().max()) <= 2**-5 * float(ref[0].abs().max())
