@@ -24,7 +24,6 @@ CONFIGS = [
     FwdConfig(128, 64, 8, 3),
     FwdConfig(64, 64, 4, 3),
     FwdConfig(128, 64, 4, 3),
-    FwdConfig(64, 64, 4, 3, lazy_rescale=True),
     FwdConfig(128, 64, 8, 3, two_pass=True),
 ]
 PACKS = [((1, 63, 100, 37, 0, 5), 4, 2, 64), ((1, 300, 1000, 129, 2048, 31), 32, 8, 128)]

@@ -21,7 +21,7 @@ from benchmarks.common import Rotating, num_input_sets, tensor_bytes, time_ms, w
 from benchmarks.workloads import HEAD_DIM, HKV, HQ, training_workload
 
 CONFIGS = [
-    # block_m, block_n, num_warps, num_stages, persistent, two_pass[, lazy_rescale]
+    # block_m, block_n, num_warps, num_stages, persistent, two_pass
     (128, 64, 8, 2, True, False),
     (128, 64, 8, 3, True, False),
     (128, 128, 8, 3, True, False),
@@ -29,8 +29,6 @@ CONFIGS = [
     (64, 64, 4, 3, True, False),
     (128, 64, 8, 3, False, False),
     (128, 64, 8, 3, True, True),
-    (128, 64, 4, 3, True, False, True),
-    (64, 64, 4, 3, True, False, True),
 ]
 
 

@@ -69,7 +69,7 @@ def fwd_variants() -> None:
         ):
             consts = dict(HQ=32, HKV=8, D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
                           QK_NVFP4=nvfp4, TWO_PASS=two_pass, INTERPRET=False,
-                          PERSISTENT=persistent, LAZY_RESCALE=persistent)  # fmt: skip
+                          PERSISTENT=persistent)  # fmt: skip
             _compile(attn_fwd_kernel, ptrs, consts, warps)
             print(f"attn_fwd d={d} causal={causal} nvfp4={nvfp4} two_pass={two_pass}: ok")
 

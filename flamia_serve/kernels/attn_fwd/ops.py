@@ -26,7 +26,6 @@ class FwdConfig:
     num_stages: int = 2
     persistent: bool = True
     two_pass: bool = False
-    lazy_rescale: bool = False
 
 
 def default_config(head_dim: int, device: torch.device) -> FwdConfig:
@@ -73,7 +72,6 @@ def attn_fwd(
     cfg = config or default_config(d, dev)
     if cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
-    two_pass = cfg.two_pass or os.environ.get("FLAMIA_TWO_PASS", "0") == "1"
     if work is None or (work.block_m, work.block_n, work.causal) != (
         cfg.block_m,
         cfg.block_n,
@@ -103,8 +101,8 @@ def attn_fwd(
         out, m_rows, lse_rows,
         softmax_scale * LOG2E * qkv.qk_rescale, qkv.v_t.shape[-1], total,
         HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=two_pass, INTERPRET=interpreted(),
-        PERSISTENT=cfg.persistent, LAZY_RESCALE=cfg.lazy_rescale,
+        CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=cfg.two_pass, INTERPRET=interpreted(),
+        PERSISTENT=cfg.persistent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, m_rows, lse_rows, work

@@ -113,7 +113,6 @@ def _accumulate(
     v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk,
     D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr,
     MASK: tl.constexpr, TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):  # fmt: skip
     cols = tl.arange(0, D)
     for key0 in range(lo, hi, BLOCK_N):
@@ -124,18 +123,10 @@ def _accumulate(
         )  # fmt: skip
         if not TWO_PASS:
             m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
-            if LAZY_RESCALE:
-                # integer maxima rarely move after the first tiles: rescale only when one did
-                if tl.max(m_new - m_i, axis=0) > 0:
-                    alpha = tl.math.exp2(m_i - m_new)
-                    acc = acc * alpha[:, None]
-                    l_i = l_i * alpha
-                    m_i = m_new
-            else:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
+            alpha = tl.math.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
         # P' * 2^8 straight from the exponential (the shift rides on the row reference)
         p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
         l_i += tl.sum(p * v_inv[None, :], axis=1)
@@ -160,7 +151,7 @@ def _attn_item(
     item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tok,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, QK_NVFP4: tl.constexpr,
-    TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One (document, query tile, head) work item."""
     pair = work // HQ
@@ -204,13 +195,13 @@ def _attn_item(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
         v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, 0, full_end, key_end, offs_m, HKV, hk, D,
         BLOCK_N,
-        QK_NVFP4, CAUSAL, False, TWO_PASS, INTERPRET, LAZY_RESCALE,
+        QK_NVFP4, CAUSAL, False, TWO_PASS, INTERPRET,
     )  # fmt: skip
     acc, l_i, m_i = _accumulate(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
         v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, full_end, key_end, key_end, offs_m, HKV,
         hk, D,
-        BLOCK_N, QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET, LAZY_RESCALE,
+        BLOCK_N, QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET,
     )  # fmt: skip
     out = acc / l_i[:, None]
     flat = rows.to(tl.int64) * HQ + h
@@ -260,7 +251,6 @@ def attn_fwd_kernel(
     TWO_PASS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PERSISTENT: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     """Work items ``w = item * HQ + head``; persistent programs take them by atomic ticket."""
     n_work = tl.load(count_ptr) * HQ
@@ -273,7 +263,7 @@ def attn_fwd_kernel(
             work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr,
             item_doc_ptr, item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens,
-            HQ, HKV, D, BLOCK_M, BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET, LAZY_RESCALE,
+            HQ, HKV, D, BLOCK_M, BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
         )  # fmt: skip
         if PERSISTENT:
             work = tl.atomic_add(ticket_ptr, 1)
