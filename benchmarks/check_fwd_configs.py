@@ -31,14 +31,14 @@ PACKS = [((1, 63, 100, 37, 0, 5), 4, 2, 64), ((1, 300, 1000, 129, 2048, 31), 32,
 
 def main() -> int:
     for lens, hq, hkv, d in PACKS:
-        q, k, v, cu, ms = make_pack(lens, hq, hkv, d, seed=11, device="cuda")
+        q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=11, device="cuda")
         for recipe in ("mxfp8", "mixed_nvfp4"):
-            qkv = quantize_qkv(q, k, v, cu, ms, recipe=recipe)
+            qkv = quantize_qkv(q, k, v, cu, recipe=recipe)
             ref_o, _ref_m, ref_lse = attention_forward(
                 qkv.to_reference(), cu, heads_q=hq, causal=True, softmax_scale=d**-0.5
             )
             for cfg in CONFIGS:
-                out, _m, lse, _ = attn_fwd(
+                out, _m, lse = attn_fwd(
                     qkv, cu, heads_q=hq, causal=True, softmax_scale=d**-0.5, config=cfg
                 )
                 bad = (~torch.isfinite(out)).any(-1).any(-1).nonzero().flatten()

@@ -134,7 +134,7 @@ def _load_flamia_quant() -> Builder:
         blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).blocks
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
-            return quantize_qkv(q, k, v, cu, m, recipe="mxfp8", blocks=blocks)
+            return quantize_qkv(q, k, v, cu, recipe="mxfp8", blocks=blocks)
 
         return _identity, run
 

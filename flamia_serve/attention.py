@@ -70,9 +70,9 @@ def flamia_attn_varlen(
         plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen)
     cfg = config or default_config(shape.head_dim, q.device)
     qkv = quantize_qkv(
-        q, k, v, cu_seqlens, max_seqlen, recipe=rec, exact_causal=exact_causal, blocks=plan.blocks
+        q, k, v, cu_seqlens, recipe=rec, exact_causal=exact_causal, blocks=plan.blocks
     )
-    out, m_rows, lse_rows, _ = attn_fwd(
+    out, m_rows, lse_rows = attn_fwd(
         qkv,
         cu_seqlens,
         heads_q=shape.heads_q,

@@ -58,11 +58,11 @@ def _check_close(out, m, lse, ref_out, ref_m, ref_lse) -> None:
     ],
 )
 def test_fwd_matches_reference(lens, hq, hkv, d, recipe, causal, two_pass, device) -> None:
-    q, k, v, cu, ms = make_pack(lens, hq, hkv, d, seed=7, device=device)
-    qkv = quantize_qkv(q, k, v, cu, ms, recipe=recipe)
+    q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=7, device=device)
+    qkv = quantize_qkv(q, k, v, cu, recipe=recipe)
     base = default_config(d, q.device)
     cfg = FwdConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, True, two_pass)
-    out, m, lse, _ = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
     ref = attention_forward(
         qkv.to_reference(), cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5
     )
@@ -70,8 +70,8 @@ def test_fwd_matches_reference(lens, hq, hkv, d, recipe, causal, two_pass, devic
 
 
 def test_fwd_not_persistent_same_result(device) -> None:
-    q, k, v, cu, ms = make_pack((50, 20), 2, 1, 64, seed=3, device=device)
-    qkv = quantize_qkv(q, k, v, cu, ms)
+    q, k, v, cu, _ms = make_pack((50, 20), 2, 1, 64, seed=3, device=device)
+    qkv = quantize_qkv(q, k, v, cu)
     base = default_config(64, q.device)
     outs = []
     for persistent in (True, False):
@@ -140,7 +140,7 @@ def test_empty_pack_and_empty_documents(device) -> None:
     assert flamia_attn_varlen(q, k, v, cu, 0).shape == (0, 2, 64)
     q, k, v, cu, ms = make_pack((0, 3, 0, 0, 1, 0), 2, 1, 64, seed=2, device=device)
     out = flamia_attn_varlen(q, k, v, cu, ms)
-    qkv = quantize_qkv(q, k, v, cu, ms)
+    qkv = quantize_qkv(q, k, v, cu)
     ref = attention_forward(qkv.to_reference(), cu, heads_q=2, causal=True, softmax_scale=0.125)
     assert bool(torch.isfinite(out).all())
     assert float((out.float() - ref[0].float()).abs().max()) <= 2**-5 * float(ref[0].abs().max())

@@ -22,8 +22,8 @@ LENS = (1, 300, 1000, 129, 2048, 31)
 @pytest.mark.parametrize("causal", [True, False])
 def test_fwd_large_pack_matches_reference(recipe: str, d: int, causal: bool) -> None:
     q, k, v, cu, ms = make_pack(LENS, 32, 8, d, seed=11, device="cuda")
-    qkv = quantize_qkv(q, k, v, cu, ms, recipe=recipe)
-    out, m, lse, _ = attn_fwd(qkv, cu, heads_q=32, causal=causal, softmax_scale=d**-0.5)
+    qkv = quantize_qkv(q, k, v, cu, recipe=recipe)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=32, causal=causal, softmax_scale=d**-0.5)
     ref_o, ref_m, ref_lse = attention_forward(
         qkv.to_reference(), cu, heads_q=32, causal=causal, softmax_scale=d**-0.5
     )

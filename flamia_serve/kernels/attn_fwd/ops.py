@@ -18,12 +18,13 @@ LOG2E = math.log2(math.e)
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Tile shape and launch options (``block_m % block_n == 0``)."""
+    """Tile shape and launch options (``block_m % block_n == 0``); the defaults are the
+    H200's best for d <= 128 (``benchmarks/tune_fwd.py`` on W3/W6/W9)."""
 
     block_m: int = 128
     block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
     persistent: bool = True
     two_pass: bool = False
 
@@ -41,8 +42,7 @@ def default_config(head_dim: int, device: torch.device) -> FwdConfig:
         return FwdConfig(bm, bn, warps, stages)
     if head_dim >= 256:
         return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-    # measured on the H200 (benchmarks/tune_fwd.py, W3/W6/W9): 4 warps, 3 stages best
-    return FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    return FwdConfig()
 
 
 def _persistent_programs(device: torch.device) -> int:
@@ -61,11 +61,11 @@ def attn_fwd(
     out_dtype: torch.dtype = torch.bfloat16,
     config: FwdConfig | None = None,
     work: WorkList | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, WorkList]:
-    """Forward from quantized operands: ``(O [T, Hq, d], M [T, Hq], lse [T, Hq], work)``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward from quantized operands: ``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``.
 
     Same contract as ``flamia_serve.reference.attention_forward`` (M integer row reference,
-    lse base 2). ``work`` (built if None) is returned for reuse by the backward.
+    lse base 2). ``work`` comes from a ``VarlenPlan``; without one it is built here.
     """
     total, heads_kv, d = qkv.k8.codes.shape
     dev = qkv.k8.codes.device
@@ -84,7 +84,7 @@ def attn_fwd(
     m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=dev)
     lse_rows = torch.empty_like(m_rows)
     if total == 0:
-        return out, m_rows, lse_rows, work
+        return out, m_rows, lse_rows
     q4, k4 = qkv.q4, qkv.k4
     nvfp4 = q4 is not None and k4 is not None
     if nvfp4:
@@ -105,4 +105,4 @@ def attn_fwd(
         PERSISTENT=cfg.persistent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out, m_rows, lse_rows, work
+    return out, m_rows, lse_rows

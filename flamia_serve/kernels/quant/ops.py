@@ -75,7 +75,6 @@ def quantize_qkv(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    max_seqlen: int | None = None,
     *,
     recipe: str | Recipe = "mxfp8",
     exact_causal: bool = False,
