@@ -58,6 +58,25 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def to_bf16(x, INTERPRET: tl.constexpr):
+    """Round-to-nearest-even cast of float32 to BF16 (the interpreter's cast truncates, so
+    there the rounding is done on the bits first)."""
+    if INTERPRET:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def to_out(x, out_ptr, INTERPRET: tl.constexpr):
+    """float32 ``x`` in the element type of ``out_ptr`` (RNE, also under the interpreter)."""
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        return to_bf16(x, INTERPRET)
+    return x.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def e4m3_ceil(y):
     """Smallest E4M3 value >= y for 0 <= y <= 448 (numerics.e4m3_ceil)."""
     ey = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -99,3 +118,55 @@ def e2m1_decode(code):
     normal = (1.0 + 0.5 * mant) * exp2i(exp_field - 1)
     mag = tl.where(exp_field == 0, 0.5 * mant, normal)
     return tl.where((c & 8) != 0, -mag, mag)
+
+
+# ceil(log2(amax / FMAX)) constants: FMAX = (1 + MANT / 2**23) * 2**EXP
+E4M3_EXP = tl.constexpr(8)  # 448 = 1.75 * 2**8
+E4M3_MANT = tl.constexpr(0x600000)
+NVFP4_EXP = tl.constexpr(11)  # 2688 = 6 * 448 = 1.3125 * 2**11
+NVFP4_MANT = tl.constexpr(0x280000)
+
+
+@triton.jit
+def fp8_rows(x, PER_TOKEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """E4M3 codes and int32 exponents of a ``[BLOCK, D]`` fp32 tile: one exponent per row
+    (PER_TOKEN) or one for the whole tile (token block)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    if not PER_TOKEN:
+        amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
+    e = pow2_exponent_ceil(amax, E4M3_EXP, E4M3_MANT)
+    codes = to_e4m3(x * exp2i(-e)[:, None], INTERPRET)
+    return codes, e
+
+
+@triton.jit
+def hadamard_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Unnormalized Walsh–Hadamard transform of each row (numerics.hadamard_transform)."""
+    for i in tl.static_range(LOG2_D):
+        # pairs at distance 2**i: [BLOCK, D / 2**(i+1), 2, 2**i]
+        y = tl.reshape(x, (BLOCK, D // (2 << i), 2, 1 << i))
+        y = tl.permute(y, (0, 1, 3, 2))
+        a, b = tl.split(y)
+        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+        x = tl.reshape(y, (BLOCK, D))
+    return x
+
+
+@triton.jit
+def nvfp4_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, SECOND_LEVEL: tl.constexpr):
+    """NVFP4 of a ``[BLOCK, D]`` fp32 tile: packed codes ``[BLOCK, D/2]`` uint8, E4M3 block
+    scales ``[BLOCK, D/16]`` (float32 values) and per-row int32 exponents (0 without
+    SECOND_LEVEL: block scales then saturate at 448, numerics.quantize_nvfp4)."""
+    x16 = tl.reshape(x, (BLOCK, D // 16, 16))
+    amax16 = tl.max(tl.abs(x16), axis=2)
+    e = pow2_exponent_ceil(tl.max(amax16, axis=1), NVFP4_EXP, NVFP4_MANT)
+    if not SECOND_LEVEL:
+        e = tl.zeros_like(e)
+    p2 = exp2i(-e)
+    scale = nvfp4_block_scale(tl.minimum(amax16 * p2[:, None], 2688.0))
+    safe = tl.where(scale > 0, scale, 1.0)
+    ratio = tl.math.div_rn(x16 * p2[:, None, None], safe[:, :, None])
+    ratio = tl.where(scale[:, :, None] > 0, ratio, 0.0)
+    codes = e2m1_encode(tl.minimum(tl.maximum(ratio, -6.0), 6.0))
+    low, high = tl.split(tl.reshape(codes, (BLOCK, D // 2, 2)))
+    return low | (high << 4), scale, e

@@ -1,0 +1,11 @@
+"""Serving kernels over the paged KV cache (cache write, paged attention)."""
+
+from flamia_serve.kernels.paged.ops import (
+    PagedConfig,
+    PagedLayout,
+    decode_splits,
+    paged_attention,
+    write_kv_cache,
+)
+
+__all__ = ["PagedConfig", "PagedLayout", "decode_splits", "paged_attention", "write_kv_cache"]

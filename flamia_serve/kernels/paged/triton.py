@@ -1,0 +1,345 @@
+"""Serving kernels over the paged KV cache: cache write, paged attention, split combine.
+
+Twins: ``flamia_serve.reference.paged`` (``write_kv_cache``, ``paged_attention``). Byte
+layout: ``numerics.kv_pages``. Cache formats (``KV_FMT``): 0 = bf16, 1 = fp8, 2 = nvfp4.
+Exponential modes (``EXP_MODE``): 0 = exact, 1 = schraudolph, 2 = mitchell
+(``numerics.exp2``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flamia_serve.kernels._common import (
+    exp2i,
+    fp8_rows,
+    hadamard_rows,
+    nvfp4_rows,
+    pow2_exponent_ceil,
+    to_bf16,
+    to_e4m3,
+    to_out,
+)
+from flamia_serve.numerics.exp2 import SCHRAUDOLPH_C
+from flamia_serve.numerics.formats import P_HAT_EXP
+
+BF16: tl.constexpr = tl.constexpr(0)
+FP8: tl.constexpr = tl.constexpr(1)
+NVFP4: tl.constexpr = tl.constexpr(2)
+EXACT: tl.constexpr = tl.constexpr(0)
+SCHRAUDOLPH: tl.constexpr = tl.constexpr(1)
+MITCHELL: tl.constexpr = tl.constexpr(2)
+SCHRAUDOLPH_C_: tl.constexpr = tl.constexpr(SCHRAUDOLPH_C)
+# P̂ = E4M3(2^(t + P_HAT_EXP)); Mitchell-P code = RNE(8 (t + P_HAT_EXP)) + 7·8; its FP16 bits
+# are (code + 64) << 7 and the bits of its FP32 value · 2^-P_HAT_EXP are
+# (code + 8 (120 − P_HAT_EXP)) << 20
+P_SHIFT: tl.constexpr = tl.constexpr(float(P_HAT_EXP))
+P_SCALE: tl.constexpr = tl.constexpr(float(2**P_HAT_EXP))
+L_BITS_BASE: tl.constexpr = tl.constexpr(8 * (120 - P_HAT_EXP))
+# 2**15 = 1.0 * 2**15: the FP16 row maximum of Q for the NVFP4 cache (reference.Q_FP16_MAX)
+Q16_EXP: tl.constexpr = tl.constexpr(15)
+RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23
+NO_MAX: tl.constexpr = tl.constexpr(-1073741824.0)  # running-max sentinel (-2**30)
+
+
+@triton.jit
+def write_kv_cache_kernel(
+    key_ptr, value_ptr, stride_kt, stride_kh, stride_vt, stride_vh, slot_ptr,
+    codes_ptr, scales_ptr,
+    HKV: tl.constexpr, HKV_P2: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
+    PAGE: tl.constexpr, REGION_CODES: tl.constexpr, REGION_SCALES: tl.constexpr,
+    SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
+    KV_FMT: tl.constexpr, HADAMARD: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One new token per program: quantize its K and V heads into slot ``slot_mapping[t]``
+    (skipped when −1)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // PAGE
+    off = slot % PAGE
+    heads = tl.arange(0, HKV_P2)
+    head_ok = heads < HKV
+    cols = tl.arange(0, D)
+    for half in tl.static_range(2):
+        if half == 0:
+            src = key_ptr + t * stride_kt + heads * stride_kh
+        else:
+            src = value_ptr + t * stride_vt + heads * stride_vh
+        x = tl.load(src[:, None] + cols[None, :], mask=head_ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+        if HADAMARD and half == 0:
+            x = hadamard_rows(x, HKV_P2, D, LOG2_D)
+        region = (blk * 2 + half) * HKV + heads
+        code_row = codes_ptr + region * REGION_CODES + off * CODE_ROW
+        scale_row = scales_ptr + region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
+        if KV_FMT == BF16:
+            tl.store(
+                code_row[:, None] + cols[None, :], to_bf16(x, INTERPRET), mask=head_ok[:, None]
+            )
+        elif KV_FMT == FP8:
+            codes, e = fp8_rows(x, True, INTERPRET)
+            tl.store(
+                code_row[:, None] + cols[None, :],
+                codes.to(tl.uint8, bitcast=True),
+                mask=head_ok[:, None],
+            )
+            tl.store(scale_row, e, mask=head_ok)
+        else:
+            packed, scale, _ = nvfp4_rows(x, HKV_P2, D, False)
+            half_cols = tl.arange(0, D // 2)
+            groups = tl.arange(0, D // 16)
+            tl.store(code_row[:, None] + half_cols[None, :], packed, mask=head_ok[:, None])
+            scale_codes = to_e4m3(scale, INTERPRET).to(tl.uint8, bitcast=True)
+            tl.store(scale_row[:, None] + groups[None, :], scale_codes, mask=head_ok[:, None])
+
+
+@triton.jit
+def _nvfp4_halves(
+    codes, scale_codes, ROWS: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr
+):
+    """Exact FP16 values of packed NVFP4 rows: (even elements, odd elements), ``[ROWS, D/2]``.
+
+    Each E2M1 nibble ``s e1 e0 m`` is re-encoded as the E4M3 byte ``s 0 0 e1 e0 m 0 0``
+    (= value · 2^-6; subnormals map to subnormals), converted to FP16, and multiplied by
+    its E4M3 block scale · 2^6 in FP16 — exact: ≤ 6 significant bits in [2^-10, 2688].
+    """
+    lo8 = ((codes & 7) << 2) | ((codes & 8) << 4)
+    hi8 = ((codes >> 2) & 0x1C) | (codes & 0x80)
+    scale = (scale_codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(tl.float16)
+    lo = lo8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    hi = hi8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    lo = tl.reshape(tl.reshape(lo, (ROWS, D // 16, 8)) * scale[:, :, None], (ROWS, D // 2))
+    hi = tl.reshape(tl.reshape(hi, (ROWS, D // 16, 8)) * scale[:, :, None], (ROWS, D // 2))
+    return lo, hi
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    """``a @ b`` with FP32 accumulation (FP32 operands under the interpreter, whose 16-bit
+    dots are wrong; the operand values are exact either way)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
+                   INTERPRET: tl.constexpr):  # fmt: skip
+    """(P̂ as the P·V operand, normaliser terms) for ``t = y − M`` (numerics.exp2)."""
+    if EXP_MODE == MITCHELL:
+        if KV_FMT == BF16:
+            r = (tl.maximum(t, -256.0) * 128.0 + RNE_MAGIC) - RNE_MAGIC
+            code = r.to(tl.int32) + 127 * 128
+            code = tl.where(code >= 128, code, 0)
+            p_op = code.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            l_term = (code << 16).to(tl.float32, bitcast=True)
+        else:
+            r = (tl.maximum(t + P_SHIFT, -256.0) * 8.0 + RNE_MAGIC) - RNE_MAGIC
+            code = r.to(tl.int32) + 56
+            code = tl.where(code >= 8, code, 0)
+            p_op = tl.where(code > 0, (code + 64) << 7, 0).to(tl.int16)
+            p_op = p_op.to(tl.float16, bitcast=True)
+            l_term = tl.where(code > 0, (code + L_BITS_BASE) << 20, 0).to(tl.float32, bitcast=True)
+    else:
+        if EXP_MODE == EXACT:
+            p = tl.math.exp2(t)
+        else:
+            u = (t + 127.0) * 8388608.0
+            u = tl.where(u > 0.0, u, 0.0)
+            p = tl.maximum(u.to(tl.int32) - SCHRAUDOLPH_C_, 0).to(tl.float32, bitcast=True)
+        l_term = p
+        if KV_FMT == BF16:
+            p_op = to_bf16(p, INTERPRET)
+        else:
+            p_op = to_e4m3(p * P_SCALE, INTERPRET).to(tl.float16)
+    if KV_FMT == FP8:
+        l_term = l_term * ev_neg_pow2[None, :]
+    return p_op, l_term
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, stride_qt, stride_qh,
+    codes_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
+    out_ptr, stride_ot, stride_oh, part_o_ptr, part_ml_ptr, part_tokens,
+    seq_begin, num_seqs, qk_scale, window,
+    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, REGION_CODES: tl.constexpr, REGION_SCALES: tl.constexpr,
+    SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FMT: tl.constexpr,
+    EXP_MODE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Paged attention of sequences ``[seq_begin, seq_begin + num_seqs)``.
+
+    Program ``(q block, kv head, split)``: ``BLOCK_M`` rows = ``BLOCK_M / GROUP_P2`` query
+    tokens × the GQA group of ``kv head`` (every K/V tile is loaded once for the group).
+    ``DECODE``: one query token per sequence, program ``i`` = sequence ``seq_begin + i``.
+    Otherwise query blocks are numbered per sequence (``(qsl[s] − qsl[seq_begin]) //
+    BLOCK_Q + (s − seq_begin)`` starts sequence ``s``) and found by binary search.
+    ``NUM_SPLITS > 1`` splits the key range; partial (O, M, l) go to ``part_*`` for
+    ``combine_splits_kernel``.
+    """
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:
+        seq = seq_begin + pid
+        q_block = 0
+    else:
+        base = tl.load(qsl_ptr + seq_begin)
+        lo = seq_begin
+        hi = seq_begin + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            start = (tl.load(qsl_ptr + mid) - base) // BLOCK_Q + (mid - seq_begin)
+            lo = tl.where(start <= pid, mid, lo)
+            hi = tl.where(start <= pid, hi, mid)
+        seq = lo
+        q_block = pid - ((tl.load(qsl_ptr + seq) - base) // BLOCK_Q + (seq - seq_begin))
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    tok0 = q_block * BLOCK_Q
+    if tok0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx0 = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok0 + rows // GROUP_P2
+    in_group = rows % GROUP_P2
+    row_ok = (tok < q_len) & (in_group < GROUP)
+    head = kvh * GROUP + in_group
+    pos = ctx0 + tok
+    cols = tl.arange(0, D)
+    q_row = q_ptr + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_row[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+    if KV_FMT == BF16:
+        q_op = to_bf16(q, INTERPRET)
+    elif KV_FMT == FP8:
+        q_op, eq = fp8_rows(q, True, INTERPRET)
+        row_scale = row_scale * exp2i(eq)
+    else:
+        eq = pow2_exponent_ceil(tl.max(tl.abs(q), axis=1), Q16_EXP, 0)
+        q16 = (q * exp2i(-eq)[:, None]).to(tl.float16)
+        q_even, q_odd = tl.split(tl.reshape(q16, (BLOCK_M, D // 2, 2)))
+        row_scale = row_scale * exp2i(eq)
+
+    last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
+    kv_hi = ctx0 + last_tok + 1
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(ctx0 + tok0 - window + 1, 0)
+    tile_lo = kv_lo // BLOCK_N
+    n_tiles = tl.cdiv(kv_hi, BLOCK_N) - tile_lo
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_begin = tile_lo + split * per_split
+    t_end = tl.minimum(t_begin + per_split, tile_lo + n_tiles)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_MAX
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if KV_FMT == NVFP4:
+        acc_even = tl.zeros([BLOCK_M, D // 2], dtype=tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, D // 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    half_cols = tl.arange(0, D // 2)
+    groups = tl.arange(0, D // 16)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(t_begin, t_end):
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        blk = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        k_region = blk * (2 * HKV) + kvh
+        v_region = k_region + HKV
+        off = n % PAGE
+        k_codes = codes_ptr + k_region * REGION_CODES + off * CODE_ROW
+        v_codes = codes_ptr + v_region * REGION_CODES + off * CODE_ROW
+        k_scales = scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
+        v_scales = scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
+
+        if KV_FMT == NVFP4:
+            kb = tl.load(k_codes[:, None] + half_cols[None, :], mask=n_ok[:, None], other=0)
+            ks = tl.load(k_scales[:, None] + groups[None, :], mask=n_ok[:, None], other=0)
+            k_even, k_odd = _nvfp4_halves(kb, ks, BLOCK_N, D, INTERPRET)
+            s = _dot(q_even, tl.trans(k_even), INTERPRET)
+            s += _dot(q_odd, tl.trans(k_odd), INTERPRET)
+        else:
+            kt = tl.load(k_codes[None, :] + cols[:, None], mask=n_ok[None, :], other=0)
+            if KV_FMT == FP8:
+                kt = kt.to(tl.float8e4nv, bitcast=True)
+                s = tl.dot(q_op, kt)
+            else:
+                s = _dot(q_op, kt, INTERPRET)
+        x = s * row_scale[:, None]
+        ev_neg_pow2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if KV_FMT == FP8:
+            ek = tl.load(k_scales, mask=n_ok, other=0)
+            ev = tl.load(v_scales, mask=n_ok, other=0)
+            x = x * exp2i(ek)[None, :] + ev.to(tl.float32)[None, :]
+            ev_neg_pow2 = exp2i(-ev)
+        allowed = n_ok[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            allowed &= n[None, :] > pos[:, None] - window
+        y = tl.where(allowed, x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
+        alpha = exp2i(tl.maximum(m_i - m_new, -127.0).to(tl.int32))
+        p_op, l_term = _probabilities(y - m_new[:, None], ev_neg_pow2, KV_FMT, EXP_MODE,
+                                      INTERPRET)  # fmt: skip
+        l_i = l_i * alpha + tl.sum(l_term, axis=1)
+        m_i = m_new
+        if KV_FMT == NVFP4:
+            vb = tl.load(v_codes[:, None] + half_cols[None, :], mask=n_ok[:, None], other=0)
+            vs = tl.load(v_scales[:, None] + groups[None, :], mask=n_ok[:, None], other=0)
+            v_even, v_odd = _nvfp4_halves(vb, vs, BLOCK_N, D, INTERPRET)
+            acc_even = acc_even * alpha[:, None] + _dot(p_op, v_even, INTERPRET)
+            acc_odd = acc_odd * alpha[:, None] + _dot(p_op, v_odd, INTERPRET)
+        else:
+            v = tl.load(v_codes[:, None] + cols[None, :], mask=n_ok[:, None], other=0)
+            if KV_FMT == FP8:
+                v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            acc = acc * alpha[:, None] + _dot(p_op, v, INTERPRET)
+
+    inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
+    if KV_FMT != BF16:
+        inv_l = inv_l / P_SCALE
+    tokens = (q_start + tok).to(tl.int64)
+    if NUM_SPLITS == 1:
+        o_row = out_ptr + tokens * stride_ot + head * stride_oh
+    else:
+        o_row = part_o_ptr + ((split * part_tokens + tokens) * (HKV * GROUP) + head) * D
+        ml_row = part_ml_ptr + ((split * part_tokens + tokens) * (HKV * GROUP) + head) * 2
+        tl.store(ml_row, m_i, mask=row_ok)
+        tl.store(ml_row + 1, l_i, mask=row_ok)
+    if KV_FMT == NVFP4:
+        o_even = to_out(acc_even * inv_l[:, None], o_row, INTERPRET)
+        o_odd = to_out(acc_odd * inv_l[:, None], o_row, INTERPRET)
+        tl.store(o_row[:, None] + 2 * half_cols[None, :], o_even, mask=row_ok[:, None])
+        tl.store(o_row[:, None] + 2 * half_cols[None, :] + 1, o_odd, mask=row_ok[:, None])
+    else:
+        o = to_out(acc * inv_l[:, None], o_row, INTERPRET)
+        tl.store(o_row[:, None] + cols[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, part_tokens, heads,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Merge split partials of one (token, head): weights ``l_s · 2^(M_s − max M)``."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    ml = part_ml_ptr + ((splits * part_tokens + t) * heads + h) * 2
+    m = tl.load(ml)
+    weight = tl.load(ml + 1) * exp2i(tl.maximum(m - tl.max(m, axis=0), -127.0).to(tl.int32))
+    cols = tl.arange(0, D)
+    o = tl.load(part_o_ptr + ((splits * part_tokens + t) * heads + h)[:, None] * D + cols[None, :])
+    total = tl.sum(weight, axis=0)
+    merged = tl.sum(o * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, to_out(merged, out_ptr, INTERPRET))

@@ -1,0 +1,76 @@
+"""``PagedKVCache``: one layer's paged K/V cache in a FLAMIA format, written and read by the
+serving kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flamia_serve.kernels.paged import paged_attention, write_kv_cache
+from flamia_serve.numerics.exp2 import ExpMode
+from flamia_serve.numerics.kv_pages import KVCacheDtype, KVPageFormat
+
+
+@dataclass
+class PagedKVCache:
+    """A uint8 cache ``[num_blocks, 2, Hkv, page_size * slot_bytes]`` (``numerics.kv_pages``)
+    plus its format. ``hadamard`` rotates K at write time and Q at attention time."""
+
+    data: torch.Tensor
+    fmt: KVPageFormat
+    hadamard: bool = False
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        page_size: int,
+        heads_kv: int,
+        head_dim: int,
+        dtype: KVCacheDtype = "fp8",
+        *,
+        device: torch.device | str = "cuda",
+        hadamard: bool = False,
+    ) -> PagedKVCache:
+        """A zeroed cache (page sizes 16, 32 and 64 are the tested ones)."""
+        if page_size < 1 or num_blocks < 1 or heads_kv < 1:
+            raise ValueError(
+                f"num_blocks, page_size and heads_kv must be positive, got {num_blocks}, "
+                f"{page_size}, {heads_kv}"
+            )
+        fmt = KVPageFormat(dtype, head_dim)
+        data = torch.zeros(fmt.cache_shape(num_blocks, page_size, heads_kv), dtype=torch.uint8,
+                           device=device)  # fmt: skip
+        return cls(data, fmt, hadamard)
+
+    @property
+    def page_size(self) -> int:
+        return self.fmt.page_size_of(self.data)
+
+    @property
+    def heads_kv(self) -> int:
+        return self.data.shape[2]
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize new ``key``/``value`` ``[N, Hkv, d]`` into their slots (−1 = skip)."""
+        write_kv_cache(self.data, key, value, slot_mapping, self.fmt, hadamard=self.hadamard)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        *,
+        softmax_scale: float | None = None,
+        window: int | None = None,
+        exp_mode: ExpMode = "exact",
+        **launch: object,
+    ) -> torch.Tensor:
+        """Paged attention of ``q`` ``[T, Hq, d]`` (``kernels.paged.paged_attention``)."""
+        return paged_attention(
+            q, self.data, self.fmt, block_table, seq_lens, query_start_loc,
+            softmax_scale=softmax_scale, window=window, exp_mode=exp_mode,
+            hadamard=self.hadamard, **launch,  # type: ignore[arg-type]
+        )  # fmt: skip
