@@ -62,6 +62,20 @@ def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200
     return {"ms": float(med), "ms_p20": float(p20), "ms_p80": float(p80)}
 
 
+def copy_bandwidth(device: Any, gib: float = 2.0) -> dict:
+    """Device-to-device copy: GB/s counting bytes read + written (the memory ceiling)."""
+    import torch
+
+    n = int(gib * (1 << 30)) // 2
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src))
+    gbps = 2 * n * 2 / (t["ms"] * 1e-3) / 1e9
+    print(f"device copy {2 * n * 2 / 1e9:.2f} GB moved: {t['ms']:.3f} ms = {gbps:.0f} GB/s")
+    return {"workload": "copy", "pass": "copy", "impl": "torch-copy", **t,
+            "tflops": None, "gbps": gbps}  # fmt: skip
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes held by the tensors in ``obj`` (tensors, sequences, dicts, dataclasses)."""
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (
     Rotating,
+    copy_bandwidth,
     num_input_sets,
     plot_rows,
     print_table,
@@ -402,18 +403,6 @@ def bench_workload(
         )
         rows.append(row)
     return rows
-
-
-def copy_bandwidth(device: torch.device, gib: float = 2.0) -> dict:
-    """Device-to-device copy: GB/s counting bytes read + written (the memory ceiling)."""
-    n = int(gib * (1 << 30)) // 2
-    src = torch.randn(n, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    t = time_ms(lambda: dst.copy_(src))
-    gbps = 2 * n * 2 / (t["ms"] * 1e-3) / 1e9
-    print(f"device copy {2 * n * 2 / 1e9:.2f} GB moved: {t['ms']:.3f} ms = {gbps:.0f} GB/s")
-    return {"workload": "copy", "pass": "copy", "impl": "torch-copy", **t,
-            "tflops": None, "gbps": gbps}  # fmt: skip
 
 
 def add_quant_floor(rows: list[dict], copy_gbps: float) -> None:

@@ -15,6 +15,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
+from flamia_serve.kernels.paged.triton import (
+    combine_splits_kernel,
+    paged_attention_kernel,
+    write_kv_cache_kernel,
+)
 from flamia_serve.kernels.quant.triton import quantize_qkv_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -30,8 +35,9 @@ def _compile(
         sig[name] = ptrs.get(name) or ("constexpr" if name in consts else "i32")
         if name in ptrs or name == "t_pad":
             attrs[(i,)] = [["tt.divisibility", 16]]
-    if "qk_scale" in sig:
-        sig["qk_scale"] = "fp32"
+    for name in ("qk_scale",):
+        if name in sig:
+            sig[name] = "fp32"
     source = ASTSource(kernel, sig, consts, attrs)
     return triton.compile(source, target=TARGET, options={"num_warps": warps})
 
@@ -74,7 +80,43 @@ def fwd_variants() -> None:
             print(f"attn_fwd d={d} causal={causal} nvfp4={nvfp4} two_pass={two_pass}: ok")
 
 
+# (cache dtype, codes view, scales view, page, region codes, region scales, scale base,
+#  code row, scale row) for d=128, page 16 — as kernels.paged.PagedLayout computes them
+def _paged_layouts(d: int, page: int) -> dict[int, tuple]:
+    return {
+        0: (BF16, U8, page * d, page * 2 * d, 0, d, 0),
+        1: (U8, I32, page * (d + 4), page * (d + 4) // 4, page * d // 4, d, 1),
+        2: (U8, U8, page * (d // 2 + d // 16), page * (d // 2 + d // 16), page * d // 2,
+            d // 2, d // 16),
+    }  # fmt: skip
+
+
+def paged_variants() -> None:
+    for fmt, (codes, scales, rc, rs, sb, cr, sr) in _paged_layouts(128, 16).items():
+        layout = dict(PAGE=16, REGION_CODES=rc, REGION_SCALES=rs, SCALE_BASE=sb, CODE_ROW=cr,
+                      SCALE_ROW=sr)  # fmt: skip
+        ptrs = {"key_ptr": BF16, "value_ptr": BF16, "slot_ptr": I32, "codes_ptr": codes,
+                "scales_ptr": scales}  # fmt: skip
+        consts = dict(HKV=8, HKV_P2=8, D=128, LOG2_D=7, KV_FMT=fmt, HADAMARD=fmt == 2,
+                      INTERPRET=False, **layout)  # fmt: skip
+        _compile(write_kv_cache_kernel, ptrs, consts, 4)
+        print(f"write_kv_cache fmt={fmt}: ok")
+        ptrs = {"q_ptr": BF16, "codes_ptr": codes, "scales_ptr": scales, "block_table_ptr": I32,
+                "seq_lens_ptr": I32, "qsl_ptr": I32, "out_ptr": BF16, "part_o_ptr": F32,
+                "part_ml_ptr": F32}  # fmt: skip
+        for decode, bm, bn, splits, mode in ((True, 16, 64, 4, 0), (False, 128, 64, 1, 2)):
+            consts = dict(HKV=8, GROUP=4, GROUP_P2=4, D=128, BLOCK_M=bm, BLOCK_N=bn,
+                          NUM_SPLITS=splits, DECODE=decode, HAS_WINDOW=not decode, KV_FMT=fmt,
+                          EXP_MODE=mode, INTERPRET=False, **layout)  # fmt: skip
+            _compile(paged_attention_kernel, ptrs, consts, 4 if decode else 8)
+            print(f"paged_attention fmt={fmt} decode={decode} exp_mode={mode}: ok")
+    ptrs = {"part_o_ptr": F32, "part_ml_ptr": F32, "out_ptr": BF16}
+    _compile(combine_splits_kernel, ptrs, dict(NUM_SPLITS=8, D=128, INTERPRET=False), 4)
+    print("combine_splits: ok")
+
+
 if __name__ == "__main__":
     quant_variants()
     fwd_variants()
+    paged_variants()
     sys.exit(0)
