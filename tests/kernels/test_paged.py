@@ -1,0 +1,204 @@
+"""Serving kernels vs their reference twins (interpreter on CPU, the GPU where present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia_serve.kernels import paged as kernels
+from flamia_serve.kvcache import PagedKVCache
+from flamia_serve.reference import attention as training_attention
+from flamia_serve.reference import paged as ref
+from tests.kernels.paged_cases import PagedBatch, make_batch
+
+
+def _written(b: PagedBatch, hadamard: bool = False) -> torch.Tensor:
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt, hadamard=hadamard)
+    return cache
+
+
+def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Accumulation-order tolerance: FP32 sums in another order (and FP8 wgmma's ~14-bit
+    accumulation on the GPU) move logits by ~1e-6 relative, which can flip one rounding of
+    P̂ or of the BF16 output: max error ≤ 2^-5 · max|O|, mean error ≤ 1e-3 · mean|O|."""
+    o, e = out.float(), expected.float()
+    err = (o - e).abs()
+    assert err.max() <= 2**-5 * e.abs().max(), (err.max(), e.abs().max())
+    assert err.mean() <= 1e-3 * e.abs().mean(), (err.mean(), e.abs().mean())
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize(("page_size", "head_dim", "hadamard"), [(16, 64, False), (32, 128, True)])
+def test_cache_write_bit_exact(
+    dtype: str, page_size: int, head_dim: int, hadamard: bool, device: str
+) -> None:
+    b = make_batch([3, 1], [20, 9], dtype=dtype, page_size=page_size, head_dim=head_dim,
+                   device=device)  # fmt: skip
+    b.key[0, 0] *= 5000.0  # saturates NVFP4 block scales (no second level in the slot)
+    b.value[1] = 0.0  # all-zero token
+    expected = _written(b, hadamard)
+    got = b.cache.clone()
+    key_before = b.key.clone()
+    kernels.write_kv_cache(got, b.key, b.value, b.slot_mapping, b.fmt, hadamard=hadamard)
+    assert torch.equal(got, expected)
+    assert torch.equal(b.key, key_before)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_cache_write_skips_minus_one_and_leaves_other_bytes(dtype: str, device: str) -> None:
+    b = make_batch([2], [30], dtype=dtype, spare_blocks=2, device=device)
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randint(0, 256, b.cache.shape, generator=gen, dtype=torch.uint8).to(device)
+    slots = b.slot_mapping.clone()
+    slots[::3] = -1
+    got = start.clone()
+    kernels.write_kv_cache(got, b.key, b.value, slots, b.fmt)
+    expected = start.clone()
+    ref.write_kv_cache(expected, b.key, b.value, slots, b.fmt)
+    assert torch.equal(got, expected)
+    # exactly the bytes of the addressed slots changed; -1 slots and other pages did not
+    touched = torch.zeros_like(start, dtype=torch.bool)
+    marker = torch.full_like(start, 0)
+    probe = marker.clone()
+    ones = torch.ones_like(b.key)
+    ref.write_kv_cache(probe, ones, ones, slots, b.fmt)
+    touched |= probe != marker
+    assert torch.equal(got[~touched], start[~touched])
+
+
+def test_appending_never_changes_earlier_bytes(device: str) -> None:
+    b = make_batch([0], [40], dtype="nvfp4", device=device)
+    cache = PagedKVCache(b.cache.clone(), b.fmt)
+    cache.write(b.key[:33], b.value[:33], b.slot_mapping[:33])
+    before = cache.data.clone()
+    cache.write(b.key[33:], b.value[33:], b.slot_mapping[33:])
+    changed = (cache.data != before).nonzero()
+    one_shot = _written(b)
+    assert torch.equal(cache.data, one_shot)  # token by token == all at once
+    # only slots of tokens 33.. changed: their (block, offset) pairs
+    slots = b.slot_mapping[33:].long()
+    page = cache.page_size
+    allowed = {(int(s) // page, int(s) % page) for s in slots}
+    code_bytes, split = b.fmt.code_bytes, page * b.fmt.code_bytes
+    for blk, _, _, byte in changed.tolist():
+        off = byte // code_bytes if byte < split else (byte - split) // b.fmt.scale_bytes
+        assert (blk, off) in allowed
+
+
+CASES = {
+    "decode": ([1, 1, 1], [40, 0, 77]),
+    "prefill": ([17, 5], [0, 33]),
+    "mixed": ([1, 1, 9, 40], [50, 3, 20, 0]),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("exp_mode", ["exact", "schraudolph", "mitchell"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_paged_attention_matches_reference(
+    dtype: str, exp_mode: str, case: str, device: str
+) -> None:
+    new, cached = CASES[case]
+    b = make_batch(new, cached, dtype=dtype, device=device)
+    cache = _written(b)
+    expected = ref.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
+                                   b.query_start_loc, softmax_scale=0.125,
+                                   exp_mode=exp_mode)  # fmt: skip
+    out = kernels.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
+                                  b.query_start_loc, exp_mode=exp_mode, num_splits=2)  # fmt: skip
+    _assert_close(out, expected)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "page_size", "heads_q", "heads_kv", "window", "hadamard"),
+    [
+        ("fp8", 256, 64, 2, 2, None, False),
+        ("nvfp4", 128, 32, 6, 2, 24, True),
+        ("bf16", 64, 16, 8, 1, 7, False),
+        ("nvfp4", 64, 64, 4, 4, None, False),
+    ],
+)
+def test_paged_attention_shapes_windows(
+    dtype: str, head_dim: int, page_size: int, heads_q: int, heads_kv: int,
+    window: int | None, hadamard: bool, device: str,
+) -> None:  # fmt: skip
+    b = make_batch([1, 13, 1], [70, 31, 5], dtype=dtype, head_dim=head_dim,
+                   page_size=page_size, heads_q=heads_q, heads_kv=heads_kv,
+                   device=device)  # fmt: skip
+    cache = PagedKVCache(b.cache.clone(), b.fmt, hadamard=hadamard)
+    cache.write(b.key, b.value, b.slot_mapping)
+    kwargs = dict(softmax_scale=head_dim**-0.5, window=window)
+    expected = ref.paged_attention(b.q, cache.data, b.fmt, b.block_table, b.seq_lens,
+                                   b.query_start_loc, hadamard=hadamard, **kwargs)  # fmt: skip
+    out = cache.attention(b.q, b.block_table, b.seq_lens, b.query_start_loc, num_splits=4,
+                          **kwargs)  # fmt: skip
+    _assert_close(out, expected)
+
+
+def test_fp8_cache_equals_training_forward(device: str) -> None:
+    """Serving through the FP8 cache = the training path's exact-causal MXFP8 forward."""
+    b = make_batch([48], [0], dtype="fp8", device=device, heads_q=4, heads_kv=2)
+    cache = _written(b)
+    k, v = b.key, b.value  # this sequence's tokens, in order
+    cu = torch.tensor([0, 48], dtype=torch.int32, device=device)
+    train = training_attention(b.q, k, v, cu, 48, causal=True, recipe="mxfp8",
+                               exact_causal=True, softmax_scale=0.125)  # fmt: skip
+    prefill = kernels.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
+                                      b.query_start_loc, softmax_scale=0.125)  # fmt: skip
+    _assert_close(prefill, train)
+    # decode of the last token over the 47 cached ones: the training output's last row
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    last = kernels.paged_attention(b.q[-1:], cache, b.fmt, b.block_table, b.seq_lens, qsl,
+                                   softmax_scale=0.125, num_splits=4)  # fmt: skip
+    _assert_close(last, train[-1:])
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_prefill_no_future_leakage(dtype: str, device: str) -> None:
+    """A new token's output is bit-identical when later tokens' K/V are replaced."""
+    b = make_batch([40], [20], dtype=dtype, device=device)
+    cache = _written(b)
+    out = kernels.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
+                                  b.query_start_loc)  # fmt: skip
+    key, value = b.key.clone(), b.value.clone()
+    key[45:] *= 1024.0
+    value[45:] = -value[45:] * 1024.0
+    other = b.cache.clone()
+    ref.write_kv_cache(other, key, value, b.slot_mapping, b.fmt)
+    out2 = kernels.paged_attention(b.q, other, b.fmt, b.block_table, b.seq_lens,
+                                   b.query_start_loc)  # fmt: skip
+    # new token i sits at position 20 + i: rows for positions < 45 see no changed key
+    assert torch.equal(out[:25], out2[:25])
+    assert not torch.equal(out[25:], out2[25:])
+
+
+def test_bad_inputs_raise(device: str) -> None:
+    b = make_batch([2, 1], [5, 5], dtype="fp8", device=device)
+    cache = _written(b)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+
+    def call(**over: object) -> None:
+        names = ("q", "cache", "fmt", "block_table", "seq_lens", "query_start_loc")
+        kw = dict(zip(names, args, strict=True)) | over
+        kernels.paged_attention(*(kw[n] for n in names))
+
+    with pytest.raises(TypeError, match="block_table"):
+        call(block_table=b.block_table.long())
+    with pytest.raises(TypeError, match="q must"):
+        call(q=b.q.float())
+    with pytest.raises(ValueError, match="query_start_loc"):
+        call(query_start_loc=b.query_start_loc.flip(0).contiguous())
+    with pytest.raises(ValueError, match="seq_lens"):
+        call(seq_lens=torch.ones_like(b.seq_lens))
+    with pytest.raises(ValueError, match="block ids"):
+        call(block_table=b.block_table + 1000)
+    with pytest.raises(ValueError, match="head dim"):
+        call(q=b.q[..., :32].contiguous())
+    with pytest.raises(ValueError, match="exp_mode"):
+        kernels.paged_attention(*args, exp_mode="fast")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.write_kv_cache(cache, b.key, b.value, b.slot_mapping[:3], b.fmt)
+    with pytest.raises(ValueError, match="kv_cache"):
+        kernels.write_kv_cache(cache[..., :-1].contiguous(), b.key, b.value, b.slot_mapping,
+                               b.fmt)  # fmt: skip
