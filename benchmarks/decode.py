@@ -1,0 +1,162 @@
+"""Decode over a paged KV cache: flamia (BF16 / FP8 / NVFP4 cache × exp modes) vs FlashInfer.
+
+Workloads (DESIGN.md §7): B ∈ {1, 16, 64} sequences × context L ∈ {1024, 8192, 32768},
+Hq=32, Hkv=8, d=128, page 16, pages in random order; one new token per sequence. Every
+call is timed as a CUDA-graph replay (median, L2 flushed before each call). ``gbps`` counts
+the K/V bytes of the format read once; ``pct_copy`` = that over the measured copy
+bandwidth. ``cos_vs_exact``: cosine similarity with FP32 attention over the BF16 K/V.
+
+FlashInfer 0.6.14 baselines on the same tokens: BF16 KV (CUDA-core decode), FP8 KV
+(CUDA-core and tensor-core ``fa2`` decode, scale 1 — the data fits E4M3 unscaled) and its
+sm90 NVFP4 path (``fa2``, lookup-table dequant) fed our NVFP4 bytes.
+
+    python benchmarks/decode.py [--workloads B64-L8192,...] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import copy_bandwidth, plot_rows, write_results
+from benchmarks.serving import (
+    HEAD_DIM,
+    HKV,
+    HQ,
+    PAGE,
+    ServingBatch,
+    cos_sim,
+    exact_attention,
+    flamia_impls,
+    flashinfer_nvfp4_cache,
+    graph_time,
+    make_serving_batch,
+)
+from flamia_serve.numerics.exp2 import P_E4M3, probabilities
+
+WORKLOADS = [f"B{b}-L{n}" for b in (1, 16, 64) for n in (1024, 8192, 32768)]
+
+
+def parse(name: str) -> tuple[int, int]:
+    b, n = name.split("-")
+    return int(b[1:]), int(n[1:])
+
+
+def flashinfer_impls(batch: ServingBatch) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:
+    try:
+        import flashinfer
+    except ImportError as exc:
+        print(f"flashinfer baselines skipped: {exc}")
+        return {}
+    dev = batch.q.device
+    pages = batch.seq_lens_list[0] // PAGE
+    indptr = torch.arange(0, (batch.batch + 1) * pages, pages, dtype=torch.int32, device=dev)
+    indices = batch.block_table[:, :pages].reshape(-1).contiguous()
+    last = torch.full((batch.batch,), PAGE, dtype=torch.int32, device=dev)
+    fp8 = batch.kv_nhd.to(torch.float8_e4m3fn)
+    nv_codes, nv_scales = flashinfer_nvfp4_cache(batch)
+    variants = {
+        "flashinfer-bf16": ("bf16", False, batch.kv_nhd, None, torch.bfloat16),
+        "flashinfer-fp8-cudacore": ("fi-fp8", False, fp8, None, torch.float8_e4m3fn),
+        "flashinfer-fp8-tc": ("fi-fp8", True, fp8, None, torch.float8_e4m3fn),
+        "flashinfer-nvfp4-tc": ("nvfp4", True, nv_codes, nv_scales, torch.uint8),
+    }
+    impls = {}
+    for name, (fmt, tensor_cores, cache, sf, kv_dtype) in variants.items():
+        try:
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_tensor_cores=tensor_cores
+            )
+            wrapper.plan(indptr, indices, last, HQ, HKV, HEAD_DIM, PAGE,
+                         pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
+                         kv_data_type=kv_dtype)  # fmt: skip
+
+            def call(wrapper=wrapper, cache=cache, sf=sf) -> torch.Tensor:
+                if sf is None:
+                    return wrapper.run(batch.q, cache)
+                return wrapper.run(batch.q, cache, kv_cache_sf=sf)
+
+            call()
+            impls[name] = (fmt, call)
+        except Exception as exc:
+            traceback.print_exc(limit=2)
+            print(f"{name}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
+    return impls
+
+
+def p_code_agreement(batch: ServingBatch) -> dict[str, float]:
+    """Fraction of E4M3 P̂ codes equal to the exactly rounded code, over the real scores of
+    the first sequence (Direct-P with Schraudolph vs Mitchell-P, DESIGN N9)."""
+    length = batch.seq_lens_list[0]
+    pages = batch.block_table[0, : length // PAGE].long()
+    k = batch.kv_nhd[pages][:, 0].reshape(-1, HKV, HEAD_DIM)[:length].float()
+    q = batch.q[:1].float().view(HKV, HQ // HKV, HEAD_DIM)
+    x = torch.einsum("hgd,jhd->hgj", q, k) * HEAD_DIM**-0.5 * 1.4426950408889634
+    t = x - torch.ceil(x.amax(-1, keepdim=True))
+    exact, _ = probabilities(t, "exact", P_E4M3)
+    out = {}
+    for mode in ("schraudolph", "mitchell"):
+        codes, _ = probabilities(t, mode, P_E4M3)
+        out[mode] = float((codes == exact).float().mean())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--impls", default="", help="substring filter on impl names")
+    ap.add_argument("--quick", action="store_true", help="50 ms of timing per call")
+    ap.add_argument("--name", default="decode")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    rows: list[dict] = []
+    copy_row = copy_bandwidth(dev)
+    extra: dict = {"copy_gbps": copy_row["gbps"], "shape": {"hq": HQ, "hkv": HKV,
+                   "head_dim": HEAD_DIM, "page_size": PAGE}, "p_code_agreement": {}}  # fmt: skip
+    for name in args.workloads.split(","):
+        b, length = parse(name)
+        batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
+        exact = exact_attention(batch)
+        extra["p_code_agreement"][name] = p_code_agreement(batch)
+        impls = {**flamia_impls(batch), **flashinfer_impls(batch)}
+        for impl, (fmt, call) in impls.items():
+            if args.impls and args.impls not in impl:
+                continue
+            out = call()
+            t = graph_time(call, rep_ms=50 if args.quick else 200)
+            gbps = batch.kv_bytes(fmt) / (t["ms"] * 1e-3) / 1e9
+            row = {"workload": name, "pass": "decode", "impl": impl, **t, "tflops": None,
+                   "gbps": gbps, "pct_copy": gbps / copy_row["gbps"], "kv_format": fmt,
+                   "cos_vs_exact": cos_sim(out, exact)}  # fmt: skip
+            print(f"{name:10s} {impl:28s} {t['ms'] * 1e3:9.1f} us {gbps:8.0f} GB/s "
+                  f"{100 * row['pct_copy']:5.1f}% copy  cos {row['cos_vs_exact']:.5f}")  # fmt: skip
+            rows.append(row)
+        del batch, impls
+        torch.cuda.empty_cache()
+    add_speedups(rows)
+    rows.append(copy_row)
+    write_results(args.name, rows, extra)
+    plot_rows(args.name, [r for r in rows if r["pass"] == "decode"], metric="gbps")
+    return 0
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``speedup_vs_flashinfer_fp8``: FlashInfer's fastest FP8-KV decode time over ours."""
+    for r in rows:
+        fi = [x["ms"] for x in rows if x["workload"] == r["workload"]
+              and x["impl"].startswith("flashinfer-fp8")]  # fmt: skip
+        if fi:
+            r["speedup_vs_flashinfer_fp8"] = min(fi) / r["ms"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Prefill / extend over a paged KV cache: flamia (BF16 / FP8 / NVFP4 cache × exp modes) vs
+FlashInfer's paged prefill.
+
+Workloads (DESIGN.md §7: 1–8 sequences of 512–8192 new tokens on 0–8192 cached ones), plus a
+mixed batch of decodes and prefills through the one entry point. Hq=32, Hkv=8, d=128,
+page 16, random page order; CUDA-graph replay, median. FLOPs count the causal
+(query, key) pairs: ``4·Hq·d·Σ_seq Σ_i (cached + i + 1)``. ``cos_vs_exact``: cosine
+similarity with FP32 attention over the BF16 K/V.
+
+    python benchmarks/prefill.py [--workloads S1,S2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import plot_rows, write_results
+from benchmarks.serving import (
+    HEAD_DIM,
+    HKV,
+    HQ,
+    PAGE,
+    ServingBatch,
+    cos_sim,
+    exact_attention,
+    flamia_impls,
+    graph_time,
+    make_serving_batch,
+)
+
+# name -> (new tokens per sequence, cached tokens per sequence)
+WORKLOADS: dict[str, tuple[list[int], list[int]]] = {
+    "S1-1x8192+0": ([8192], [0]),
+    "S2-2x4096+4096": ([4096] * 2, [4096] * 2),
+    "S3-4x2048+8192": ([2048] * 4, [8192] * 4),
+    "S4-8x512+8192": ([512] * 8, [8192] * 8),
+    "S5-8x1024+0": ([1024] * 8, [0] * 8),
+    "MIX-32dec@4096+2x2048+1024": ([1] * 32 + [2048] * 2, [4095] * 32 + [1024] * 2),
+}
+
+
+def flops(batch: ServingBatch) -> float:
+    pairs = 0
+    for n, length in zip(batch.q_lens, batch.seq_lens_list, strict=True):
+        cached = length - n
+        pairs += n * cached + n * (n + 1) // 2
+    return 4.0 * HQ * HEAD_DIM * pairs
+
+
+def flashinfer_impls(batch: ServingBatch) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:
+    try:
+        import flashinfer
+    except ImportError as exc:
+        print(f"flashinfer baselines skipped: {exc}")
+        return {}
+    dev = batch.q.device
+    pages = [-(-n // PAGE) for n in batch.seq_lens_list]
+    kv_indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32,
+                             device=dev)  # fmt: skip
+    indices = torch.cat([batch.block_table[i, :p] for i, p in enumerate(pages)]).contiguous()
+    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(batch.seq_lens_list, pages,
+                                                            strict=True)],
+                        dtype=torch.int32, device=dev)  # fmt: skip
+    variants = {
+        "flashinfer-bf16": (batch.kv_nhd, torch.bfloat16, "auto"),
+        "flashinfer-fp8-fa2": (batch.kv_nhd.to(torch.float8_e4m3fn), torch.float8_e4m3fn, "fa2"),
+    }
+    impls = {}
+    for name, (cache, kv_dtype, backend) in variants.items():
+        try:
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            wrapper.plan(batch.query_start_loc, kv_indptr, indices, last, HQ, HKV, HEAD_DIM,
+                         PAGE, causal=True, q_data_type=torch.bfloat16,
+                         kv_data_type=kv_dtype)  # fmt: skip
+
+            def call(wrapper=wrapper, cache=cache) -> torch.Tensor:
+                return wrapper.run(batch.q, cache)
+
+            call()
+            impls[name] = ("bf16" if kv_dtype == torch.bfloat16 else "fi-fp8", call)
+        except Exception as exc:
+            traceback.print_exc(limit=2)
+            print(f"{name}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
+    return impls
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--impls", default="", help="substring filter on impl names")
+    ap.add_argument("--quick", action="store_true", help="50 ms of timing per call")
+    ap.add_argument("--name", default="prefill")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    rows: list[dict] = []
+    for i, name in enumerate(args.workloads.split(",")):
+        new, cached = WORKLOADS[name]
+        batch = make_serving_batch(new, [c + n for c, n in zip(cached, new, strict=True)], dev,
+                                   seed=i)  # fmt: skip
+        exact = exact_attention(batch)
+        impls = {**flamia_impls(batch), **flashinfer_impls(batch)}
+        for impl, (fmt, call) in impls.items():
+            if args.impls and args.impls not in impl:
+                continue
+            out = call()
+            t = graph_time(call, rep_ms=50 if args.quick else 200)
+            row = {"workload": name, "pass": "prefill", "impl": impl, **t,
+                   "tflops": flops(batch) / (t["ms"] * 1e-3) / 1e12, "gbps": None,
+                   "kv_format": fmt, "cos_vs_exact": cos_sim(out, exact)}  # fmt: skip
+            print(f"{name:28s} {impl:28s} {t['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
+                  f"cos {row['cos_vs_exact']:.5f}")  # fmt: skip
+            rows.append(row)
+        del batch, impls
+        torch.cuda.empty_cache()
+    for r in rows:
+        same = [x for x in rows if x["workload"] == r["workload"]]
+        exact_ms = [x["ms"] for x in same if x["impl"] == r["impl"].rsplit("-", 1)[0] + "-exact"]
+        if r["impl"].startswith("flamia") and exact_ms:
+            r["speedup_vs_exact_exp"] = exact_ms[0] / r["ms"]
+        fi = [x["ms"] for x in same if x["impl"].startswith("flashinfer")]
+        if fi:
+            r["speedup_vs_best_baseline"] = min(fi) / r["ms"]
+    write_results(args.name, rows, {"shape": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM,
+                                              "page_size": PAGE}})  # fmt: skip
+    plot_rows(args.name, rows, metric="tflops")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Shared setup of the serving benchmarks: paged batches in every cache format, FlashInfer
+wrappers over the same tokens, CUDA-graph timing and accuracy against exact attention."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks.common import time_ms
+from flamia_serve.kernels.paged import paged_attention, write_kv_cache
+from flamia_serve.numerics.exp2 import EXP_MODES
+from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat, region_view
+
+HQ, HKV, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+@dataclass
+class ServingBatch:
+    """``B`` sequences of ``seq_lens`` tokens (the last ``q_lens`` new) in random pages; K/V in
+    FlashInfer's NHD BF16 layout and in each FLAMIA cache format."""
+
+    q: torch.Tensor
+    q_lens: list[int]
+    seq_lens_list: list[int]
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    kv_nhd: torch.Tensor  # [pages, 2, PAGE, HKV, D] bf16
+    caches: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return len(self.q_lens)
+
+    def kv_bytes(self, dtype: str) -> int:
+        """Bytes of K and V read for the batch's tokens in a cache format."""
+        slot = {"fi-fp8": HEAD_DIM, **{d: KVPageFormat(d, HEAD_DIM).slot_bytes
+                                        for d in KV_CACHE_DTYPES}}[dtype]  # fmt: skip
+        return 2 * sum(self.seq_lens_list) * HKV * slot
+
+
+def make_serving_batch(q_lens: list[int], seq_lens: list[int], device: torch.device,
+                       seed: int = 0) -> ServingBatch:  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pages = [math.ceil(n / PAGE) for n in seq_lens]
+    total_pages = sum(pages)
+    order = torch.randperm(total_pages, device=device, generator=gen).int()
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=device)
+    start = 0
+    for i, p in enumerate(pages):
+        table[i, :p] = order[start : start + p]
+        start += p
+    kv = torch.randn(total_pages, 2, PAGE, HKV, HEAD_DIM, device=device, generator=gen,
+                     dtype=torch.bfloat16)  # fmt: skip
+    q = torch.randn(sum(q_lens), HQ, HEAD_DIM, device=device, generator=gen,
+                    dtype=torch.bfloat16) * 2  # fmt: skip
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+    batch = ServingBatch(q, q_lens, seq_lens, table,
+                         torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl, kv)
+    for dtype in KV_CACHE_DTYPES:
+        fmt = KVPageFormat(dtype, HEAD_DIM)
+        cache = torch.zeros(fmt.cache_shape(total_pages, PAGE, HKV), dtype=torch.uint8,
+                            device=device)  # fmt: skip
+        # every page in order: slot = page * PAGE + offset
+        flat = kv.permute(1, 0, 2, 3, 4).reshape(2, -1, HKV, HEAD_DIM)
+        slots = torch.arange(flat.shape[1], device=device, dtype=torch.int64)
+        for lo in range(0, flat.shape[1], 1 << 20):
+            sl = slice(lo, lo + (1 << 20))
+            write_kv_cache(cache, flat[0, sl], flat[1, sl], slots[sl], fmt)
+        batch.caches[dtype] = cache
+    return batch
+
+
+def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
+                 ) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:  # fmt: skip
+    """``flamia-<cache>-<exp mode>`` -> (cache dtype, call) with no host synchronisation."""
+    num_decodes = 0
+    for n in batch.q_lens:
+        if n != 1:
+            break
+        num_decodes += 1
+    impls = {}
+    for dtype in KV_CACHE_DTYPES:
+        fmt = KVPageFormat(dtype, HEAD_DIM)
+        for mode in modes:
+            def call(fmt=fmt, mode=mode, cache=batch.caches[dtype]) -> torch.Tensor:
+                return paged_attention(
+                    batch.q, cache, fmt, batch.block_table, batch.seq_lens,
+                    batch.query_start_loc, exp_mode=mode, num_decodes=num_decodes,
+                    max_seq_len=max(batch.seq_lens_list), validate=False,
+                )  # fmt: skip
+
+            impls[f"flamia-{dtype}-{mode}"] = (dtype, call)
+    return impls
+
+
+def flashinfer_nvfp4_cache(batch: ServingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our NVFP4 bytes in FlashInfer's NHD layout: codes ``[pages, 2, PAGE, HKV, D/2]`` uint8
+    and E4M3 scales ``[pages, 2, PAGE, HKV, D/16]``."""
+    codes, scales = region_view(batch.caches["nvfp4"], KVPageFormat("nvfp4", HEAD_DIM))
+    return (codes.permute(0, 1, 3, 2, 4).contiguous(),
+            scales.permute(0, 1, 3, 2, 4).contiguous().view(torch.float8_e4m3fn))  # fmt: skip
+
+
+def graph_time(fn: Callable[[], Any], *, rep_ms: float = 200) -> dict:
+    """Median time of ``fn`` replayed from a CUDA graph (eager when capture fails)."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return {**time_ms(graph.replay, rep_ms=rep_ms), "cuda_graph": True}
+    except Exception:
+        traceback.print_exc(limit=1)
+        torch.cuda.synchronize()
+        return {**time_ms(fn, rep_ms=rep_ms), "cuda_graph": False}
+
+
+def exact_attention(batch: ServingBatch) -> torch.Tensor:
+    """FP32 attention of the new tokens over the BF16 K/V (causal within the new tokens)."""
+    out = torch.empty(batch.q.shape, dtype=torch.float32, device=batch.q.device)
+    starts = batch.query_start_loc.tolist()
+    for s, length in enumerate(batch.seq_lens_list):
+        pages = batch.block_table[s, : math.ceil(length / PAGE)].long()
+        kv = batch.kv_nhd[pages].permute(1, 0, 2, 3, 4).reshape(2, -1, HKV, HEAD_DIM)
+        k = kv[0, :length].float().repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)
+        v = kv[1, :length].float().repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)
+        a, b = starts[s], starts[s + 1]
+        q = batch.q[a:b].float().transpose(0, 1)
+        n = b - a
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def cos_sim(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(),
+                                                       dim=0))  # fmt: skip
