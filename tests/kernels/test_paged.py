@@ -21,10 +21,11 @@ def _written(b: PagedBatch, hadamard: bool = False) -> torch.Tensor:
 def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
     """Accumulation-order tolerance: FP32 sums in another order (and FP8 wgmma's ~14-bit
     accumulation on the GPU) move logits by ~1e-6 relative, which can flip one rounding of
-    P̂ or of the BF16 output: max error ≤ 2^-5 · max|O|, mean error ≤ 1e-3 · mean|O|."""
+    P̂ (E4M3: up to 12.5% of a dominant key's weight) or of the BF16 output: max error
+    ≤ 2^-3 · max|O| (as the training forward's GPU tests), mean error ≤ 1e-3 · mean|O|."""
     o, e = out.float(), expected.float()
     err = (o - e).abs()
-    assert err.max() <= 2**-5 * e.abs().max(), (err.max(), e.abs().max())
+    assert err.max() <= 2**-3 * e.abs().max(), (err.max(), e.abs().max())
     assert err.mean() <= 1e-3 * e.abs().mean(), (err.mean(), e.abs().mean())
 
 

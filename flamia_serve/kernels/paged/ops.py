@@ -230,6 +230,8 @@ def paged_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     validate: bool = True,
+    decode_config: PagedConfig | None = None,
+    prefill_config: PagedConfig | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens ``q`` ``[T, Hq, d]`` over the paged cache (new K/V already
     written) — twin: ``reference.paged.paged_attention``.
@@ -237,7 +239,8 @@ def paged_attention(
     ``block_table`` ``[B, pages]`` int32, ``seq_lens`` ``[B]`` int32 (cached tokens incl. the
     new ones), ``query_start_loc`` ``[B+1]`` int32. ``num_decodes``: the leading sequences
     with one query token (found on the host when None); ``max_seq_len`` sizes the split-K of
-    decodes (host-read when None). ``validate`` checks index values on the host.
+    decodes (host-read when None). ``validate`` checks index values on the host (off for
+    CUDA-graph capture). ``*_config`` override the measured tile configs.
     Returns ``out`` (``[T, Hq, d]``, q's dtype).
     """
     _check_paged_inputs(q, cache, fmt, block_table, seq_lens, query_start_loc, validate)
@@ -271,7 +274,12 @@ def paged_attention(
     heads_kv = cache.shape[2]
     group = heads_q // heads_kv
     group_p2 = triton.next_power_of_2(group)
-    decode_cfg, prefill_cfg = _configs(group_p2, d)
+    default_decode, default_prefill = _configs(group_p2, d)
+    decode_cfg = decode_config or default_decode
+    prefill_cfg = prefill_config or default_prefill
+    for cfg in (decode_cfg, prefill_cfg):
+        if cfg.block_m % group_p2 or cfg.block_m < 16:
+            raise ValueError(f"block_m must be >= 16 and a multiple of the GQA group, got {cfg}")
     common = dict(
         HKV=heads_kv, GROUP=group, GROUP_P2=group_p2, D=d, HAS_WINDOW=window is not None,
         KV_FMT=_FMT_ID[fmt.dtype], EXP_MODE=EXP_MODES.index(exp_mode), INTERPRET=interpreted(),

@@ -105,15 +105,67 @@ def _nvfp4_halves(
     Each E2M1 nibble ``s e1 e0 m`` is re-encoded as the E4M3 byte ``s 0 0 e1 e0 m 0 0``
     (= value · 2^-6; subnormals map to subnormals), converted to FP16, and multiplied by
     its E4M3 block scale · 2^6 in FP16 — exact: ≤ 6 significant bits in [2^-10, 2688].
+    On the GPU the re-encoding and conversion of four bytes is one opaque asm block (see
+    ``_e4m3_to_f16``).
     """
-    lo8 = ((codes & 7) << 2) | ((codes & 8) << 4)
-    hi8 = ((codes >> 2) & 0x1C) | (codes & 0x80)
     scale = (scale_codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(tl.float16)
-    lo = lo8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    hi = hi8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    if INTERPRET:
+        lo8 = ((codes & 7) << 2) | ((codes & 8) << 4)
+        hi8 = ((codes >> 2) & 0x1C) | (codes & 0x80)
+        lo = lo8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = hi8.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, lo, hi;
+            .reg .b16 a, b, c, d;
+            shl.b32 t0, $4, 2;
+            and.b32 t0, t0, 0x1C1C1C1C;
+            shl.b32 t1, $4, 4;
+            and.b32 t1, t1, 0x80808080;
+            or.b32 lo, t0, t1;
+            shr.b32 t0, $4, 2;
+            and.b32 t0, t0, 0x1C1C1C1C;
+            and.b32 t1, $4, 0x80808080;
+            or.b32 hi, t0, t1;
+            mov.b32 {a, b}, lo;
+            cvt.rn.f16x2.e4m3x2 $0, a;
+            cvt.rn.f16x2.e4m3x2 $1, b;
+            mov.b32 {c, d}, hi;
+            cvt.rn.f16x2.e4m3x2 $2, c;
+            cvt.rn.f16x2.e4m3x2 $3, d;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[codes],
+            dtype=(tl.float16, tl.float16),
+            is_pure=False,
+            pack=4,
+        )
     lo = tl.reshape(tl.reshape(lo, (ROWS, D // 16, 8)) * scale[:, :, None], (ROWS, D // 2))
     hi = tl.reshape(tl.reshape(hi, (ROWS, D // 16, 8)) * scale[:, :, None], (ROWS, D // 2))
     return lo, hi
+
+
+@triton.jit
+def _e4m3_to_f16(codes, INTERPRET: tl.constexpr):
+    """Exact FP16 values of E4M3 bytes (uint8). On the GPU one opaque ``cvt`` per pair, so
+    Triton's layout pass cannot move a dot operand's layout change onto the 8-bit codes
+    (which it would then read from shared memory byte by byte)."""
+    if INTERPRET:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r",
+        args=[codes],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -223,6 +275,7 @@ def paged_attention_kernel(
         q_op = to_bf16(q, INTERPRET)
     elif KV_FMT == FP8:
         q_op, eq = fp8_rows(q, True, INTERPRET)
+        q_op = q_op.to(tl.float16)  # exact; K codes are widened too (see the loop)
         row_scale = row_scale * exp2i(eq)
     else:
         eq = pow2_exponent_ceil(tl.max(tl.abs(q), axis=1), Q16_EXP, 0)
@@ -272,10 +325,10 @@ def paged_attention_kernel(
         else:
             kt = tl.load(k_codes[None, :] + cols[:, None], mask=n_ok[None, :], other=0)
             if KV_FMT == FP8:
-                kt = kt.to(tl.float8e4nv, bitcast=True)
-                s = tl.dot(q_op, kt)
-            else:
-                s = _dot(q_op, kt, INTERPRET)
+                # widened to FP16 in registers (exact): an 8-bit operand staged in shared
+                # memory is read back byte by byte by Triton's mma.sync path
+                kt = _e4m3_to_f16(kt, INTERPRET)
+            s = _dot(q_op, kt, INTERPRET)
         x = s * row_scale[:, None]
         ev_neg_pow2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         if KV_FMT == FP8:
@@ -302,7 +355,7 @@ def paged_attention_kernel(
         else:
             v = tl.load(v_codes[:, None] + cols[None, :], mask=n_ok[:, None], other=0)
             if KV_FMT == FP8:
-                v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+                v = _e4m3_to_f16(v, INTERPRET)
             acc = acc * alpha[:, None] + _dot(p_op, v, INTERPRET)
 
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)

@@ -1,0 +1,66 @@
+"""Tile configs of the paged attention kernel on the GPU: decode at B64-L8192 and prefill at
+S3 (4×2048 new on 8192 cached), every cache format, exact exp. Prints and writes JSON.
+
+    python benchmarks/tune_paged.py
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import write_results
+from benchmarks.serving import HEAD_DIM, graph_time, make_serving_batch
+from flamia_serve.kernels.paged import PagedConfig, paged_attention
+from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    rows = []
+    cases = {
+        "B64-L8192": ([1] * 64, [8192] * 64, "decode"),
+        "S3-4x2048+8192": ([2048] * 4, [10240] * 4, "prefill"),
+    }
+    for name, (new, lens, kind) in cases.items():
+        batch = make_serving_batch(new, lens, dev)
+        if kind == "decode":
+            grid = [PagedConfig(16, bn, w, st) for bn, w, st in
+                    itertools.product((32, 64, 128), (4,), (1, 2, 3, 4))]  # fmt: skip
+        else:
+            grid = [PagedConfig(bm, bn, w, st) for bm, bn, w, st in
+                    itertools.product((64, 128), (32, 64), (4, 8), (1, 2, 3))]  # fmt: skip
+        for dtype in KV_CACHE_DTYPES:
+            fmt = KVPageFormat(dtype, HEAD_DIM)
+            for cfg in grid:
+                call = functools.partial(
+                    paged_attention, batch.q, batch.caches[dtype], fmt, batch.block_table,
+                    batch.seq_lens, batch.query_start_loc,
+                    num_decodes=len(new) if kind == "decode" else 0, max_seq_len=max(lens),
+                    validate=False, decode_config=cfg, prefill_config=cfg,
+                )  # fmt: skip
+
+                try:
+                    t = graph_time(call, rep_ms=40)
+                except Exception as exc:
+                    print(f"{name} {dtype} {cfg}: failed {type(exc).__name__}: {exc}"[:300])
+                    continue
+                gbps = batch.kv_bytes(dtype) / (t["ms"] * 1e-3) / 1e9
+                print(f"{name} {dtype:5s} {cfg} {t['ms'] * 1e3:8.1f} us {gbps:6.0f} GB/s")
+                rows.append({"workload": name, "pass": kind, "impl": f"flamia-{dtype}-exact",
+                             "config": cfg.__dict__, **t, "tflops": None, "gbps": gbps})
+        del batch
+        torch.cuda.empty_cache()
+    write_results("tune_paged", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
