@@ -33,10 +33,10 @@ def main() -> int:
         batch = make_serving_batch(new, lens, dev)
         if kind == "decode":
             grid = [PagedConfig(16, bn, w, st) for bn, w, st in
-                    itertools.product((32, 64, 128), (4,), (1, 2, 3, 4))]  # fmt: skip
+                    itertools.product((64, 128), (4,), (1, 2, 3))]  # fmt: skip
         else:
-            grid = [PagedConfig(bm, bn, w, st) for bm, bn, w, st in
-                    itertools.product((64, 128), (32, 64), (4, 8), (1, 2, 3))]  # fmt: skip
+            grid = [PagedConfig(*c) for c in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2),
+                                              (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3))]
         for dtype in KV_CACHE_DTYPES:
             fmt = KVPageFormat(dtype, HEAD_DIM)
             for cfg in grid:
