@@ -32,19 +32,19 @@ def main() -> int:
     for name, (new, lens, kind) in cases.items():
         batch = make_serving_batch(new, lens, dev)
         if kind == "decode":
-            grid = [PagedConfig(16, bn, w, st) for bn, w, st in
-                    itertools.product((64, 128), (4,), (1, 2, 3))]  # fmt: skip
+            grid = [(PagedConfig(16, bn, w, st), sp) for bn, w, st, sp in
+                    itertools.product((64, 128), (4, 8), (2, 3), (1, 4, 8))]  # fmt: skip
         else:
-            grid = [PagedConfig(*c) for c in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2),
-                                              (64, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3))]
+            grid = [(PagedConfig(*c), 1) for c in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2),
+                                                   (128, 64, 8, 3), (64, 64, 4, 3))]
         for dtype in KV_CACHE_DTYPES:
             fmt = KVPageFormat(dtype, HEAD_DIM)
-            for cfg in grid:
+            for cfg, splits in grid:
                 call = functools.partial(
                     paged_attention, batch.q, batch.caches[dtype], fmt, batch.block_table,
                     batch.seq_lens, batch.query_start_loc,
                     num_decodes=len(new) if kind == "decode" else 0, max_seq_len=max(lens),
-                    validate=False, decode_config=cfg, prefill_config=cfg,
+                    validate=False, decode_config=cfg, prefill_config=cfg, num_splits=splits,
                 )  # fmt: skip
 
                 try:
@@ -53,9 +53,11 @@ def main() -> int:
                     print(f"{name} {dtype} {cfg}: failed {type(exc).__name__}: {exc}"[:300])
                     continue
                 gbps = batch.kv_bytes(dtype) / (t["ms"] * 1e-3) / 1e9
-                print(f"{name} {dtype:5s} {cfg} {t['ms'] * 1e3:8.1f} us {gbps:6.0f} GB/s")
+                us = t["ms"] * 1e3
+                print(f"{name} {dtype:5s} {cfg} splits={splits} {us:8.1f} us {gbps:6.0f} GB/s")
                 rows.append({"workload": name, "pass": kind, "impl": f"flamia-{dtype}-exact",
-                             "config": cfg.__dict__, **t, "tflops": None, "gbps": gbps})
+                             "config": cfg.__dict__, "splits": splits, **t, "tflops": None,
+                             "gbps": gbps})
         del batch
         torch.cuda.empty_cache()
     write_results("tune_paged", rows)

@@ -322,12 +322,12 @@ def paged_attention_kernel(
             k_even, k_odd = _nvfp4_halves(kb, ks, BLOCK_N, D, INTERPRET)
             s = _dot(q_even, tl.trans(k_even), INTERPRET)
             s += _dot(q_odd, tl.trans(k_odd), INTERPRET)
+        elif KV_FMT == FP8:
+            # widened to FP16 in registers (exact) before the MMA, like the NVFP4 path
+            k = tl.load(k_codes[:, None] + cols[None, :], mask=n_ok[:, None], other=0)
+            s = _dot(q_op, tl.trans(_e4m3_to_f16(k, INTERPRET)), INTERPRET)
         else:
             kt = tl.load(k_codes[None, :] + cols[:, None], mask=n_ok[None, :], other=0)
-            if KV_FMT == FP8:
-                # widened to FP16 in registers (exact): an 8-bit operand staged in shared
-                # memory is read back byte by byte by Triton's mma.sync path
-                kt = _e4m3_to_f16(kt, INTERPRET)
             s = _dot(q_op, kt, INTERPRET)
         x = s * row_scale[:, None]
         ev_neg_pow2 = tl.zeros([BLOCK_N], dtype=tl.float32)
