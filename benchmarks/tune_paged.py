@@ -22,7 +22,13 @@ from flamia_serve.kernels.paged import PagedConfig, paged_attention
 from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="decode,prefill")
+    ap.add_argument("--formats", default=",".join(KV_CACHE_DTYPES))
+    args = ap.parse_args(argv)
     dev = torch.device("cuda")
     rows = []
     cases = {
@@ -30,14 +36,16 @@ def main() -> int:
         "S3-4x2048+8192": ([2048] * 4, [10240] * 4, "prefill"),
     }
     for name, (new, lens, kind) in cases.items():
+        if kind not in args.cases.split(","):
+            continue
         batch = make_serving_batch(new, lens, dev)
         if kind == "decode":
             grid = [(PagedConfig(16, bn, w, st), sp) for bn, w, st, sp in
-                    itertools.product((64, 128), (4, 8), (2, 3), (1, 4, 8))]  # fmt: skip
+                    itertools.product((32, 64, 128), (4,), (1, 2), (4, 8, 16))]  # fmt: skip
         else:
             grid = [(PagedConfig(*c), 1) for c in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2),
                                                    (128, 64, 8, 3), (64, 64, 4, 3))]
-        for dtype in KV_CACHE_DTYPES:
+        for dtype in args.formats.split(","):
             fmt = KVPageFormat(dtype, HEAD_DIM)
             for cfg, splits in grid:
                 call = functools.partial(
