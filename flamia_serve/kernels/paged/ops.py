@@ -130,14 +130,20 @@ class PagedConfig:
     num_stages: int = 2
 
 
-def _configs(group_p2: int, d: int) -> tuple[PagedConfig, PagedConfig]:
-    """(decode, prefill) configs, measured on the H200 (``benchmarks/decode.py``)."""
+def _configs(group_p2: int, d: int, dtype: str) -> tuple[PagedConfig, PagedConfig]:
+    """(decode, prefill) configs, measured on the H200 (``benchmarks/tune_paged.py``,
+    ``benchmarks/results/tune_paged*.json``): decodes from quantized caches gain from long key
+    tiles (per-tile latency dominates), BF16 decodes from short pipelined ones."""
     decode_m = max(16, group_p2)
     if interpreted():
         return PagedConfig(decode_m, 16, 4, 1), PagedConfig(max(32, group_p2), 16, 4, 1)
     if d >= 256:
         return PagedConfig(decode_m, 32, 4, 2), PagedConfig(max(64, group_p2), 32, 4, 2)
-    return PagedConfig(decode_m, 64, 4, 3), PagedConfig(max(128, group_p2), 64, 8, 2)
+    if dtype == "bf16":
+        return PagedConfig(decode_m, 64, 4, 2), PagedConfig(max(64, group_p2), 64, 4, 2)
+    prefill = PagedConfig(max(128, group_p2), 64, 8, 3) if dtype == "fp8" else PagedConfig(
+        max(64, group_p2), 64, 4, 2)
+    return PagedConfig(decode_m, 128, 4, 2), prefill
 
 
 def _num_sms(device: torch.device) -> int:
@@ -147,12 +153,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_decodes: int, heads_kv: int, max_seq_len: int, block_n: int,
-                  device: torch.device) -> int:  # fmt: skip
-    """Key-range splits of a decode launch: enough programs for two waves of SMs, each
-    split at least four key tiles long; a power of two up to 64."""
+                  device: torch.device, waves: int = 2) -> int:  # fmt: skip
+    """Key-range splits of a decode launch: enough programs for ``waves`` programs per SM,
+    each split at least four key tiles long; a power of two up to 64."""
     if num_decodes == 0:
         return 1
-    want = math.ceil(2 * _num_sms(device) / (num_decodes * heads_kv))
+    want = math.ceil(waves * _num_sms(device) / (num_decodes * heads_kv))
     by_length = max(1, math.ceil(max_seq_len / (4 * block_n)))
     return min(64, triton.next_power_of_2(max(1, min(want, by_length))))
 
@@ -274,7 +280,7 @@ def paged_attention(
     heads_kv = cache.shape[2]
     group = heads_q // heads_kv
     group_p2 = triton.next_power_of_2(group)
-    default_decode, default_prefill = _configs(group_p2, d)
+    default_decode, default_prefill = _configs(group_p2, d, fmt.dtype)
     decode_cfg = decode_config or default_decode
     prefill_cfg = prefill_config or default_prefill
     for cfg in (decode_cfg, prefill_cfg):
@@ -289,8 +295,10 @@ def paged_attention(
             block_table.stride(0), seq_lens, query_start_loc)  # fmt: skip
     win = window or 0
     if num_decodes:
+        # quantized caches: eight programs per SM hide the per-tile latency (tune_paged)
+        waves = 2 if fmt.dtype == "bf16" else 8
         splits = num_splits or decode_splits(num_decodes, heads_kv, max_seq_len,
-                                             decode_cfg.block_n, q.device)  # fmt: skip
+                                             decode_cfg.block_n, q.device, waves)  # fmt: skip
         if splits & (splits - 1):
             raise ValueError(f"num_splits must be a power of two, got {splits}")
         part_o = part_ml = out
