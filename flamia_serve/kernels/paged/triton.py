@@ -40,6 +40,7 @@ L_BITS_BASE: tl.constexpr = tl.constexpr(8 * (120 - P_HAT_EXP))
 # 2**15 = 1.0 * 2**15: the FP16 row maximum of Q for the NVFP4 cache (reference.Q_FP16_MAX)
 Q16_EXP: tl.constexpr = tl.constexpr(15)
 RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23
+MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B400000)  # its float32 bits
 NO_MAX: tl.constexpr = tl.constexpr(-1073741824.0)  # running-max sentinel (-2**30)
 
 
@@ -182,19 +183,21 @@ def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
                    INTERPRET: tl.constexpr):  # fmt: skip
     """(P̂ as the P·V operand, normaliser terms) for ``t = y − M`` (numerics.exp2)."""
     if EXP_MODE == MITCHELL:
+        # RNE(scaled) as an integer straight from the bits of scaled + 1.5·2^23 (no float ->
+        # int conversion instruction); the clamp keeps |scaled| < 2^22 for finite logits
         if KV_FMT == BF16:
-            r = (tl.maximum(t, -256.0) * 128.0 + RNE_MAGIC) - RNE_MAGIC
-            code = r.to(tl.int32) + 127 * 128
+            f = tl.maximum(t, -256.0) * 128.0 + RNE_MAGIC
+            code = f.to(tl.int32, bitcast=True) - (MAGIC_BITS - 127 * 128)
             code = tl.where(code >= 128, code, 0)
-            p_op = code.to(tl.int16).to(tl.bfloat16, bitcast=True)
             l_term = (code << 16).to(tl.float32, bitcast=True)
+            p_op = code.to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
-            r = (tl.maximum(t + P_SHIFT, -256.0) * 8.0 + RNE_MAGIC) - RNE_MAGIC
-            code = r.to(tl.int32) + 56
-            code = tl.where(code >= 8, code, 0)
-            p_op = tl.where(code > 0, (code + 64) << 7, 0).to(tl.int16)
+            f = tl.maximum(t + P_SHIFT, -256.0) * 8.0 + RNE_MAGIC
+            code = f.to(tl.int32, bitcast=True) - (MAGIC_BITS - 56)
+            normal = code >= 8
+            p_op = tl.where(normal, (code + 64) << 7, 0).to(tl.int16)
             p_op = p_op.to(tl.float16, bitcast=True)
-            l_term = tl.where(code > 0, (code + L_BITS_BASE) << 20, 0).to(tl.float32, bitcast=True)
+            l_term = tl.where(normal, (code + L_BITS_BASE) << 20, 0).to(tl.float32, bitcast=True)
     else:
         if EXP_MODE == EXACT:
             p = tl.math.exp2(t)
