@@ -203,3 +203,21 @@ def test_bad_inputs_raise(device: str) -> None:
     with pytest.raises(ValueError, match="kv_cache"):
         kernels.write_kv_cache(cache[..., :-1].contiguous(), b.key, b.value, b.slot_mapping,
                                b.fmt)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
+def test_approximate_exponentials_stay_close_to_exact(dtype: str) -> None:
+    """N9: Schraudolph and Mitchell-P outputs have cos-sim >= 0.999 with exact exp (the
+    constant part of their error cancels in the normaliser)."""
+    b = make_batch([128, 1], [384, 700], heads_q=8, heads_kv=2, head_dim=128, dtype=dtype,
+                   seed=3)  # fmt: skip
+    cache = _written(b)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    outs = {
+        mode: ref.paged_attention(*args, softmax_scale=128**-0.5, exp_mode=mode).float().flatten()
+        for mode in ("exact", "schraudolph", "mitchell")
+    }
+    for mode in ("schraudolph", "mitchell"):
+        cos = torch.nn.functional.cosine_similarity(outs[mode], outs["exact"], dim=0)
+        assert cos >= 0.999, (mode, float(cos))
+        assert not torch.equal(outs[mode], outs["exact"])
