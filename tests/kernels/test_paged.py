@@ -221,3 +221,29 @@ def test_approximate_exponentials_stay_close_to_exact(dtype: str) -> None:
         cos = torch.nn.functional.cosine_similarity(outs[mode], outs["exact"], dim=0)
         assert cos >= 0.999, (mode, float(cos))
         assert not torch.equal(outs[mode], outs["exact"])
+
+
+def test_edge_batches(device: str) -> None:
+    """An empty sequence between others, a one-token context, all-zero queries and keys,
+    a window wider than the context, and an empty call."""
+    b = make_batch([3, 0, 1, 1], [10, 4, 0, 20], dtype="fp8", device=device)
+    b.q[-1] = 0.0
+    b.key[:5] = 0.0
+    cache = _written(b)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    for window in (None, 1000, 1):
+        expected = ref.paged_attention(*args, softmax_scale=0.125, window=window)
+        out = kernels.paged_attention(*args, window=window, num_decodes=0)
+        _assert_close(out, expected)
+        assert torch.isfinite(out.float()).all()
+    empty = kernels.paged_attention(b.q[:0], cache, b.fmt, b.block_table[:0], b.seq_lens[:0],
+                                    b.query_start_loc[:1])  # fmt: skip
+    assert empty.shape == (0, *b.q.shape[1:])
+
+
+def test_write_rejects_slots_outside_the_cache(device: str) -> None:
+    b = make_batch([2], [3], dtype="nvfp4", device=device)
+    slots = b.slot_mapping.clone()
+    slots[1] = b.cache.shape[0] * 16
+    with pytest.raises(ValueError, match="slot_mapping holds slots"):
+        kernels.write_kv_cache(b.cache.clone(), b.key, b.value, slots, b.fmt)

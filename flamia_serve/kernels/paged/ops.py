@@ -84,10 +84,13 @@ def write_kv_cache(
     fmt: KVPageFormat,
     *,
     hadamard: bool = False,
+    validate: bool = True,
 ) -> None:
     """Quantize ``key``/``value`` ``[N, Hkv, d]`` (bf16/fp16/fp32) into ``cache`` at
     ``slot_mapping`` ``[N]`` (int32/int64, ``block * page_size + offset``, −1 = skip), in
-    place — twin: ``reference.paged.write_kv_cache``. Only the addressed slots change."""
+    place — twin: ``reference.paged.write_kv_cache``. Only the addressed slots change.
+    ``validate`` checks on the host that every slot is −1 or inside the cache (off for
+    CUDA-graph capture)."""
     check_tensor(key, "key", ndim=3, dtypes=(*INPUT_DTYPES, torch.float32))
     check_tensor(value, "value", ndim=3, dtypes=(*INPUT_DTYPES, torch.float32))
     check_tensor(slot_mapping, "slot_mapping", ndim=1, dtypes=(torch.int32, torch.int64))
@@ -108,6 +111,14 @@ def write_kv_cache(
         raise ValueError(f"hadamard needs a power-of-two head dim, got {d}")
     if n == 0:
         return
+    if validate:
+        slots = slot_mapping[:n]
+        bad = (slots < -1) | (slots >= cache.shape[0] * page)
+        if bool(bad.any()):
+            raise ValueError(
+                f"slot_mapping holds slots outside [-1, {cache.shape[0] * page}) "
+                f"(num_blocks {cache.shape[0]} x page_size {page})"
+            )
     layout = PagedLayout.of(cache, fmt)
     write_kv_cache_kernel[(n,)](
         key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1), slot_mapping,
@@ -116,7 +127,6 @@ def write_kv_cache(
         KV_FMT=_FMT_ID[fmt.dtype], HADAMARD=hadamard, INTERPRET=interpreted(),
         num_warps=4, **layout.kernel_args(),
     )  # fmt: skip
-    del page
 
 
 @dataclass(frozen=True)
