@@ -25,6 +25,7 @@ import torch
 from flamia_serve.numerics.scales import (
     NVFP4_GROUP,
     Granularity,
+    NVFP4Tensor,
     quantize_fp8,
     quantize_nvfp4,
 )
@@ -124,8 +125,6 @@ def decode_slots(codes: torch.Tensor, scales: torch.Tensor, fmt: KVPageFormat) -
     if fmt.dtype == "fp8":
         exps = scales.contiguous().view(torch.int32).view(n, h)
         return DecodedSlots(codes.contiguous().view(torch.float8_e4m3fn).float(), exps)
-    from flamia_serve.numerics.scales import NVFP4Tensor
-
     zero = torch.zeros(n, h, dtype=torch.int8, device=codes.device)
     q4 = NVFP4Tensor(codes, scales.contiguous().view(torch.float8_e4m3fn), zero)
     return DecodedSlots(q4.dequantize(second_level=False).view(n, h, d), None)

@@ -10,17 +10,20 @@ from __future__ import annotations
 import inspect
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
+from flamia_serve.kernels.paged.ops import PagedLayout
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
     paged_attention_kernel,
     write_kv_cache_kernel,
 )
 from flamia_serve.kernels.quant.triton import quantize_qkv_kernel
+from flamia_serve.numerics.kv_pages import KVPageFormat
 
 TARGET = GPUTarget("cuda", 90, 32)
 FP8, I8, I32, U8, BF16, F32 = "*fp8e4nv", "*i8", "*i32", "*u8", "*bf16", "*fp32"
@@ -80,21 +83,21 @@ def fwd_variants() -> None:
             print(f"attn_fwd d={d} causal={causal} nvfp4={nvfp4} two_pass={two_pass}: ok")
 
 
-# (cache dtype, codes view, scales view, page, region codes, region scales, scale base,
-#  code row, scale row) for d=128, page 16 — as kernels.paged.PagedLayout computes them
-def _paged_layouts(d: int, page: int) -> dict[int, tuple]:
-    return {
-        0: (BF16, U8, page * d, page * 2 * d, 0, d, 0),
-        1: (U8, I32, page * (d + 4), page * (d + 4) // 4, page * d // 4, d, 1),
-        2: (U8, U8, page * (d // 2 + d // 16), page * (d // 2 + d // 16), page * d // 2,
-            d // 2, d // 16),
-    }  # fmt: skip
+_PTR = {torch.uint8: U8, torch.bfloat16: BF16, torch.int32: I32}
+
+
+def _paged_layout(fmt_id: int) -> tuple[str, str, dict]:
+    """(codes pointer type, scales pointer type, layout constexprs) of a d=128, page-16
+    cache, as the launcher computes them."""
+    fmt = KVPageFormat(("bf16", "fp8", "nvfp4")[fmt_id], 128)
+    cache = torch.zeros(fmt.cache_shape(1, 16, 8), dtype=torch.uint8)
+    layout = PagedLayout.of(cache, fmt)
+    return _PTR[layout.codes.dtype], _PTR[layout.scales.dtype], layout.kernel_args()
 
 
 def paged_variants() -> None:
-    for fmt, (codes, scales, rc, rs, sb, cr, sr) in _paged_layouts(128, 16).items():
-        layout = dict(PAGE=16, REGION_CODES=rc, REGION_SCALES=rs, SCALE_BASE=sb, CODE_ROW=cr,
-                      SCALE_ROW=sr)  # fmt: skip
+    for fmt in (0, 1, 2):
+        codes, scales, layout = _paged_layout(fmt)
         ptrs = {"key_ptr": BF16, "value_ptr": BF16, "slot_ptr": I32, "codes_ptr": codes,
                 "scales_ptr": scales}  # fmt: skip
         consts = dict(HKV=8, HKV_P2=8, D=128, LOG2_D=7, KV_FMT=fmt, HADAMARD=fmt == 2,

@@ -19,6 +19,7 @@ from flamia_serve.kernels.paged.triton import (
     paged_attention_kernel,
     write_kv_cache_kernel,
 )
+from flamia_serve.numerics import hadamard_transform
 from flamia_serve.numerics.checks import INPUT_DTYPES, check_softmax_scale, check_tensor
 from flamia_serve.numerics.exp2 import EXP_MODES, ExpMode, check_exp_mode
 from flamia_serve.numerics.kv_pages import KVPageFormat
@@ -276,8 +277,6 @@ def paged_attention(
         return out
     qk_scale = scale * math.log2(math.e)
     if hadamard:
-        from flamia_serve.numerics import hadamard_transform
-
         q = hadamard_transform(q)
         qk_scale /= d
     if num_decodes is None:
