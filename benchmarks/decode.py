@@ -33,12 +33,11 @@ from benchmarks.serving import (
     HQ,
     PAGE,
     ServingBatch,
-    cos_sim,
-    exact_attention,
     flamia_impls,
     flashinfer_nvfp4_cache,
-    graph_time,
+    import_flashinfer,
     make_serving_batch,
+    measure,
 )
 from flamia_serve.numerics.exp2 import P_E4M3, probabilities
 
@@ -51,10 +50,8 @@ def parse(name: str) -> tuple[int, int]:
 
 
 def flashinfer_impls(batch: ServingBatch) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:
-    try:
-        import flashinfer
-    except ImportError as exc:
-        print(f"flashinfer baselines skipped: {exc}")
+    flashinfer = import_flashinfer()
+    if flashinfer is None:
         return {}
     dev = batch.q.device
     pages = batch.seq_lens_list[0] // PAGE
@@ -125,24 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads.split(","):
         b, length = parse(name)
         batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
-        exact = exact_attention(batch)
         extra["p_code_agreement"][name] = p_code_agreement(batch)
         impls = {**flamia_impls(batch), **flashinfer_impls(batch)}
-        exact_mode: dict[str, torch.Tensor] = {}
-        for impl, (fmt, call) in impls.items():
-            if args.impls and args.impls not in impl:
-                continue
-            out = call()
-            if impl.endswith("-exact"):
-                exact_mode[fmt] = out
-            t = graph_time(call, rep_ms=50 if args.quick else 200)
-            gbps = batch.kv_bytes(fmt) / (t["ms"] * 1e-3) / 1e9
-            row = {"workload": name, "pass": "decode", "impl": impl, **t, "tflops": None,
-                   "gbps": gbps, "pct_copy": gbps / copy_row["gbps"], "kv_format": fmt,
-                   "cos_vs_exact": cos_sim(out, exact),
-                   "cos_vs_exact_exp": cos_sim(out, exact_mode[fmt]) if impl.startswith("flamia")
-                   and fmt in exact_mode else None}  # fmt: skip
-            print(f"{name:10s} {impl:28s} {t['ms'] * 1e3:9.1f} us {gbps:8.0f} GB/s "
+        for row in measure(name, "decode", batch, impls, impl_filter=args.impls,
+                           quick=args.quick):  # fmt: skip
+            gbps = batch.kv_bytes(row["kv_format"]) / (row["ms"] * 1e-3) / 1e9
+            row.update(tflops=None, gbps=gbps, pct_copy=gbps / copy_row["gbps"])
+            print(f"{name:10s} {row['impl']:28s} {row['ms'] * 1e3:9.1f} us {gbps:8.0f} GB/s "
                   f"{100 * row['pct_copy']:5.1f}% copy  cos {row['cos_vs_exact']:.5f}")  # fmt: skip
             rows.append(row)
         del batch, impls

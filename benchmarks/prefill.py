@@ -30,11 +30,10 @@ from benchmarks.serving import (
     HQ,
     PAGE,
     ServingBatch,
-    cos_sim,
-    exact_attention,
     flamia_impls,
-    graph_time,
+    import_flashinfer,
     make_serving_batch,
+    measure,
 )
 
 # name -> (new tokens per sequence, cached tokens per sequence)
@@ -57,10 +56,8 @@ def flops(batch: ServingBatch) -> float:
 
 
 def flashinfer_impls(batch: ServingBatch) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:
-    try:
-        import flashinfer
-    except ImportError as exc:
-        print(f"flashinfer baselines skipped: {exc}")
+    flashinfer = import_flashinfer()
+    if flashinfer is None:
         return {}
     dev = batch.q.device
     pages = [-(-n // PAGE) for n in batch.seq_lens_list]
@@ -107,23 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         new, cached = WORKLOADS[name]
         batch = make_serving_batch(new, [c + n for c, n in zip(cached, new, strict=True)], dev,
                                    seed=i)  # fmt: skip
-        exact = exact_attention(batch)
         impls = {**flamia_impls(batch), **flashinfer_impls(batch)}
-        exact_mode: dict[str, torch.Tensor] = {}
-        for impl, (fmt, call) in impls.items():
-            if args.impls and args.impls not in impl:
-                continue
-            out = call()
-            if impl.endswith("-exact"):
-                exact_mode[fmt] = out
-            t = graph_time(call, rep_ms=50 if args.quick else 200)
-            row = {"workload": name, "pass": "prefill", "impl": impl, **t,
-                   "tflops": flops(batch) / (t["ms"] * 1e-3) / 1e12, "gbps": None,
-                   "kv_format": fmt, "cos_vs_exact": cos_sim(out, exact),
-                   "cos_vs_exact_exp": cos_sim(out, exact_mode[fmt]) if impl.startswith("flamia")
-                   and fmt in exact_mode else None}  # fmt: skip
-            print(f"{name:28s} {impl:28s} {t['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
-                  f"cos {row['cos_vs_exact']:.5f}")  # fmt: skip
+        for row in measure(name, "prefill", batch, impls, impl_filter=args.impls,
+                           quick=args.quick):  # fmt: skip
+            row.update(tflops=flops(batch) / (row["ms"] * 1e-3) / 1e12, gbps=None)
+            print(f"{name:28s} {row['impl']:28s} {row['ms']:8.3f} ms {row['tflops']:7.1f} "
+                  f"TFLOP/s cos {row['cos_vs_exact']:.5f}")  # fmt: skip
             rows.append(row)
         del batch, impls
         torch.cuda.empty_cache()

@@ -146,6 +146,39 @@ def exact_attention(batch: ServingBatch) -> torch.Tensor:
     return out
 
 
+def import_flashinfer() -> Any:
+    """The ``flashinfer`` module, or None (baselines are then left out, with a message)."""
+    try:
+        import flashinfer
+    except ImportError as exc:
+        print(f"flashinfer baselines skipped: {exc}")
+        return None
+    return flashinfer
+
+
+def measure(workload: str, pass_name: str, batch: ServingBatch,
+            impls: dict[str, tuple[str, Callable[[], torch.Tensor]]], *, impl_filter: str = "",
+            quick: bool = False) -> list[dict]:  # fmt: skip
+    """Time every impl (``impl_filter``: substring) on ``batch`` and compare its output with
+    FP32 attention (``cos_vs_exact``) and, for flamia impls, with the same cache's exact-exp
+    output (``cos_vs_exact_exp``). One row per impl; the caller adds its rates."""
+    exact = exact_attention(batch)
+    exact_exp: dict[str, torch.Tensor] = {}
+    rows = []
+    for impl, (fmt, call) in impls.items():
+        if impl_filter and impl_filter not in impl:
+            continue
+        out = call()
+        if impl.endswith("-exact"):
+            exact_exp[fmt] = out
+        t = graph_time(call, rep_ms=50 if quick else 200)
+        own = impl.startswith("flamia") and fmt in exact_exp
+        rows.append({"workload": workload, "pass": pass_name, "impl": impl, **t,
+                     "kv_format": fmt, "cos_vs_exact": cos_sim(out, exact),
+                     "cos_vs_exact_exp": cos_sim(out, exact_exp[fmt]) if own else None})
+    return rows
+
+
 def cos_sim(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(),
                                                        dim=0))  # fmt: skip
