@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import time_ms
-from flamia_serve.kernels.paged import paged_attention, write_kv_cache
+from flamia_serve.kernels.paged import leading_decodes, paged_attention, write_kv_cache
 from flamia_serve.numerics.exp2 import EXP_MODES
 from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat, region_view
 
@@ -80,11 +80,7 @@ def make_serving_batch(q_lens: list[int], seq_lens: list[int], device: torch.dev
 def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
                  ) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:  # fmt: skip
     """``flamia-<cache>-<exp mode>`` -> (cache dtype, call) with no host synchronisation."""
-    num_decodes = 0
-    for n in batch.q_lens:
-        if n != 1:
-            break
-        num_decodes += 1
+    num_decodes = leading_decodes(batch.query_start_loc)
     impls = {}
     for dtype in KV_CACHE_DTYPES:
         fmt = KVPageFormat(dtype, HEAD_DIM)

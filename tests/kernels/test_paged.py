@@ -247,3 +247,13 @@ def test_write_rejects_slots_outside_the_cache(device: str) -> None:
     slots[1] = b.cache.shape[0] * 16
     with pytest.raises(ValueError, match="slot_mapping holds slots"):
         kernels.write_kv_cache(b.cache.clone(), b.key, b.value, slots, b.fmt)
+
+
+def test_cache_allocate_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        PagedKVCache.allocate(4, 0, 2, 64, "fp8", device="cpu")
+    with pytest.raises(ValueError, match="kv cache dtype"):
+        PagedKVCache.allocate(4, 16, 2, 64, "int4", device="cpu")  # type: ignore[arg-type]
+    cache = PagedKVCache.allocate(4, 32, 2, 64, "nvfp4", device="cpu")
+    assert cache.page_size == 32 and cache.heads_kv == 2
+    assert cache.data.shape == (4, 2, 2, 32 * (32 + 4))

@@ -4,8 +4,16 @@ from flamia_serve.kernels.paged.ops import (
     PagedConfig,
     PagedLayout,
     decode_splits,
+    leading_decodes,
     paged_attention,
     write_kv_cache,
 )
 
-__all__ = ["PagedConfig", "PagedLayout", "decode_splits", "paged_attention", "write_kv_cache"]
+__all__ = [
+    "PagedConfig",
+    "PagedLayout",
+    "decode_splits",
+    "leading_decodes",
+    "paged_attention",
+    "write_kv_cache",
+]

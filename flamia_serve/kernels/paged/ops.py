@@ -174,6 +174,14 @@ def decode_splits(num_decodes: int, heads_kv: int, max_seq_len: int, block_n: in
     return min(64, triton.next_power_of_2(max(1, min(want, by_length))))
 
 
+def leading_decodes(query_start_loc: torch.Tensor) -> int:
+    """Number of leading sequences with exactly one new token (host read): the decodes of a
+    batch ordered decodes first, as vLLM orders them."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
+    not_decode = (q_lens != 1).nonzero()
+    return int(not_decode[0]) if not_decode.numel() else q_lens.numel()
+
+
 def _check_paged_inputs(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -280,9 +288,7 @@ def paged_attention(
         q = hadamard_transform(q)
         qk_scale /= d
     if num_decodes is None:
-        q_lens = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
-        not_decode = (q_lens != 1).nonzero()
-        num_decodes = int(not_decode[0]) if not_decode.numel() else batch
+        num_decodes = leading_decodes(query_start_loc[: batch + 1])
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     layout = PagedLayout.of(cache, fmt)
