@@ -26,7 +26,7 @@ from flamia_serve.kernels.quant.triton import quantize_qkv_kernel
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
 TARGET = GPUTarget("cuda", 90, 32)
-FP8, I8, I32, U8, BF16, F32 = "*fp8e4nv", "*i8", "*i32", "*u8", "*bf16", "*fp32"
+FP8, I8, I16, I32, U8, BF16, F32 = "*fp8e4nv", "*i8", "*i16", "*i32", "*u8", "*bf16", "*fp32"
 
 
 def _compile(
@@ -48,9 +48,9 @@ def _compile(
 def quant_variants() -> None:
     ptrs = {
         "q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "block_start_ptr": I32,
-        "block_len_ptr": I32, "block_v_t_ptr": I32, "q8_ptr": FP8, "q_exp_ptr": I8,
-        "k8_ptr": FP8, "k_exp_ptr": I8,
-        "vt_ptr": FP8, "v_exp_ptr": I8, "q4_ptr": U8, "q4_scale_ptr": FP8, "q4_exp_ptr": I8,
+        "block_len_ptr": I32, "block_v_t_ptr": I32, "q8_ptr": FP8, "q_exp_ptr": I16,
+        "k8_ptr": FP8, "k_exp_ptr": I16,
+        "vt_ptr": FP8, "v_exp_ptr": I16, "q4_ptr": U8, "q4_scale_ptr": FP8, "q4_exp_ptr": I8,
         "k4_ptr": U8, "k4_scale_ptr": FP8, "k4_exp_ptr": I8,
     }  # fmt: skip
     for d in (64, 128, 256):
@@ -63,9 +63,9 @@ def quant_variants() -> None:
 
 def fwd_variants() -> None:
     ptrs = {
-        "q8_ptr": FP8, "q_exp_ptr": I8, "k8_ptr": FP8, "k_exp_ptr": I8, "q4_ptr": U8,
+        "q8_ptr": FP8, "q_exp_ptr": I16, "k8_ptr": FP8, "k_exp_ptr": I16, "q4_ptr": U8,
         "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
-        "k4_exp_ptr": I8, "vt_ptr": FP8, "doc_v_t_ptr": I32, "v_exp_ptr": I8, "cu_ptr": I32,
+        "k4_exp_ptr": I8, "vt_ptr": FP8, "doc_v_t_ptr": I32, "v_exp_ptr": I16, "cu_ptr": I32,
         "item_doc_ptr": I32,
         "item_tile_ptr": I32, "count_ptr": I32, "ticket_ptr": I32, "out_ptr": BF16,
         "m_ptr": F32, "lse_ptr": F32,
@@ -78,7 +78,7 @@ def fwd_variants() -> None:
         ):
             consts = dict(HQ=32, HKV=8, D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
                           QK_NVFP4=nvfp4, TWO_PASS=two_pass, INTERPRET=False,
-                          PERSISTENT=persistent)  # fmt: skip
+                          PERSISTENT=persistent, KE_BLOCK=1 if causal else 32)  # fmt: skip
             _compile(attn_fwd_kernel, ptrs, consts, warps)
             print(f"attn_fwd d={d} causal={causal} nvfp4={nvfp4} two_pass={two_pass}: ok")
 

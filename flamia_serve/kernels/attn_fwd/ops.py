@@ -67,8 +67,8 @@ def attn_fwd(
     Same contract as ``flamia_serve.reference.attention_forward`` (M integer row reference,
     lse base 2). ``work`` comes from a ``VarlenPlan``; without one it is built here.
     """
-    total, heads_kv, d = qkv.k8.codes.shape
-    dev = qkv.k8.codes.device
+    total, heads_kv, d = qkv.k_codes.shape
+    dev = qkv.k_codes.device
     cfg = config or default_config(d, dev)
     if cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
@@ -91,18 +91,20 @@ def attn_fwd(
         q4_args = (q4.codes, q4.block_scales, q4.exponents)
         k4_args = (k4.codes, k4.block_scales, k4.exponents)
     else:  # placeholders of the right dtypes, never read
-        q4_args = k4_args = (qkv.q8.codes.view(torch.uint8), qkv.q8.codes, qkv.q8.exponents)
+        q4_args = k4_args = (qkv.q_codes.view(torch.uint8), qkv.q_codes, qkv.q_exp)
+    # K exponents shared by aligned key blocks are read once per block (scalar loads)
+    ke_block = qkv.k_exp_block if not nvfp4 and cfg.block_n % qkv.k_exp_block == 0 else 1
     ticket = torch.zeros(1, dtype=torch.int32, device=dev)
     grid = (_persistent_programs(dev) if cfg.persistent else work.num_slots * heads_q,)
     attn_fwd_kernel[grid](
-        qkv.q8.codes, qkv.q8.exponents, qkv.k8.codes, qkv.k8.exponents,
+        qkv.q_codes, qkv.q_exp, qkv.k_codes, qkv.k_exp,
         *q4_args, *k4_args, qkv.v_t, qkv.doc_v_t_start, qkv.v_exp,
         cu_seqlens, work.doc, work.tile, work.count, ticket,
         out, m_rows, lse_rows,
         softmax_scale * LOG2E * qkv.qk_rescale, qkv.v_t.shape[-1], total,
         HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=cfg.two_pass, INTERPRET=interpreted(),
-        PERSISTENT=cfg.persistent,
+        PERSISTENT=cfg.persistent, KE_BLOCK=ke_block,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, m_rows, lse_rows

@@ -24,19 +24,22 @@ P_HAT_EXP = tl.constexpr(_P_HAT_EXP)  # P̂ holds E4M3(P' * 2^8)
 
 @triton.jit
 def _load_nvfp4_tile(
-    codes_ptr, scale_ptr, rows, row_ok, H: tl.constexpr, h, D: tl.constexpr, ROWS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    codes_ptr, scale_ptr, row0, offs, row_ok, H: tl.constexpr, h, D: tl.constexpr,
+    ROWS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Dequantize an NVFP4 ``[ROWS, D]`` tile to BF16 (exact: <= 6 significant bits), without
-    its per-token power of two (float32 under the interpreter, whose BF16 dot is broken)."""
+    """Dequantize the NVFP4 ``[ROWS, D]`` tile of tokens ``row0 + offs`` to BF16 (exact: <= 6
+    significant bits), without its per-token power of two (float32 under the interpreter,
+    whose BF16 dot is broken)."""
     half = tl.arange(0, D // 2)
     groups = tl.arange(0, D // 16)
-    base = (rows.to(tl.int64) * H + h)[:, None]
-    packed = tl.load(codes_ptr + base * (D // 2) + half[None, :], mask=row_ok[:, None], other=0)
+    first = row0.to(tl.int64) * H + h
+    codes = codes_ptr + first * (D // 2) + offs[:, None] * (H * D // 2) + half[None, :]
+    packed = tl.load(codes, mask=row_ok[:, None], other=0)
     vals = tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))
     vals = tl.reshape(vals, (ROWS, D // 16, 16))
-    scale_ptrs = scale_ptr.to(tl.pointer_type(tl.uint8)) + base * (D // 16) + groups[None, :]
-    scale = tl.load(scale_ptrs, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+    scales = scale_ptr.to(tl.pointer_type(tl.uint8)) + first * (D // 16)
+    scales += offs[:, None] * (H * D // 16) + groups[None, :]
+    scale = tl.load(scales, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
     vals = vals * scale.to(tl.float32)[:, :, None]
     vals = tl.reshape(vals, (ROWS, D))
     if INTERPRET:
@@ -46,40 +49,72 @@ def _load_nvfp4_tile(
 
 @triton.jit
 def _load_qk_tile(
-    x8_ptr, x_exp_ptr, x4_ptr, x4_scale_ptr, x4_exp_ptr, rows, row_ok, n_tok,
-    H: tl.constexpr, h, D: tl.constexpr, ROWS: tl.constexpr, QK_NVFP4: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    x8_ptr, x4_ptr, x4_scale_ptr, row0, offs, row_ok, H: tl.constexpr, h, D: tl.constexpr,
+    ROWS: tl.constexpr, QK_NVFP4: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Score operand tile (E4M3 codes or NVFP4 as BF16) and its per-row exponents (int32)."""
-    flat = rows.to(tl.int64) * H + h
+    """Score operand tile of tokens ``row0 + offs`` (``offs`` int32 ``[ROWS]``, small): E4M3
+    codes, or NVFP4 dequantized to BF16 (without its exponents). One 64-bit base per tile
+    and 32-bit offsets keep the address registers few."""
     if QK_NVFP4:
-        tile = _load_nvfp4_tile(x4_ptr, x4_scale_ptr, rows, row_ok, H, h, D, ROWS, INTERPRET)
-        e = tl.load(x4_exp_ptr + h * n_tok + rows, mask=row_ok, other=0).to(tl.int32)
+        tile = _load_nvfp4_tile(
+            x4_ptr, x4_scale_ptr, row0, offs, row_ok, H, h, D, ROWS, INTERPRET
+        )
     else:
         cols = tl.arange(0, D)
-        tile = tl.load(x8_ptr + flat[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
-        e = tl.load(x_exp_ptr + h * n_tok + rows, mask=row_ok, other=0).to(tl.int32)
-    return tile, e
+        base = x8_ptr + (row0.to(tl.int64) * H + h) * D
+        tile = tl.load(
+            base + offs[:, None] * (H * D) + cols[None, :], mask=row_ok[:, None], other=0.0
+        )
+    return tile
+
+
+@triton.jit
+def _key_exponents(
+    k_exp_ptr, k4_exp_ptr, v_exp_ptr, n_tok, doc_start, t_pad, v_t_start, key0, key_end, hk,
+    BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, KE_BLOCK: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    """int32 K and V exponents of the key tile at ``key0`` (0 past ``key_end``): E4M3 ones
+    in ``v_t``'s column layout (16-aligned document starts), NVFP4 ones per token.
+
+    Full tiles (not ``MASK``) load unmasked: a mask along the keys would split the int16
+    vectors, and Triton's pipeliner only stages loads of >= 4 bytes per thread.
+    ``KE_BLOCK > 1``: K exponents are shared by document-local blocks of that many keys
+    (token-block recipe), so one scalar load per block replaces a per-key vector load.
+    """
+    offs_n = key0 + tl.arange(0, BLOCK_N)
+    key_ok = (offs_n < key_end) | (not MASK)
+    at = hk * t_pad + v_t_start + offs_n
+    if QK_NVFP4:
+        ke = tl.load(k4_exp_ptr + hk * n_tok + doc_start + offs_n, mask=key_ok, other=0)
+        ke = ke.to(tl.int32)
+    elif KE_BLOCK > 1:
+        ke = tl.zeros([BLOCK_N], tl.int32)
+        for b in tl.static_range(BLOCK_N // KE_BLOCK):
+            first = key0 + b * KE_BLOCK
+            e_b = tl.load(k_exp_ptr + hk * t_pad + v_t_start + first, mask=first < key_end, other=0)
+            ke = tl.where(tl.arange(0, BLOCK_N) // KE_BLOCK == b, e_b.to(tl.int32), ke)
+    else:
+        ke = tl.load(k_exp_ptr + at, mask=key_ok, other=0).to(tl.int32)
+    ev = tl.load(v_exp_ptr + at, mask=key_ok, other=0).to(tl.int32)
+    return ke, ev
 
 
 @triton.jit
 def _scores(
-    q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
-    doc_start, key0, key_end, offs_m, HKV: tl.constexpr, hk, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    q, qfac, ke, ev, k8_ptr, k4_ptr, k4_scale_ptr, doc_start, key0, key_end, offs_m,
+    HKV: tl.constexpr, hk, D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Folded base-2 logits ``y = (Q̂·K̂ᵀ) qfac_i 2^eK_j + eV_j`` of one key tile, −inf where
     masked, and ``2^(−eV_j)``."""
-    offs_n = key0 + tl.arange(0, BLOCK_N)
+    keys = tl.arange(0, BLOCK_N)
+    offs_n = key0 + keys
     key_ok = offs_n < key_end
-    rows = doc_start + offs_n
-    k, ke = _load_qk_tile(
-        k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, rows, key_ok, n_tok, HKV, hk, D,
-        BLOCK_N,
-        QK_NVFP4, INTERPRET,
+    # full tiles load unmasked (every key is inside the document)
+    k = _load_qk_tile(
+        k8_ptr, k4_ptr, k4_scale_ptr, doc_start + key0, keys, key_ok | (not MASK), HKV, hk, D,
+        BLOCK_N, QK_NVFP4, INTERPRET,
     )  # fmt: skip
-    ev = tl.load(v_exp_ptr + hk * n_tok + rows, mask=key_ok, other=0).to(tl.int32)
     s = tl.dot(q, tl.trans(k))
     y = s * qfac[:, None] * exp2i(ke)[None, :] + ev.to(tl.float32)[None, :]
     if MASK:
@@ -92,16 +127,19 @@ def _scores(
 
 @triton.jit
 def _row_max_pass(
-    m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
-    doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok, t_pad,
+    v_t_start, doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, KE_BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     for key0 in range(lo, hi, BLOCK_N):
+        ke, ev = _key_exponents(
+            k_exp_ptr, k4_exp_ptr, v_exp_ptr, n_tok, doc_start, t_pad, v_t_start, key0, key_end,
+            hk, BLOCK_N, QK_NVFP4, KE_BLOCK, MASK,
+        )  # fmt: skip
         y, _ = _scores(
-            q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
-            doc_start, key0, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, MASK,
-            INTERPRET,
+            q, qfac, ke, ev, k8_ptr, k4_ptr, k4_scale_ptr, doc_start, key0, key_end, offs_m,
+            HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, MASK, INTERPRET,
         )  # fmt: skip
         m_i = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
     return m_i
@@ -111,15 +149,18 @@ def _row_max_pass(
 def _accumulate(
     acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
     v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, CAUSAL: tl.constexpr,
-    MASK: tl.constexpr, TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, KE_BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     cols = tl.arange(0, D)
     for key0 in range(lo, hi, BLOCK_N):
+        ke, ev = _key_exponents(
+            k_exp_ptr, k4_exp_ptr, v_exp_ptr, n_tok, doc_start, t_pad, v_t_start, key0, key_end,
+            hk, BLOCK_N, QK_NVFP4, KE_BLOCK, MASK,
+        )  # fmt: skip
         y, v_inv = _scores(
-            q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
-            doc_start, key0, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, MASK,
-            INTERPRET,
+            q, qfac, ke, ev, k8_ptr, k4_ptr, k4_scale_ptr, doc_start, key0, key_end, offs_m,
+            HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, MASK, INTERPRET,
         )  # fmt: skip
         if not TWO_PASS:
             m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
@@ -139,8 +180,10 @@ def _accumulate(
             vt = tl.load(vt_ptrs, mask=(offs_n < key_end)[None, :], other=0.0)
         else:  # a mask along the contiguous key axis would forbid 16-byte loads
             vt = tl.load(vt_ptrs)
-        # promote the FP8 MMA's reduced-precision accumulator to FP32 once per key tile
-        acc = tl.dot(p_hat, tl.trans(vt), acc, max_num_imprecise_acc=BLOCK_N)
+        # Hopper's FP8 MMA accumulates with ~14 mantissa bits: each key tile's P̂·V̂ starts
+        # from zero and is added in FP32 (promotion per tile; written out, because
+        # ``max_num_imprecise_acc`` makes ptxas serialize the wgmma chain and spill)
+        acc += tl.dot(p_hat, tl.trans(vt))
     return acc, l_i, m_i
 
 
@@ -151,7 +194,7 @@ def _attn_item(
     item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tok,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, QK_NVFP4: tl.constexpr,
-    TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+    TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr, KE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One (document, query tile, head) work item."""
     pair = work // HQ
@@ -165,10 +208,14 @@ def _attn_item(
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < length
     rows = doc_start + offs_m
-    q, qe = _load_qk_tile(
-        q8_ptr, q_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr, rows, row_ok, n_tok, HQ, h, D, BLOCK_M,
-        QK_NVFP4, INTERPRET,
+    q = _load_qk_tile(
+        q8_ptr, q4_ptr, q4_scale_ptr, doc_start + tile * BLOCK_M, tl.arange(0, BLOCK_M), row_ok,
+        HQ, h, D, BLOCK_M, QK_NVFP4, INTERPRET,
     )  # fmt: skip
+    if QK_NVFP4:
+        qe = tl.load(q4_exp_ptr + h * n_tok + rows, mask=row_ok, other=0).to(tl.int32)
+    else:
+        qe = tl.load(q_exp_ptr + h * n_tok + rows, mask=row_ok, other=0).to(tl.int32)
     qfac = exp2i(qe) * qk_scale
     if CAUSAL:
         # key tiles wholly below the query tile need no mask; the rest is the diagonal
@@ -183,25 +230,25 @@ def _attn_item(
     if TWO_PASS:
         m_i = _row_max_pass(
             m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
-            doc_start, 0, full_end, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4, CAUSAL, False,
-            INTERPRET,
+            t_pad, v_t_start, doc_start, 0, full_end, key_end, offs_m, HKV, hk, D, BLOCK_N,
+            QK_NVFP4, KE_BLOCK, CAUSAL, False, INTERPRET,
         )  # fmt: skip
         m_i = _row_max_pass(
             m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, v_exp_ptr, n_tok,
-            doc_start, full_end, key_end, key_end, offs_m, HKV, hk, D, BLOCK_N, QK_NVFP4,
-            CAUSAL, True, INTERPRET,
+            t_pad, v_t_start, doc_start, full_end, key_end, key_end, offs_m, HKV, hk, D,
+            BLOCK_N, QK_NVFP4, KE_BLOCK, CAUSAL, True, INTERPRET,
         )  # fmt: skip
     acc, l_i, m_i = _accumulate(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
         v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, 0, full_end, key_end, offs_m, HKV, hk, D,
         BLOCK_N,
-        QK_NVFP4, CAUSAL, False, TWO_PASS, INTERPRET,
+        QK_NVFP4, KE_BLOCK, CAUSAL, False, TWO_PASS, INTERPRET,
     )  # fmt: skip
     acc, l_i, m_i = _accumulate(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
         v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, full_end, key_end, key_end, offs_m, HKV,
         hk, D,
-        BLOCK_N, QK_NVFP4, CAUSAL, True, TWO_PASS, INTERPRET,
+        BLOCK_N, QK_NVFP4, KE_BLOCK, CAUSAL, True, TWO_PASS, INTERPRET,
     )  # fmt: skip
     out = acc / l_i[:, None]
     flat = rows.to(tl.int64) * HQ + h
@@ -218,9 +265,9 @@ def _attn_item(
 @triton.jit
 def attn_fwd_kernel(
     q8_ptr,  # [T, HQ, D] e4m3
-    q_exp_ptr,  # [HQ, T] int8 (head-major)
+    q_exp_ptr,  # [HQ, T] int16 (head-major)
     k8_ptr,  # [T, HKV, D] e4m3
-    k_exp_ptr,  # [HKV, T] int8
+    k_exp_ptr,  # [HKV, t_pad] int16, v_t's column layout
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
     q4_exp_ptr,  # [HQ, T] int8
@@ -229,7 +276,7 @@ def attn_fwd_kernel(
     k4_exp_ptr,  # [HKV, T] int8
     vt_ptr,  # [HKV, D, t_pad] e4m3, keys contiguous
     doc_v_t_ptr,  # [B] int32: first column of each document in vt (multiple of 16)
-    v_exp_ptr,  # [HKV, T] int8
+    v_exp_ptr,  # [HKV, t_pad] int16, v_t's column layout
     cu_ptr,  # [B+1] int32
     item_doc_ptr,  # [N] int32, work list (longest first)
     item_tile_ptr,  # [N] int32
@@ -251,6 +298,7 @@ def attn_fwd_kernel(
     TWO_PASS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    KE_BLOCK: tl.constexpr,
 ):
     """Work items ``w = item * HQ + head``; persistent programs take them by atomic ticket."""
     n_work = tl.load(count_ptr) * HQ
@@ -263,7 +311,7 @@ def attn_fwd_kernel(
             work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr,
             item_doc_ptr, item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens,
-            HQ, HKV, D, BLOCK_M, BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
+            HQ, HKV, D, BLOCK_M, BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET, KE_BLOCK,
         )  # fmt: skip
         if PERSISTENT:
             work = tl.atomic_add(ticket_ptr, 1)

@@ -18,20 +18,28 @@ from flamia_serve.numerics import (
 )
 from flamia_serve.reference import QuantizedQKV
 
+EXPONENT_DTYPE = torch.int16  # kernel-side storage of the E4M3 tensors' exponents
+
 
 @dataclass(frozen=True)
 class KernelQKV:
     """What the quantization kernel writes (the attention kernels' operands).
 
-    q8 ``[T, Hq, d]`` / k8 ``[T, Hkv, d]`` E4M3 with ``[T, H]`` int8 exponents (stored
-    head-major: ``exponents.t()`` is contiguous, so a kernel reads a tile's in one load); ``v_t``
-    ``[Hkv, d, t_pad]`` E4M3 V codes with keys contiguous, document ``b`` starting at
-    column ``doc_v_t_start[b]`` (16-aligned; padding never read); ``v_exp`` ``[T, Hkv]``;
-    q4/k4 NVFP4 (mixed recipe only); ``qk_rescale`` = 1/d after the Hadamard option.
+    ``q_codes`` ``[T, Hq, d]`` / ``k_codes`` ``[T, Hkv, d]`` E4M3; ``v_t`` ``[Hkv, d, t_pad]``
+    E4M3 V codes with keys contiguous, document ``b`` starting at column
+    ``doc_v_t_start[b]`` (16-aligned; padding never read). Exponents are int16: ``q_exp``
+    ``[T, Hq]`` (a view of a head-major ``[Hq, T]`` buffer); ``k_exp`` / ``v_exp``
+    ``[Hkv, t_pad]`` in ``v_t``'s column layout, so a key tile's exponents are one aligned
+    >= 4-byte vector per thread, which Triton's pipeliner stages through shared memory like
+    the code tiles. q4/k4 NVFP4 (mixed recipe only);
+    ``qk_rescale`` = 1/d after the Hadamard option; ``k_exp_block``: keys sharing one K
+    exponent (document-local blocks; 1 = per token).
     """
 
-    q8: FP8Tensor
-    k8: FP8Tensor
+    q_codes: torch.Tensor
+    q_exp: torch.Tensor
+    k_codes: torch.Tensor
+    k_exp: torch.Tensor
     v_t: torch.Tensor
     doc_v_t_start: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -39,34 +47,37 @@ class KernelQKV:
     q4: NVFP4Tensor | None
     k4: NVFP4Tensor | None
     qk_rescale: float
+    k_exp_block: int = 1
 
     def to_reference(self) -> QuantizedQKV:
-        """The same operands in the reference twin's layout (V token-major)."""
-        doc, pos = token_documents(self.cu_seqlens, self.v_exp.shape[0])
+        """The same operands in the reference twin's layout (V token-major, int8 exponents)."""
+        doc, pos = token_documents(self.cu_seqlens, self.k_codes.shape[0])
         column = self.doc_v_t_start.long()[doc] + pos
         v_codes = self.v_t[:, :, column].permute(2, 0, 1).contiguous()
+
+        def fp8(codes: torch.Tensor, exp: torch.Tensor) -> FP8Tensor:
+            return FP8Tensor(codes, exp.to(torch.int8).contiguous())
+
         return QuantizedQKV(
-            self.q8, self.k8, FP8Tensor(v_codes, self.v_exp), self.q4, self.k4, self.qk_rescale
-        )
+            fp8(self.q_codes, self.q_exp),
+            fp8(self.k_codes, self.k_exp[:, column].t()),
+            fp8(v_codes, self.v_exp[:, column].t()),
+            self.q4, self.k4, self.qk_rescale,
+        )  # fmt: skip
 
 
-def _head_major_exponents(total: int, heads: int, device: torch.device) -> torch.Tensor:
-    """``[T, H]`` int8 view of a ``[H, T]`` buffer."""
-    return torch.empty(heads, total, dtype=torch.int8, device=device).t()
-
-
-def _fp8_empty(total: int, heads: int, d: int, device: torch.device) -> FP8Tensor:
-    return FP8Tensor(
-        torch.empty(total, heads, d, dtype=torch.float8_e4m3fn, device=device),
-        _head_major_exponents(total, heads, device),
-    )
+def _head_major_exponents(
+    total: int, heads: int, device: torch.device, dtype: torch.dtype = EXPONENT_DTYPE
+) -> torch.Tensor:
+    """``[T, H]`` view of a ``[H, T]`` buffer."""
+    return torch.empty(heads, total, dtype=dtype, device=device).t()
 
 
 def _nvfp4_empty(total: int, heads: int, d: int, device: torch.device) -> NVFP4Tensor:
     return NVFP4Tensor(
         torch.empty(total, heads, d // 2, dtype=torch.uint8, device=device),
         torch.empty(total, heads, d // 16, dtype=torch.float8_e4m3fn, device=device),
-        _head_major_exponents(total, heads, device),
+        _head_major_exponents(total, heads, device, torch.int8),
     )
 
 
@@ -96,10 +107,12 @@ def quantize_qkv(
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1)")
     t_pad = v_t_length(total, cu_seqlens.numel() - 1)
-    q8 = _fp8_empty(total, heads_q, d, dev)
-    k8 = _fp8_empty(total, heads_kv, d, dev)
+    q_codes = torch.empty(total, heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
+    k_codes = torch.empty(total, heads_kv, d, dtype=torch.float8_e4m3fn, device=dev)
+    q_exp = _head_major_exponents(total, heads_q, dev)
+    k_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
-    v_exp = _head_major_exponents(total, heads_kv, dev)
+    v_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)
     k4 = _nvfp4_empty(total if nvfp4 else 0, heads_kv, d, dev)
@@ -107,7 +120,7 @@ def quantize_qkv(
         grid = (blocks.num_slots, heads_q + 2 * heads_kv)
         quantize_qkv_kernel[grid](
             q, k, v, blocks.start, blocks.length, blocks.v_t_start,
-            q8.codes, q8.exponents, k8.codes, k8.exponents, v_t, v_exp,
+            q_codes, q_exp, k_codes, k_exp, v_t, v_exp,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             t_pad, total,
@@ -118,6 +131,7 @@ def quantize_qkv(
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
     return KernelQKV(
-        q8, k8, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp,
+        q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp,
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
+        1 if exact_causal else rec.token_block,
     )  # fmt: skip

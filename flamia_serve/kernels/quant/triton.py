@@ -13,19 +13,20 @@ from flamia_serve.kernels._common import fp8_rows, hadamard_rows, nvfp4_rows, to
 
 @triton.jit
 def _quantize_qk_head(
-    x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, out4, out4_scale, out4_exp, n_tok,
-    N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr,
+    x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, exp_at, out4, out4_scale, out4_exp,
+    n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr,
     QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One block of one Q or K head: E4M3 codes + exponents, and NVFP4 when asked."""
+    """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``),
+    and NVFP4 when asked."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     codes, e = fp8_rows(x, PER_TOKEN, INTERPRET)
     row_off = tok * N_HEADS + h
     tl.store(out8 + row_off[:, None] * D + cols[None, :], codes, mask=row_ok[:, None])
-    tl.store(out_exp + h * n_tok + tok, e.to(tl.int8), mask=row_ok)
+    tl.store(out_exp + exp_at, e.to(out_exp.dtype.element_ty), mask=row_ok)
     if QK_NVFP4:
         if HADAMARD:
             x = hadamard_rows(x, BLOCK, D, LOG2_D)
@@ -47,11 +48,11 @@ def quantize_qkv_kernel(
     block_len_ptr,  # [NB] int32: tokens in the block (0 = unused slot)
     block_v_t_ptr,  # [NB] int32: column of the block's first key in v_t (16-aligned doc starts)
     q8_ptr,  # [T, HQ, D] e4m3
-    q_exp_ptr,  # [HQ, T] int8 (head-major: contiguous loads per key tile)
+    q_exp_ptr,  # [HQ, T] int16 (head-major: contiguous loads per key tile)
     k8_ptr,  # [T, HKV, D] e4m3
-    k_exp_ptr,  # [HKV, T] int8
+    k_exp_ptr,  # [HKV, t_pad] int16, in v_t's column layout
     vt_ptr,  # [HKV, D, t_pad] e4m3: V codes, keys contiguous (K-major for P·V)
-    v_exp_ptr,  # [HKV, T] int8
+    v_exp_ptr,  # [HKV, t_pad] int16, in v_t's column layout
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4 only)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
     q4_exp_ptr,  # [HQ, T] int8
@@ -86,16 +87,17 @@ def quantize_qkv_kernel(
         cols = tl.arange(0, D)
         row_ok = rows < n_rows
         tok = start + rows
+        col = tl.load(block_v_t_ptr + slot).to(tl.int64) + rows  # K/V columns in v_t's layout
         if head < HQ:
             _quantize_qk_head(
                 q_ptr, stride_qt, stride_qh, head, tok, row_ok, q8_ptr, q_exp_ptr,
-                q4_ptr, q4_scale_ptr, q4_exp_ptr, n_tokens,
+                head * n_tokens + tok, q4_ptr, q4_scale_ptr, q4_exp_ptr, n_tokens,
                 HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
             )  # fmt: skip
         elif head < HQ + HKV:
             _quantize_qk_head(
                 k_ptr, stride_kt, stride_kh, head - HQ, tok, row_ok, k8_ptr, k_exp_ptr,
-                k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
+                (head - HQ) * t_pad + col, k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
                 HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
             )  # fmt: skip
         else:
@@ -103,7 +105,6 @@ def quantize_qkv_kernel(
             x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
             codes, e = fp8_rows(x, True, INTERPRET)
-            col = tl.load(block_v_t_ptr + slot).to(tl.int64) + rows
             vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
             tl.store(vt_ptrs, tl.trans(codes), mask=row_ok[None, :])
-            tl.store(v_exp_ptr + h * n_tokens + tok, e.to(tl.int8), mask=row_ok)
+            tl.store(v_exp_ptr + h * t_pad + col, e.to(v_exp_ptr.dtype.element_ty), mask=row_ok)
