@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,28 @@ def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200
 
     med, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
     return {"ms": float(med), "ms_p20": float(p20), "ms_p80": float(p80)}
+
+
+def graph_time(fn: Callable[[], Any], *, rep_ms: float = 200) -> dict:
+    """Median time of ``fn`` replayed from a CUDA graph (eager when capture fails)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return {**time_ms(graph.replay, rep_ms=rep_ms), "cuda_graph": True}
+    except Exception:
+        traceback.print_exc(limit=1)
+        torch.cuda.synchronize()
+        return {**time_ms(fn, rep_ms=rep_ms), "cuda_graph": False}
 
 
 def copy_bandwidth(device: Any, gib: float = 2.0) -> dict:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from benchmarks.common import time_ms
+from benchmarks.common import graph_time
 from flamia_serve.kernels.paged import leading_decodes, paged_attention, write_kv_cache
 from flamia_serve.numerics.exp2 import EXP_MODES
 from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat, region_view
@@ -102,26 +101,6 @@ def flashinfer_nvfp4_cache(batch: ServingBatch) -> tuple[torch.Tensor, torch.Ten
     codes, scales = region_view(batch.caches["nvfp4"], KVPageFormat("nvfp4", HEAD_DIM))
     return (codes.permute(0, 1, 3, 2, 4).contiguous(),
             scales.permute(0, 1, 3, 2, 4).contiguous().view(torch.float8_e4m3fn))  # fmt: skip
-
-
-def graph_time(fn: Callable[[], Any], *, rep_ms: float = 200) -> dict:
-    """Median time of ``fn`` replayed from a CUDA graph (eager when capture fails)."""
-    fn()
-    torch.cuda.synchronize()
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return {**time_ms(graph.replay, rep_ms=rep_ms), "cuda_graph": True}
-    except Exception:
-        traceback.print_exc(limit=1)
-        torch.cuda.synchronize()
-        return {**time_ms(fn, rep_ms=rep_ms), "cuda_graph": False}
 
 
 def exact_attention(batch: ServingBatch) -> torch.Tensor:

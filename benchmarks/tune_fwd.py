@@ -21,13 +21,12 @@ from benchmarks.common import Rotating, num_input_sets, tensor_bytes, time_ms, w
 from benchmarks.workloads import HEAD_DIM, HKV, HQ, training_workload
 
 CONFIGS = [
-    # block_m, block_n, num_warps, num_stages, persistent, two_pass
-    (64, 64, 4, 3, True, False),
-    (64, 64, 4, 3, False, False),
-    (64, 64, 4, 2, True, False),
-    (128, 64, 8, 3, True, False),
-    (128, 64, 4, 3, True, False),
-    (64, 128, 4, 2, True, False),
+    # block_m, block_n, num_warps, num_stages, persistent, two_pass, maxnreg, programs/SM
+    (64, 64, 4, 3, True, False, None, 2),
+    (64, 64, 4, 3, False, False, 168, 3),
+    (64, 64, 4, 3, True, False, 168, 3),
+    (64, 64, 4, 3, True, False, 168, 6),
+    (64, 64, 4, 3, False, False, 128, 4),
 ]
 
 

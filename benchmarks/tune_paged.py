@@ -16,8 +16,8 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import write_results
-from benchmarks.serving import HEAD_DIM, graph_time, make_serving_batch
+from benchmarks.common import graph_time, write_results
+from benchmarks.serving import HEAD_DIM, make_serving_batch
 from flamia_serve.kernels.paged import PagedConfig, paged_attention
 from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat
 
