@@ -109,11 +109,14 @@ def _flamia_loader(recipe: str, two_pass: bool = False) -> Callable[[], Builder]
 
         import flamia_serve
         from flamia_serve.kernels.attn_fwd.ops import default_config
+        from flamia_serve.numerics import resolve_recipe
 
         def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
             m = wl.max_seqlen
             plan = flamia_serve.plan_varlen(cu, wl.total_tokens, m)
-            cfg = dataclasses.replace(default_config(HEAD_DIM, cu.device), two_pass=two_pass)
+            nvfp4 = resolve_recipe(recipe).qk_format == "nvfp4"
+            base = default_config(HEAD_DIM, cu.device, qk_nvfp4=nvfp4)
+            cfg = dataclasses.replace(base, two_pass=two_pass)
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
                 return flamia_serve.flamia_attn_varlen(

@@ -28,6 +28,13 @@ CONFIGS = [
     (64, 64, 4, 3, True, False, 168, 6),
     (64, 64, 4, 3, False, False, 128, 4),
 ]
+NVFP4_CONFIGS = [  # mixed recipes: Q/K dequantized to BF16 in registers (more live values)
+    (64, 64, 4, 3, False, False, 168, 3),
+    (64, 64, 4, 3, False, False, None, 2),
+    (64, 64, 4, 3, True, False, None, 2),
+    (128, 64, 8, 3, False, False, None, 1),
+    (128, 64, 4, 3, True, False, None, 2),
+]
 
 
 def tune_workload(name: str, recipe: str) -> list[dict]:
@@ -52,7 +59,7 @@ def tune_workload(name: str, recipe: str) -> list[dict]:
     flops = wl.flops(HQ, HEAD_DIM)
     rows = []
     reference = None
-    for entry in CONFIGS:
+    for entry in NVFP4_CONFIGS if recipe.startswith("mixed") else CONFIGS:
         cfg = FwdConfig(*entry)
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FwdConfig = cfg):

@@ -68,7 +68,7 @@ def flamia_attn_varlen(
         )
     if plan is None:
         plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen)
-    cfg = config or default_config(shape.head_dim, q.device)
+    cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4")
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=rec, exact_causal=exact_causal, blocks=plan.blocks
     )

@@ -60,7 +60,7 @@ def _check_close(out, m, lse, ref_out, ref_m, ref_lse) -> None:
 def test_fwd_matches_reference(lens, hq, hkv, d, recipe, causal, two_pass, device) -> None:
     q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=7, device=device)
     qkv = quantize_qkv(q, k, v, cu, recipe=recipe)
-    base = default_config(d, q.device)
+    base = default_config(d, q.device, qk_nvfp4=recipe != "mxfp8")
     cfg = FwdConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, True, two_pass)
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
     ref = attention_forward(

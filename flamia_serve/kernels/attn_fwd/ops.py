@@ -34,8 +34,8 @@ class FwdConfig:
     programs_per_sm: int = 2  # persistent grid: programs per SM
 
 
-def default_config(head_dim: int, device: torch.device) -> FwdConfig:
-    """Tiles per head dim; small tiles under the CPU interpreter (fast tests).
+def default_config(head_dim: int, device: torch.device, *, qk_nvfp4: bool = False) -> FwdConfig:
+    """Tiles per head dim and Q/K format; small tiles under the CPU interpreter (fast tests).
 
     ``FLAMIA_FWD_CONFIG="block_m,block_n,num_warps,num_stages"`` overrides (tuning runs).
     """
@@ -47,6 +47,8 @@ def default_config(head_dim: int, device: torch.device) -> FwdConfig:
         return FwdConfig(bm, bn, warps, stages)
     if head_dim >= 256:  # two warpgroups split the 256 output columns: no register spills
         return FwdConfig(64, 64, num_warps=8, num_stages=2, persistent=True, maxnreg=None)
+    if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
+        return FwdConfig(128, 64, num_warps=8, num_stages=3, maxnreg=None)
     return FwdConfig()
 
 
@@ -74,7 +76,7 @@ def attn_fwd(
     """
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
-    cfg = config or default_config(d, dev)
+    cfg = config or default_config(d, dev, qk_nvfp4=qkv.q4 is not None)
     if cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
     if work is None or (work.block_m, work.block_n, work.causal) != (
