@@ -1,10 +1,11 @@
-"""Sweep the fused quantization kernel's warps against the copy-bandwidth floor.
+"""Sweep the fused quantization kernel (warps, persistent programs per SM) against the
+copy-bandwidth floor.
 
     python benchmarks/tune_quant.py [--workloads W1,W3,W4,W7]
 
 GPU time is the kernel replayed from a CUDA graph; ``eager`` adds the host-side launch
 (allocations, argument binding), which hides behind the attention kernel in training.
-Writes ``tune_quant.json``; the best goes into ``quantize_qkv``'s ``num_warps`` by hand.
+Writes ``tune_quant.json``; the best goes into ``quantize_qkv``'s defaults by hand.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import torch
 
 from benchmarks.common import copy_bandwidth, graph_time, time_ms, write_results
 from benchmarks.workloads import HEAD_DIM, HKV, HQ, training_workload
+
+SWEEP = [  # num_warps, persistent programs per SM
+    (4, 7), (4, 16), (4, 32), (2, 16), (2, 32), (8, 8),
+]
 
 
 def quant_bytes(total_tokens: int, heads: int, d: int) -> int:
@@ -47,17 +52,20 @@ def main() -> int:
         k, v = (torch.randn(t, HKV, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in "kv")
         moved = quant_bytes(t, HQ + 2 * HKV, HEAD_DIM)
         floor_ms = moved / (copy["gbps"] * 1e9) * 1e3
-        for warps in (2, 4, 8):
+        for warps, per_sm in SWEEP:
             run = functools.partial(
-                quantize_qkv, q, k, v, cu, recipe="mxfp8", blocks=blocks, num_warps=warps
-            )
+                quantize_qkv, q, k, v, cu, recipe="mxfp8", blocks=blocks, num_warps=warps,
+                programs_per_sm=per_sm,
+            )  # fmt: skip
             gpu = graph_time(run)
             eager = time_ms(run)
-            print(f"{name} warps={warps}: GPU {gpu['ms'] * 1e3:.1f} us "
+            print(f"{name} warps={warps} programs/SM={per_sm}: "
+                  f"GPU {gpu['ms'] * 1e3:.1f} us "
                   f"(floor {floor_ms * 1e3:.1f} us, ratio {gpu['ms'] / floor_ms:.2f}), "
                   f"eager {eager['ms'] * 1e3:.1f} us")  # fmt: skip
             rows.append({"workload": name, "pass": "quant", "impl": "flamia-mxfp8-quant",
-                         "num_warps": warps, **gpu, "eager_ms": eager["ms"], "tflops": None,
+                         "num_warps": warps, "programs_per_sm": per_sm,
+                         **gpu, "eager_ms": eager["ms"], "tflops": None,
                          "gbps": moved / (gpu["ms"] * 1e-3) / 1e9,
                          "floor_ratio": gpu["ms"] / floor_ms})  # fmt: skip
     write_results("tune_quant", rows)

@@ -81,6 +81,14 @@ def _nvfp4_empty(total: int, heads: int, d: int, device: torch.device) -> NVFP4T
     )
 
 
+def _num_programs(device: torch.device, items: int, programs_per_sm: int) -> int:
+    """Persistent grid: ``programs_per_sm`` per SM (2 under the CPU interpreter)."""
+    if device.type != "cuda":
+        return min(items, 2)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(items, sms * programs_per_sm))
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,11 +99,14 @@ def quantize_qkv(
     exact_causal: bool = False,
     blocks: TokenBlocks | None = None,
     num_warps: int = 4,
+    programs_per_sm: int = 32,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
     Same codes as ``flamia_serve.reference.quantize_qkv``, bit for bit. Inputs are assumed
     checked (public entry points do that); ``blocks`` may be passed to reuse a plan.
+    ``num_warps`` / ``programs_per_sm`` (persistent grid) default to the H200's best
+    (``benchmarks/tune_quant.py``).
     """
     rec = resolve_recipe(recipe)
     total, heads_q, d = q.shape
@@ -117,13 +128,13 @@ def quantize_qkv(
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)
     k4 = _nvfp4_empty(total if nvfp4 else 0, heads_kv, d, dev)
     if total > 0:
-        grid = (blocks.num_slots, heads_q + 2 * heads_kv)
+        grid = (_num_programs(dev, blocks.num_slots * (heads_q + 2 * heads_kv), programs_per_sm),)
         quantize_qkv_kernel[grid](
             q, k, v, blocks.start, blocks.length, blocks.v_t_start,
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            t_pad, total,
+            t_pad, total, blocks.num_slots,
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, INTERPRET=interpreted(),

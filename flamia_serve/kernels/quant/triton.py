@@ -40,6 +40,15 @@ def _quantize_qk_head(
 
 
 @triton.jit
+def _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows):
+    """Tokens of block ``slot`` (int64), which of ``rows`` exist, and their v_t columns."""
+    start = tl.load(block_start_ptr + slot).to(tl.int64)
+    row_ok = rows < tl.load(block_len_ptr + slot)
+    col = tl.load(block_v_t_ptr + slot).to(tl.int64) + rows
+    return start + rows, row_ok, col
+
+
+@triton.jit
 def quantize_qkv_kernel(
     q_ptr,  # [T, HQ, D] bf16/fp16, strides (stride_qt, stride_qh, 1)
     k_ptr,  # [T, HKV, D]
@@ -67,6 +76,7 @@ def quantize_qkv_kernel(
     stride_vh,
     t_pad,
     n_tokens,
+    n_slots,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -77,34 +87,41 @@ def quantize_qkv_kernel(
     LOG2_D: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Program (block slot, head of Q|K|V): quantizes one 32-token block of one head."""
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    n_rows = tl.load(block_len_ptr + slot)
-    if n_rows > 0:
-        start = tl.load(block_start_ptr + slot).to(tl.int64)
-        rows = tl.arange(0, BLOCK)
-        cols = tl.arange(0, D)
-        row_ok = rows < n_rows
-        tok = start + rows
-        col = tl.load(block_v_t_ptr + slot).to(tl.int64) + rows  # K/V columns in v_t's layout
-        if head < HQ:
-            _quantize_qk_head(
-                q_ptr, stride_qt, stride_qh, head, tok, row_ok, q8_ptr, q_exp_ptr,
-                head * n_tokens + tok, q4_ptr, q4_scale_ptr, q4_exp_ptr, n_tokens,
-                HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
-            )  # fmt: skip
-        elif head < HQ + HKV:
-            _quantize_qk_head(
-                k_ptr, stride_kt, stride_kh, head - HQ, tok, row_ok, k8_ptr, k_exp_ptr,
-                (head - HQ) * t_pad + col, k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
-                HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
-            )  # fmt: skip
-        else:
-            h = head - HQ - HKV
-            x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            codes, e = fp8_rows(x, True, INTERPRET)
-            vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
-            tl.store(vt_ptrs, tl.trans(codes), mask=row_ok[None, :])
-            tl.store(v_exp_ptr + h * t_pad + col, e.to(v_exp_ptr.dtype.element_ty), mask=row_ok)
+    """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
+    item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
+
+    Not software-pipelined (``num_stages=1``): staging the next items' tiles through shared
+    memory measured 2-3x slower on the H200 than many resident programs each streaming its
+    own items (``benchmarks/results/tune_quant_persistent_stages.json``)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    for item in tl.range(pid, HQ * n_slots, n_prog, num_stages=1):
+        h = item // n_slots
+        slot = item % n_slots
+        tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
+        _quantize_qk_head(
+            q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
+            q4_ptr, q4_scale_ptr, q4_exp_ptr, n_tokens,
+            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
+        )  # fmt: skip
+    for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
+        h = item // n_slots
+        slot = item % n_slots
+        tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
+        _quantize_qk_head(
+            k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
+            k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
+            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
+        )  # fmt: skip
+    for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
+        h = item // n_slots
+        slot = item % n_slots
+        tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
+        x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
+        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        codes, e = fp8_rows(x, True, INTERPRET)
+        vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
+        tl.store(vt_ptrs, tl.trans(codes), mask=row_ok[None, :])
+        tl.store(v_exp_ptr + h * t_pad + col, e.to(v_exp_ptr.dtype.element_ty), mask=row_ok)
