@@ -69,8 +69,9 @@ def test_fwd_matches_reference(lens, hq, hkv, d, recipe, causal, two_pass, devic
     _check_close(out, m, lse, *ref)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("exact", [False, True], ids=["token_block", "per_token"])
-def test_fwd_key_tiles_spanning_exponent_blocks(exact, device) -> None:
+def test_fwd_key_tiles_spanning_exponent_blocks(exact, causal, device) -> None:
     """Key tiles of 64 cover two 32-token K exponent blocks (one scalar load per block on
     the token-block recipe); documents not multiples of 32, one block much louder."""
     q, k, v, cu, _ms = make_pack((100, 1, 75, 33), 4, 2, 64, seed=9, device=device)
@@ -78,8 +79,10 @@ def test_fwd_key_tiles_spanning_exponent_blocks(exact, device) -> None:
     qkv = quantize_qkv(q, k, v, cu, exact_causal=exact)
     assert qkv.k_exp_block == (1 if exact else 32)
     cfg = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
-    out, m, lse = attn_fwd(qkv, cu, heads_q=4, causal=True, softmax_scale=0.125, config=cfg)
-    ref = attention_forward(qkv.to_reference(), cu, heads_q=4, causal=True, softmax_scale=0.125)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=4, causal=causal, softmax_scale=0.125, config=cfg)
+    ref = attention_forward(
+        qkv.to_reference(), cu, heads_q=4, causal=causal, softmax_scale=0.125
+    )
     _check_close(out, m, lse, *ref)
 
 
