@@ -2,7 +2,11 @@
 
 Impls (each dropped with a printed reason when its package is missing):
 
-* ``flamia-mxfp8``        ``flamia_serve.flamia_attn_varlen(..., recipe="mxfp8")`` (BF16 in)
+* ``flamia-mxfp8``        ``flamia_serve.flamia_attn_varlen(..., recipe="mxfp8")`` (BF16 in),
+                          the library's default kernel (CuTe on sm_90 when installed)
+* ``flamia-mxfp8-triton`` the same with the portable Triton forward kernel
+* ``flamia-mxfp8-2pass``  Triton, max-only first pass (DESIGN N5 option a)
+* ``flamia-mixed_nvfp4``  mixed NVFP4 Q/K recipe (Triton)
 * ``flamia-mxfp8-quant``  ``quantize_qkv(..., recipe="mxfp8")`` alone, pass ``"quant"``
 * ``fa4``                 FlashAttention-4 CuTe ``flash_attn_varlen_func``
 * ``cudnn-sdpa``          dense SDPA, cuDNN backend, single-document workloads only
@@ -99,10 +103,12 @@ def _thd(x: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- builders
 
 
-def _flamia_loader(recipe: str, two_pass: bool = False) -> Callable[[], Builder]:
+def _flamia_loader(
+    recipe: str, two_pass: bool = False, kernel: str | None = None
+) -> Callable[[], Builder]:
     """``flamia_serve.flamia_attn_varlen`` (quantization included); the per-microbatch plan
     (one host sync + schedules) is built outside timing, as a training step reuses it for
-    every layer."""
+    every layer. ``kernel``: the forward kernel (default: the library's choice)."""
 
     def load() -> Builder:
         import dataclasses
@@ -115,8 +121,8 @@ def _flamia_loader(recipe: str, two_pass: bool = False) -> Callable[[], Builder]
             m = wl.max_seqlen
             plan = flamia_serve.plan_varlen(cu, wl.total_tokens, m)
             nvfp4 = resolve_recipe(recipe).qk_format == "nvfp4"
-            base = default_config(HEAD_DIM, cu.device, qk_nvfp4=nvfp4)
-            cfg = dataclasses.replace(base, two_pass=two_pass)
+            base = default_config(HEAD_DIM, cu.device, qk_nvfp4=nvfp4, kernel=kernel)
+            cfg = dataclasses.replace(base, two_pass=two_pass) if two_pass else base
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
                 return flamia_serve.flamia_attn_varlen(
@@ -278,7 +284,8 @@ def _load_flex() -> Builder:
 IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     # name: (pass, loader, single-document workloads only)
     "flamia-mxfp8": ("fwd", _flamia_loader("mxfp8"), False),
-    "flamia-mxfp8-2pass": ("fwd", _flamia_loader("mxfp8", two_pass=True), False),
+    "flamia-mxfp8-triton": ("fwd", _flamia_loader("mxfp8", kernel="triton"), False),
+    "flamia-mxfp8-2pass": ("fwd", _flamia_loader("mxfp8", two_pass=True, kernel="triton"), False),
     "flamia-mixed_nvfp4": ("fwd", _flamia_loader("mixed_nvfp4"), False),
     "flamia-mxfp8-quant": ("quant", _load_flamia_quant, False),
     "fa4": ("fwd", _load_fa4, False),

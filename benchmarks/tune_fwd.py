@@ -1,6 +1,6 @@
 """Sweep forward-kernel tile configs (and persistent / two-pass) on a few workloads.
 
-    python benchmarks/tune_fwd.py [--workloads W3,W6,W9] [--recipe mxfp8]
+    python benchmarks/tune_fwd.py [--workloads W3,W6,W9] [--recipe mxfp8] [--kernel cute]
 
 Prints TFLOP/s per config and writes ``tune_fwd.json``; the best goes into
 ``default_config`` (or ``FLAMIA_FWD_CONFIG``) by hand, with the numbers in the commit.
@@ -36,9 +36,32 @@ NVFP4_CONFIGS = [  # mixed recipes: Q/K dequantized to BF16 in registers (more l
     (128, 64, 4, 3, True, False, None, 2),
 ]
 
+CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap (kernel="cute", sm_90)
+    (128, 64, 2, True),
+    (128, 64, 3, True),
+    (128, 64, 4, True),
+    (128, 128, 2, False),
+    (128, 128, 2, True),
+    (64, 128, 2, True),
+]
 
-def tune_workload(name: str, recipe: str) -> list[dict]:
+
+def configs(recipe: str, kernel: str) -> list:
+    """The ``FwdConfig`` list swept for a recipe and kernel."""
+    from flamia_serve.kernels.attn_fwd.ops import FwdConfig
+
+    if kernel == "cute":
+        return [
+            FwdConfig(bm, bn, num_stages=st, overlap=ov, kernel="cute", maxnreg=None)
+            for bm, bn, st, ov in CUTE_CONFIGS
+        ]
+    return [FwdConfig(*e) for e in (NVFP4_CONFIGS if recipe.startswith("mixed") else CONFIGS)]
+
+
+def tune_workload(name: str, recipe: str, kernel: str = "triton") -> list[dict]:
     """Time every config of CONFIGS on one workload (random BF16 inputs, rotated sets)."""
+    import dataclasses
+
     import flamia_serve
     from flamia_serve.kernels.attn_fwd.ops import FwdConfig
 
@@ -59,8 +82,7 @@ def tune_workload(name: str, recipe: str) -> list[dict]:
     flops = wl.flops(HQ, HEAD_DIM)
     rows = []
     reference = None
-    for entry in NVFP4_CONFIGS if recipe.startswith("mixed") else CONFIGS:
-        cfg = FwdConfig(*entry)
+    for cfg in configs(recipe, kernel):
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FwdConfig = cfg):
             return flamia_serve.flamia_attn_varlen(
@@ -79,7 +101,7 @@ def tune_workload(name: str, recipe: str) -> list[dict]:
         tflops = flops / (t["ms"] * 1e-3) / 1e12
         print(f"{name} {cfg}: {t['ms']:.3f} ms {tflops:.0f} TFLOP/s, max|dO| vs first {err:.3g}")
         rows.append({"workload": name, "pass": "fwd", "impl": f"flamia-{recipe}",
-                     "config": list(entry), "max_abs_diff_vs_first_config": err,
+                     "config": dataclasses.asdict(cfg), "max_abs_diff_vs_first_config": err,
                      **t, "tflops": tflops, "gbps": None})  # fmt: skip
     return rows
 
@@ -88,11 +110,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="W3,W6,W9")
     ap.add_argument("--recipe", default="mxfp8")
+    ap.add_argument("--kernel", default="triton", choices=("triton", "cute"))
     args = ap.parse_args()
     rows = []
     for name in args.workloads.split(","):
-        rows += tune_workload(name, args.recipe)
-    write_results(f"tune_fwd_{args.recipe}", rows)
+        rows += tune_workload(name, args.recipe, args.kernel)
+    suffix = "_cute" if args.kernel == "cute" else ""
+    write_results(f"tune_fwd_{args.recipe}{suffix}", rows)
     return 0
 
 

@@ -73,3 +73,27 @@ def test_token_block_table_matches_numerics() -> None:
     assert torch.equal(tokens, torch.arange(108))
     for s, n in zip(table.start[valid], table.length[valid], strict=True):
         assert bool((ids[int(s) : int(s) + int(n)] == ids[int(s)]).all())
+
+
+def test_v_t_outside_documents_is_zero(device, monkeypatch) -> None:
+    """Columns of ``v_t`` outside every document (16-alignment padding, the tail) hold zero
+    codes even when the buffer starts as NaN bytes: whole key tiles may be read past a
+    document's end and multiplied by P̂ = 0."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    lens = (5, 40, 16, 1)
+    q, k, v, cu, _ms = make_pack(lens, 2, 2, 64, seed=3, device=device)
+    qkv = quantize_qkv(q, k, v, cu)
+    inside = torch.zeros(qkv.v_t.shape[-1], dtype=torch.bool)
+    for start, n in zip(qkv.doc_v_t_start.tolist(), lens, strict=True):
+        inside[start : start + n] = True
+    outside = qkv.v_t.view(torch.uint8).cpu()[:, :, ~inside]
+    assert outside.numel() > 0
+    assert not bool(outside.any())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -18,11 +19,19 @@ LOG2E = math.log2(math.e)
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Tile shape and launch options (``block_m % block_n == 0``). The defaults are the
-    H200's best for d <= 128 (``benchmarks/tune_fwd.py`` on W1/W3/W6/W9): one program per
-    work item, registers capped at 168 so three programs share an SM. ``persistent=True``
-    takes the work list through an atomic ticket with ``programs_per_sm`` programs per SM
-    (measured 10-15% slower under the same cap: the item loop keeps more values live)."""
+    """Kernel, tile shape and launch options (``block_m % block_n == 0``).
+
+    ``kernel="triton"`` (portable; CPU interpreter): the defaults are the H200's best for
+    d <= 128 (``benchmarks/tune_fwd.py`` on W1/W3/W6/W9): one program per work item,
+    registers capped at 168 so three programs share an SM. ``persistent=True`` takes the
+    work list through an atomic ticket with ``programs_per_sm`` programs per SM (measured
+    10-15% slower under the same cap: the item loop keeps more values live).
+
+    ``kernel="cute"`` (sm_90, d in {64, 128}, E4M3 Q/K, one pass): the warp-specialized CuTe
+    DSL kernel of ``cute_sm90.py``; ``block_m`` = 64 rows per consumer warpgroup (64 or
+    128), ``num_stages`` K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the
+    previous tile's P̂·V̂ finishes. ``num_warps``/``persistent``/``maxnreg`` do not apply.
+    """
 
     block_m: int = 64
     block_n: int = 64
@@ -32,13 +41,38 @@ class FwdConfig:
     two_pass: bool = False
     maxnreg: int | None = 168  # register cap per thread (None: the compiler's choice)
     programs_per_sm: int = 2  # persistent grid: programs per SM
+    kernel: str = "triton"  # "triton" | "cute"
+    overlap: bool = True  # cute: overlap Q̂·K̂ᵀ of one key tile with P̂·V̂ of the previous
 
 
-def default_config(head_dim: int, device: torch.device, *, qk_nvfp4: bool = False) -> FwdConfig:
-    """Tiles per head dim and Q/K format; small tiles under the CPU interpreter (fast tests).
+#: the CuTe forward's default on sm_90 (``benchmarks/tune_fwd.py --kernel cute``)
+CUTE_CONFIG = FwdConfig(128, 64, num_stages=2, kernel="cute", maxnreg=None)
 
-    ``FLAMIA_FWD_CONFIG="block_m,block_n,num_warps,num_stages"`` overrides (tuning runs).
+
+def cute_available(device: torch.device) -> bool:
+    """The CuTe forward runs here: an sm_90 GPU with ``nvidia-cutlass-dsl`` and
+    ``flash-attn-4`` installed, and ``FLAMIA_FWD_KERNEL`` not set to ``triton``."""
+    if device.type != "cuda" or os.environ.get("FLAMIA_FWD_KERNEL", "") == "triton":
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "flash_attn"))
+
+
+def default_config(
+    head_dim: int, device: torch.device, *, qk_nvfp4: bool = False, kernel: str | None = None
+) -> FwdConfig:
+    """Kernel and tiles per head dim and Q/K format; small tiles under the CPU interpreter.
+
+    ``kernel=None`` picks the CuTe kernel where it runs (sm_90, d in {64, 128}, E4M3 Q/K,
+    packages installed; ``FLAMIA_FWD_KERNEL=triton`` opts out), else Triton;
+    ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
+    "block_m,block_n,num_warps,num_stages"`` overrides the Triton tiles (tuning runs).
     """
+    if kernel not in (None, "triton", "cute"):
+        raise ValueError(f"kernel must be None, 'triton' or 'cute', got {kernel!r}")
+    if kernel == "cute":
+        return CUTE_CONFIG
     if device.type != "cuda":
         return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, persistent=True)
     override = os.environ.get("FLAMIA_FWD_CONFIG")
@@ -49,6 +83,8 @@ def default_config(head_dim: int, device: torch.device, *, qk_nvfp4: bool = Fals
         return FwdConfig(64, 64, num_warps=8, num_stages=2, persistent=True, maxnreg=None)
     if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
         return FwdConfig(128, 64, num_warps=8, num_stages=3, maxnreg=None)
+    if kernel is None and head_dim in (64, 128) and cute_available(device):
+        return CUTE_CONFIG
     return FwdConfig()
 
 
@@ -79,6 +115,12 @@ def attn_fwd(
     cfg = config or default_config(d, dev, qk_nvfp4=qkv.q4 is not None)
     if cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
+    if cfg.kernel not in ("triton", "cute"):
+        raise ValueError(f"config.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
+    if cfg.kernel == "cute" and (qkv.q4 is not None or cfg.two_pass or d not in (64, 128)):
+        raise ValueError(
+            "config.kernel='cute' runs E4M3 Q/K (recipe mxfp8), one pass, head_dim 64 or 128"
+        )
     if work is None or (work.block_m, work.block_n, work.causal) != (
         cfg.block_m,
         cfg.block_n,
@@ -91,6 +133,16 @@ def attn_fwd(
     m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=dev)
     lse_rows = torch.empty_like(m_rows)
     if total == 0:
+        return out, m_rows, lse_rows
+    scale_log2 = softmax_scale * LOG2E * qkv.qk_rescale
+    if cfg.kernel == "cute":
+        from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90
+
+        attn_fwd_sm90(
+            qkv, cu_seqlens, work, out, m_rows, lse_rows, heads_q=heads_q, causal=causal,
+            qk_scale=scale_log2, tile_m=cfg.block_m, tile_n=cfg.block_n,
+            num_stages=cfg.num_stages, overlap=cfg.overlap,
+        )  # fmt: skip
         return out, m_rows, lse_rows
     q4, k4 = qkv.q4, qkv.k4
     nvfp4 = q4 is not None and k4 is not None
@@ -108,7 +160,7 @@ def attn_fwd(
         *q4_args, *k4_args, qkv.v_t, qkv.doc_v_t_start, qkv.v_exp,
         cu_seqlens, work.doc, work.tile, work.count, ticket,
         out, m_rows, lse_rows,
-        softmax_scale * LOG2E * qkv.qk_rescale, qkv.v_t.shape[-1], total,
+        scale_log2, qkv.v_t.shape[-1], total,
         HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=cfg.two_pass, INTERPRET=interpreted(),
         PERSISTENT=cfg.persistent, KE_BLOCK=ke_block,

@@ -27,7 +27,8 @@ class KernelQKV:
 
     ``q_codes`` ``[T, Hq, d]`` / ``k_codes`` ``[T, Hkv, d]`` E4M3; ``v_t`` ``[Hkv, d, t_pad]``
     E4M3 V codes with keys contiguous, document ``b`` starting at column
-    ``doc_v_t_start[b]`` (16-aligned; padding never read). Exponents are int16: ``q_exp``
+    ``doc_v_t_start[b]`` (16-aligned; codes outside documents are zero, so a key tile may run
+past a document's end: the CuTe kernel's TMA loads whole tiles). Exponents are int16: ``q_exp``
     ``[T, Hq]`` (a view of a head-major ``[Hq, T]`` buffer); ``k_exp`` / ``v_exp``
     ``[Hkv, t_pad]`` in ``v_t``'s column layout, so a key tile's exponents are one aligned
     >= 4-byte vector per thread, which Triton's pipeliner stages through shared memory like
@@ -123,6 +124,9 @@ def quantize_qkv(
     q_exp = _head_major_exponents(total, heads_q, dev)
     k_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
+    # columns past every document's padded end are zero (the kernel zeroes the padding
+    # inside documents): key tiles that run past the last document read finite codes
+    v_t[:, :, total:].zero_()
     v_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)

@@ -9,6 +9,9 @@ import triton
 import triton.language as tl
 
 from flamia_serve.kernels._common import fp8_rows, hadamard_rows, nvfp4_rows, to_e4m3
+from flamia_serve.kernels.schedule import V_T_ALIGN as _V_T_ALIGN
+
+V_T_ALIGN = tl.constexpr(_V_T_ALIGN)
 
 
 @triton.jit
@@ -123,5 +126,9 @@ def quantize_qkv_kernel(
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         codes, e = fp8_rows(x, True, INTERPRET)
         vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
-        tl.store(vt_ptrs, tl.trans(codes), mask=row_ok[None, :])
+        # a document's padding columns (up to its next 16-aligned start) get zero codes
+        # (``x`` loads as 0 there), so whole key tiles read past a document stay finite
+        n_rows = tl.load(block_len_ptr + slot)
+        pad_ok = rows < (n_rows + V_T_ALIGN - 1) // V_T_ALIGN * V_T_ALIGN
+        tl.store(vt_ptrs, tl.trans(codes), mask=pad_ok[None, :])
         tl.store(v_exp_ptr + h * t_pad + col, e.to(v_exp_ptr.dtype.element_ty), mask=row_ok)

@@ -1,0 +1,576 @@
+"""FP8 attention forward for Hopper (sm_90a) in CuTe DSL: the fast path of ``attn_fwd``.
+
+Same numerics as the Triton kernel beside it (twin: ``flamia_serve.reference``): per score
+``y = (Q̂·K̂ᵀ)·qk_scale·2^(eQ_i + eK_j) + eV_j``, an integer running row reference ``m``,
+``P̂ = E4M3(2^(y − m + 8))`` into ``P̂·V̂`` (each key tile's product starts from zero and is
+added to the FP32 output: promotion per tile), normaliser ``l = Σ 2^(y − m + 8 − eV_j)``.
+
+Design (the structure of FlashAttention-3/4's sm90 forward, written for our numerics; its
+public helper modules are used as a dependency): one CTA per (document, 128-row query tile,
+head) item of the work list; a producer warp TMA-loads Q, K and V^T tiles (``v_t``, keys
+contiguous: FP8 ``wgmma`` wants both operands K-major) into a ring of shared-memory stages;
+two consumer warpgroups (64 rows each) take turns on the tensor cores (named-barrier
+ping-pong) and overlap the next tile's ``Q̂·K̂ᵀ`` with the current P̂·V̂. P̂ goes through
+shared memory (SS ``wgmma``): an 8-bit A operand cannot reuse the accumulator's registers.
+
+Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazily by
+``ops.attn_fwd`` only on sm_90 when they are installed.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+import torch
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils import LayoutEnum
+from flash_attn.cute import pipeline as fa_pipeline
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+from quack import copy_utils, layout_utils, sm90_utils
+
+from flamia_serve.kernels.quant.ops import KernelQKV
+from flamia_serve.kernels.schedule import WorkList
+from flamia_serve.numerics import P_HAT_EXP
+
+FP8 = cutlass.Float8E4M3FN
+# named barriers (0 is __syncthreads): ping-pong turns of consumer warpgroups 1/2, and the
+# P̂ smem-store barrier of each consumer warpgroup
+_BAR_TURN = 1
+_BAR_P = 3
+
+
+class FlamiaFwdSm90:
+    """Compiled once per (head dim, heads, causal, K-exponent block, config)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        heads_q: int,
+        heads_kv: int,
+        causal: bool,
+        k_exp_block: int,
+        tile_m: int,
+        tile_n: int,
+        num_stages: int,
+        overlap: bool,
+    ) -> None:
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64 and 128")
+        self.d = head_dim
+        self.heads_q = heads_q
+        self.group = heads_q // heads_kv
+        self.causal = causal
+        self.k_exp_block = k_exp_block if tile_n % k_exp_block == 0 else 1
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.overlap = overlap
+        self.num_wg = self.tile_m // 64
+        assert self.num_wg in (1, 2)
+        self.num_threads = 128 * (self.num_wg + 1)
+        self.mma_regs, self.producer_regs = {1: (256, 56), 2: (240, 24)}[self.num_wg]
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T, Hq, d) e4m3
+        mK: cute.Tensor,  # (T, Hkv, d) e4m3
+        mVt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, keys contiguous
+        mQexp: cute.Tensor,  # (Hq, T) int16
+        mKexp: cute.Tensor,  # (Hkv, t_pad) int16, v_t's column layout
+        mVexp: cute.Tensor,  # (Hkv, t_pad) int16
+        mCu: cute.Tensor,  # (B+1,) int32
+        mVtStart: cute.Tensor,  # (B,) int32
+        mItemDoc: cute.Tensor,  # (N,) int32
+        mItemTile: cute.Tensor,  # (N,) int32
+        mCount: cute.Tensor,  # (1,) int32
+        mO: cute.Tensor,  # (T, Hq, d) bf16
+        mM: cute.Tensor,  # (T, Hq) f32
+        mLSE: cute.Tensor,  # (T, Hq) f32
+        qk_scale: Float32,
+        n_programs: Int32,
+        stream: cuda.CUstream,
+    ):
+        mQ = layout_utils.select(mQ, [0, 2, 1])  # (T, d, Hq)
+        mK = layout_utils.select(mK, [0, 2, 1])  # (T, d, Hkv)
+        sQ_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (self.tile_m, self.d))
+        sK_layout = sm90_utils.make_smem_layout(
+            FP8, LayoutEnum.ROW_MAJOR, (self.tile_n, self.d), self.num_stages
+        )
+        sV_layout = sm90_utils.make_smem_layout(
+            FP8, LayoutEnum.ROW_MAJOR, (self.d, self.tile_n), self.num_stages
+        )
+        sP_layout = sm90_utils.make_smem_layout(
+            FP8, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n)
+        )
+        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )  # fmt: skip
+        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.d),
+            a_source=warpgroup.OperandSource.SMEM,
+        )  # fmt: skip
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.d))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.d), 1
+        )
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(
+            tma_load, mVt, cute.select(sV_layout, mode=[0, 1]), (self.d, self.tile_n), 1
+        )
+        self.tma_bytes = {
+            name: cute.size_in_bytes(FP8, cute.select(layout, mode=[0, 1]))
+            for name, layout in (("q", sQ_layout), ("k", sK_layout), ("v", sV_layout))
+        }
+        stages = self.num_stages
+
+        @cute.struct
+        class Storage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sP_layout)], 1024]
+
+        self.kernel(
+            tma_q, tma_k, tma_v, atom_q, atom_k, atom_v, mQexp, mKexp, mVexp, mCu, mVtStart,
+            mItemDoc, mItemTile, mCount, mO, mM, mLSE, qk_scale, sQ_layout, sK_layout,
+            sV_layout, sP_layout, tiled_mma_qk, tiled_mma_pv, Storage,
+        ).launch(
+            grid=[n_programs, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+            min_blocks_per_mp=1,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.Tensor,
+        tma_k: cute.Tensor,
+        tma_v: cute.Tensor,
+        atom_q: cute.CopyAtom,
+        atom_k: cute.CopyAtom,
+        atom_v: cute.CopyAtom,
+        mQexp: cute.Tensor,
+        mKexp: cute.Tensor,
+        mVexp: cute.Tensor,
+        mCu: cute.Tensor,
+        mVtStart: cute.Tensor,
+        mItemDoc: cute.Tensor,
+        mItemTile: cute.Tensor,
+        mCount: cute.Tensor,
+        mO: cute.Tensor,
+        mM: cute.Tensor,
+        mLSE: cute.Tensor,
+        qk_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        Storage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (atom_q, atom_k, atom_v):
+                cpasync.prefetch_descriptor(atom)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
+        pipe_q = fa_pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_warp,
+            consumer_group=mma_warps, tx_count=self.tma_bytes["q"], defer_sync=True,
+        )  # fmt: skip
+        pipe_k = fa_pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+            producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.tma_bytes["k"],
+            defer_sync=True,
+        )  # fmt: skip
+        pipe_v = fa_pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+            producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.tma_bytes["v"],
+            defer_sync=True,
+        )  # fmt: skip
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+
+        # the work item of this CTA: (document, query tile) of the list, then the head
+        work = cute.arch.block_idx()[0]
+        item = work // self.heads_q
+        head = work - item * self.heads_q
+        head_kv = head // self.group
+        doc = mItemDoc[item]
+        tile = mItemTile[item]
+        doc_start = mCu[doc]
+        seqlen = mCu[doc + 1] - doc_start
+        vt_start = mVtStart[doc]
+        n_blocks = cute.ceil_div(seqlen, self.tile_n)
+        if const_expr(self.causal):
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div((tile + 1) * self.tile_m, self.tile_n))
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if item < mCount[0]:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(
+                        tma_q, tma_k, tma_v, atom_q, atom_k, atom_v, sQ, sK, sV, pipe_q, pipe_k,
+                        pipe_v, doc_start, vt_start, tile, head, head_kv, n_blocks,
+                    )  # fmt: skip
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.consume(
+                    tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQexp,
+                    mKexp, mVexp, mO, mM, mLSE, qk_scale, doc_start, seqlen, vt_start, tile,
+                    head, head_kv, n_blocks,
+                )  # fmt: skip
+
+    @cute.jit
+    def produce(
+        self, tma_q, tma_k, tma_v, atom_q, atom_k, atom_v, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+        doc_start, vt_start, tile, head, head_kv, n_blocks,
+    ):  # fmt: skip
+        """TMA loads: Q once, then K and V^T tiles from the last key tile down."""
+        gQ = cute.local_tile(
+            cute.domain_offset((doc_start, 0), tma_q[None, None, head]),
+            (self.tile_m, self.d), (tile, 0),
+        )  # fmt: skip
+        gK = cute.local_tile(
+            cute.domain_offset((doc_start, 0), tma_k[None, None, head_kv]),
+            (self.tile_n, self.d), (None, 0),
+        )  # fmt: skip
+        gV = cute.local_tile(
+            cute.domain_offset((0, vt_start), tma_v[None, None, head_kv]),
+            (self.d, self.tile_n), (0, None),
+        )  # fmt: skip
+        load_q, _, _ = copy_utils.tma_get_copy_fn(
+            atom_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True
+        )
+        load_k, _, _ = copy_utils.tma_get_copy_fn(atom_k, 0, cute.make_layout(1), gK, sK)
+        load_k = copy_utils.tma_producer_copy_fn(load_k, pipe_k)
+        load_v, _, _ = copy_utils.tma_get_copy_fn(atom_v, 0, cute.make_layout(1), gV, sV)
+        load_v = copy_utils.tma_producer_copy_fn(load_v, pipe_v)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        n = n_blocks - 1
+        pipe_k.producer_acquire(state)
+        load_k(src_idx=n, producer_state=state)
+        pipe_q.producer_acquire_w_index_phase(0, Int32(1))
+        load_q(tma_bar_ptr=pipe_q.sync_object_full.get_barrier(0))
+        pipe_v.producer_acquire(state)
+        load_v(src_idx=n, producer_state=state)
+        state.advance()
+        for i in cutlass.range(n_blocks - 1, unroll=1):
+            n = n_blocks - 2 - i
+            pipe_k.producer_acquire(state)
+            load_k(src_idx=n, producer_state=state)
+            pipe_v.producer_acquire(state)
+            load_v(src_idx=n, producer_state=state)
+            state.advance()
+
+    @cute.jit
+    def consume(
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQexp, mKexp,
+        mVexp, mO, mM, mLSE, qk_scale, doc_start, seqlen, vt_start, tile, head, head_kv,
+        n_blocks,
+    ):  # fmt: skip
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
+        _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(
+            wg_mma_qk, (self.tile_m, self.tile_n, self.d), sQ, sK
+        )
+        acc_O, tOrP, tOrV = sm90_utils.partition_fragment_ABC(
+            wg_mma_pv, (self.tile_m, self.d, self.tile_n), sP, sV
+        )
+        store_p = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=16),
+            tiled_mma_qk,
+        ).get_slice(tidx)
+        tPsP = store_p.partition_D(sP)
+
+        # this thread's rows and key columns of a score tile
+        tScS = layout_utils.reshape_acc_to_mn(
+            thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        )
+        n_rows = cute.size(tScS, mode=[0])
+        n_cols = cute.size(tScS, mode=[1])
+        row = cute.make_rmem_tensor(n_rows, Int32)  # document-local query index
+        qfac = cute.make_rmem_tensor(n_rows, Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            row[r] = tile * self.tile_m + tScS[r, 0][0]
+            qe = Int32(0)
+            if row[r] < seqlen:
+                qe = Int32(mQexp[head, doc_start + row[r]])
+            qfac[r] = _pow2(qe) * qk_scale
+        m_run = cute.make_rmem_tensor(n_rows, Float32)
+        l_run = cute.make_rmem_tensor(n_rows, Float32)
+        m_run.fill(-Float32.inf)
+        l_run.fill(0.0)
+        acc_O.fill(0.0)
+        alpha = cute.make_rmem_tensor(n_rows, Float32)
+
+        ctx = SimpleNamespace(
+            mma_qk=lambda k_idx, wait: sm90_utils.gemm_zero_init(
+                tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK, B_idx=k_idx, wg_wait=wait
+            ),
+            mma_pv=lambda v_idx, wait: sm90_utils.gemm_zero_init(
+                tiled_mma_pv, (self.tile_m, self.d), tOrP, tOrV, B_idx=v_idx, wg_wait=wait
+            ),
+            pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, store_p=store_p, tPsP=tPsP, wg=wg,
+            tScS=tScS, row=row, qfac=qfac, m_run=m_run, l_run=l_run, alpha=alpha,
+            kf=cute.make_rmem_tensor(n_cols, Float32), evf=cute.make_rmem_tensor(n_cols, Float32),
+            vinv=cute.make_rmem_tensor(n_cols, Float32), mKexp=mKexp, mVexp=mVexp,
+            head_kv=head_kv, vt_start=vt_start, seqlen=seqlen,
+        )  # fmt: skip
+        if const_expr(self.num_wg == 2):
+            if wg == 0:  # the first warpgroup takes the first turn
+                cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=256)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        pipe_q.consumer_wait_w_index_phase(0, Int32(0))
+        # key tiles from the last (masked: document end, causal diagonal) down to the first
+        n_masked_end = n_blocks - 1
+        if const_expr(self.causal):
+            n_masked_end = cutlass.min(tile * self.tile_m // self.tile_n, n_blocks - 1)
+        if const_expr(self.overlap):
+            # first tile alone (nothing to add to O yet), then each Q̂·K̂ᵀ overlaps the
+            # previous tile's P̂·V̂, then the last P̂·V̂
+            n = n_blocks - 1
+            self.key_exponents(ctx, n, True)
+            pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
+            acc_S = ctx.mma_qk(state.index, 0)
+            pipe_k.consumer_release(state)
+            self.softmax_step(ctx, acc_S, n, True)
+            self.stage_p(ctx, acc_S)
+            for i in cutlass.range(n_blocks - 1 - n_masked_end, unroll=1):
+                state = self.key_tile_overlapped(ctx, state, n_blocks - 2 - i, True)
+            for i in cutlass.range(n_masked_end, unroll=1):
+                state = self.key_tile_overlapped(ctx, state, n_masked_end - 1 - i, False)
+            pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
+            acc_T = ctx.mma_pv(state.index, 0)
+            pipe_v.consumer_release(state)
+            acc_O.store(acc_O.load() + acc_T.load())
+        else:
+            # a warpgroup's turn on the tensor cores: P̂·V̂ of one tile and Q̂·K̂ᵀ of the next
+            self.turn_wait(wg)
+            for i in cutlass.range(n_blocks - n_masked_end, unroll=1):
+                state = self.key_tile_serial(ctx, state, n_blocks - 1 - i, True)
+            for i in cutlass.range(n_masked_end, unroll=1):
+                state = self.key_tile_serial(ctx, state, n_masked_end - 1 - i, False)
+            self.turn_pass(wg)
+        self.epilogue(acc_O, thr_mma_pv, m_run, l_run, row, mO, mM, mLSE, doc_start, seqlen, head)
+
+    @cute.jit
+    def key_tile_overlapped(self, ctx, state, n, mask: cutlass.Constexpr):
+        """Key tile ``n`` after the first: its Q̂·K̂ᵀ runs while the previous tile's P̂·V̂ is
+        issued; softmax step; ``O = (O + P̂·V̂_prev) · 2^(m_old − m_new)``."""
+        state_v = state.clone()
+        state.advance()
+        self.key_exponents(ctx, n, mask)
+        ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
+        self.turn_wait(ctx.wg)
+        acc_S = ctx.mma_qk(state.index, -1)
+        ctx.pipe_v.consumer_wait(state_v, ctx.pipe_v.consumer_try_wait(state_v))
+        acc_T = ctx.mma_pv(state_v.index, -1)
+        self.turn_pass(ctx.wg)
+        warpgroup.wait_group(1)
+        ctx.pipe_k.consumer_release(state)
+        self.softmax_step(ctx, acc_S, n, mask)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(state_v)
+        acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
+        acc_T_mn = layout_utils.reshape_acc_to_mn(acc_T)
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = (acc_O_mn[r, c] + acc_T_mn[r, c]) * ctx.alpha[r]
+        self.stage_p(ctx, acc_S)
+        return state
+
+    @cute.jit
+    def key_tile_serial(self, ctx, state, n, mask: cutlass.Constexpr):
+        """Key tile ``n``: Q̂·K̂ᵀ, softmax step, ``O = O · 2^(m_old − m_new) + P̂·V̂``; the
+        other warpgroup's softmax runs while this one's MMAs do."""
+        self.key_exponents(ctx, n, mask)
+        ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
+        acc_S = ctx.mma_qk(state.index, -1)
+        self.turn_pass(ctx.wg)
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(state)
+        self.softmax_step(ctx, acc_S, n, mask)
+        self.stage_p(ctx, acc_S)
+        acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r]
+        ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
+        self.turn_wait(ctx.wg)
+        acc_T = ctx.mma_pv(state.index, 0)
+        ctx.pipe_v.consumer_release(state)
+        ctx.acc_O.store(ctx.acc_O.load() + acc_T.load())
+        state.advance()
+        return state
+
+    @cute.jit
+    def key_exponents(self, ctx, n, mask: cutlass.Constexpr):
+        """``2^eK``, ``eV`` and ``2^−eV`` of this thread's columns of key tile ``n`` (0 for
+        keys past the document, so masked columns stay finite)."""
+        for j in cutlass.range_constexpr(cute.size(ctx.kf)):
+            key = n * self.tile_n + ctx.tScS[0, j][1]
+            at = key
+            if const_expr(mask):  # stay inside the document (the last one ends the buffer)
+                at = cutlass.min(key, ctx.seqlen - 1)
+            ke_at = at
+            if const_expr(self.k_exp_block > 1):  # one exponent per aligned key block
+                ke_at = at // self.k_exp_block * self.k_exp_block
+            ke = Int32(ctx.mKexp[ctx.head_kv, ctx.vt_start + ke_at])
+            ev = Int32(ctx.mVexp[ctx.head_kv, ctx.vt_start + at])
+            if const_expr(mask):
+                ke = ke if key < ctx.seqlen else Int32(0)
+                ev = ev if key < ctx.seqlen else Int32(0)
+            ctx.kf[j] = _pow2(ke)
+            ctx.evf[j] = Float32(ev)
+            ctx.vinv[j] = _pow2(-ev)
+
+    @cute.jit
+    def softmax_step(self, ctx, acc_S, n, mask: cutlass.Constexpr):
+        """Folded logits, integer running reference, ``P = 2^(y − m + 8)`` (in ``acc_S``),
+        normaliser update; ``ctx.alpha`` = 2^(m_old − m_new) rescales O."""
+        s_mn = layout_utils.reshape_acc_to_mn(acc_S)
+        for r in cutlass.range_constexpr(cute.size(ctx.m_run)):
+            for j in cutlass.range_constexpr(cute.size(ctx.kf)):
+                y = s_mn[r, j] * (ctx.qfac[r] * ctx.kf[j]) + ctx.evf[j]
+                if const_expr(mask):
+                    key = n * self.tile_n + ctx.tScS[0, j][1]
+                    ok = key < ctx.seqlen
+                    if const_expr(self.causal):
+                        ok = ok and key <= ctx.row[r]
+                    y = y if ok else -Float32.inf
+                s_mn[r, j] = y
+            row_max = fa_utils.fmax_reduce(s_mn[r, None].load(), init_val=None, arch=90)
+            row_max = cute.arch.warp_reduction_max(row_max, threads_in_group=4)
+            m_old = ctx.m_run[r]
+            m_new = cute.math.ceil(row_max)
+            m_new = m_new if m_new > m_old else m_old
+            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+            ctx.alpha[r] = cute.math.exp2(m_old - m_safe, fastmath=True)
+            ctx.m_run[r] = m_new
+            ref = m_safe - P_HAT_EXP
+            l_tile = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(ctx.kf)):
+                p = cute.math.exp2(s_mn[r, j] - ref, fastmath=True)
+                s_mn[r, j] = p
+                l_tile += p * ctx.vinv[j]
+            ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + l_tile
+
+    @cute.jit
+    def stage_p(self, ctx, acc_S):
+        """P̂ = E4M3(P) into shared memory, visible to this warpgroup's next ``wgmma``."""
+        rP = cute.make_rmem_tensor_like(acc_S, FP8)
+        rP.store(acc_S.load().to(FP8))
+        cute.copy(ctx.store_p, ctx.store_p.retile(rP), ctx.tPsP)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_P + ctx.wg, number_of_threads=128)
+
+    @cute.jit
+    def turn_wait(self, wg):
+        if const_expr(self.num_wg == 2):
+            cute.arch.barrier(barrier_id=_BAR_TURN + wg, number_of_threads=256)
+
+    @cute.jit
+    def turn_pass(self, wg):
+        if const_expr(self.num_wg == 2):
+            cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=256)
+
+    @cute.jit
+    def epilogue(self, acc_O, thr_mma_pv, m_run, l_run, row, mO, mM, mLSE, doc_start, seqlen, head):
+        """O = acc / l in BF16, the row reference M and base-2 lse, for rows in the document."""
+        l_run.store(fa_utils.warp_reduce(l_run.load(), lambda a, b: a + b, width=4))
+        tOcO = layout_utils.reshape_acc_to_mn(
+            thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d)))
+        )
+        acc_mn = layout_utils.reshape_acc_to_mn(acc_O)
+        for r in cutlass.range_constexpr(cute.size(m_run)):
+            if row[r] < seqlen:
+                inv = cute.arch.rcp_approx(l_run[r])
+                tok = doc_start + row[r]
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    mO[tok, head, tOcO[0, c][1]] = (acc_mn[r, c] * inv).to(mO.element_type)
+                if tOcO[0, 0][1] == 0:
+                    mM[tok, head] = m_run[r]
+                    mLSE[tok, head] = m_run[r] - P_HAT_EXP + cute.math.log2(l_run[r], fastmath=True)
+
+
+@cute.jit
+def _pow2(e: Int32) -> Float32:
+    """float32 ``2**e`` for int32 ``e`` in [-126, 127], built from the exponent field."""
+    return Int32((e + 127) << 23).bitcast(Float32)
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def attn_fwd_sm90(
+    qkv: KernelQKV,
+    cu_seqlens: torch.Tensor,
+    work: WorkList,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    *,
+    heads_q: int,
+    causal: bool,
+    qk_scale: float,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    overlap: bool,
+) -> None:
+    """Fill ``out [T, Hq, d]`` (BF16/FP16), ``m_rows``/``lse_rows [T, Hq]`` (float32) from
+    quantized operands; ``work`` was built with ``block_m = tile_m`` (one CTA per item and
+    head; items past ``work.count`` exit at once). ``qk_scale = softmax_scale·log2(e)``."""
+    d = qkv.k_codes.shape[2]
+    v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
+    q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
+    tensors = (
+        qkv.q_codes, qkv.k_codes, v_t, q_exp, qkv.k_exp, qkv.v_exp, cu_seqlens,
+        qkv.doc_v_t_start, work.doc, work.tile, work.count, out, m_rows, lse_rows,
+    )  # fmt: skip
+    heads_kv = qkv.k_codes.shape[1]
+    key = (d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
+           out.dtype)  # fmt: skip
+    if key not in _COMPILED:
+        kernel = FlamiaFwdSm90(
+            d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap
+        )
+        leading = (2, 2, 1, 1, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1)
+        fake = [
+            to_cute_tensor(t, assumed_align=16 if i in (0, 1, 2, 11) else 4, leading_dim=ld)
+            for i, (t, ld) in enumerate(zip(tensors, leading, strict=True))
+        ]
+        _COMPILED[key] = cute.compile(
+            kernel, *fake, Float32(qk_scale), Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi",
+        )  # fmt: skip
+    fp8_as_bytes = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
+    _COMPILED[key](*fp8_as_bytes, qk_scale, work.num_slots * heads_q)

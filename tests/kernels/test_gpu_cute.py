@@ -1,0 +1,91 @@
+"""CuTe DSL forward (sm_90) against the reference twin: run on the H200 (``pytest -m gpu``)
+with ``nvidia-cutlass-dsl`` and ``flash-attn-4`` installed; skipped elsewhere.
+
+Same tolerance as the Triton kernel's GPU tests (``test_attn_fwd._check_close``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia_serve import flamia_attn_varlen
+from flamia_serve.kernels.attn_fwd.ops import CUTE_CONFIG, FwdConfig, attn_fwd, cute_available
+from flamia_serve.kernels.quant.ops import quantize_qkv
+from flamia_serve.probes import cross_document_leakage, future_leakage, make_pack
+from flamia_serve.reference import attention_float64, attention_forward
+from tests.kernels.test_attn_fwd import _check_close
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not cute_available(torch.device("cuda")),
+        reason="needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4",
+    ),
+]
+
+CONFIGS = {
+    "default": CUTE_CONFIG,
+    "serial-128x128": FwdConfig(128, 128, num_stages=2, kernel="cute", overlap=False),
+    "one-warpgroup": FwdConfig(64, 64, num_stages=3, kernel="cute"),
+}
+CASES = [
+    # lens (1-token documents, lengths not multiples of 32/64/128, an empty one), hq, hkv, d
+    ((1, 300, 1000, 129, 0, 2048, 31), 32, 8, 128),
+    ((1, 63, 100, 37, 0, 5), 4, 2, 64),
+    ((700, 4), 4, 4, 128),
+    ((3000,), 2, 1, 64),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+@pytest.mark.parametrize("exact", [False, True], ids=["token_block", "exact_causal"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize(("lens", "hq", "hkv", "d"), CASES, ids=[str(i) for i in range(len(CASES))])
+def test_cute_fwd_matches_reference(lens, hq, hkv, d, causal, exact, config) -> None:
+    q, k, v, cu, ms = make_pack(lens, hq, hkv, d, seed=21, device="cuda")
+    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact)
+    cfg = CONFIGS[config]
+    out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
+    ref = attention_forward(
+        qkv.to_reference(), cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5
+    )
+    _check_close(out, m, lse, *ref)
+    exact64 = attention_float64(q, k, v, cu, ms, causal=causal)
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), exact64.flatten(), dim=0)
+    assert float(cos) >= 0.998
+
+
+def test_cute_is_the_default_here_and_agrees_with_triton() -> None:
+    q, k, v, cu, ms = make_pack((500, 1500, 77), 8, 2, 128, seed=22, device="cuda")
+    with torch.no_grad():
+        cute_out = flamia_attn_varlen(q, k, v, cu, ms)
+        triton_out = flamia_attn_varlen(q, k, v, cu, ms, config=FwdConfig())
+    diff = (cute_out.float() - triton_out.float()).norm() / triton_out.float().norm()
+    assert float(diff) < 1e-2
+
+
+def test_cute_fp16_output_and_inputs_untouched() -> None:
+    q, k, v, cu, ms = make_pack((200, 90), 4, 2, 64, seed=23, device="cuda", dtype=torch.float16)
+    before = [x.clone() for x in (q, k, v, cu)]
+    out = flamia_attn_varlen(q, k, v, cu, ms, config=CUTE_CONFIG)
+    assert out.dtype == torch.float16
+    for a, b in zip(before, (q, k, v, cu), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cute_zero_future_and_cross_document_leakage() -> None:
+    q, k, v, cu, ms = make_pack((700, 1500), 8, 2, 128, seed=12, device="cuda")
+
+    def fn(*args):
+        return flamia_attn_varlen(*args, exact_causal=True, config=CUTE_CONFIG)
+
+    for t in (0, 129, 1000, 1498):
+        assert future_leakage(fn, q, k, v, cu, ms, 1, t) == 0.0
+    assert cross_document_leakage(fn, q, k, v, cu, ms, 0) == 0.0
+
+
+def test_cute_rejects_what_it_does_not_run() -> None:
+    q, k, v, cu, _ms = make_pack((64,), 2, 1, 256, seed=1, device="cuda")
+    qkv = quantize_qkv(q, k, v, cu)
+    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+        attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.1, config=CUTE_CONFIG)
