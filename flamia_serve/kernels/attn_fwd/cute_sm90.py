@@ -128,10 +128,20 @@ class FlamiaFwdSm90:
         atom_v, tma_v = cpasync.make_tiled_tma_atom(
             tma_load, mVt, cute.select(sV_layout, mode=[0, 1]), (self.d, self.tile_n), 1
         )
+        # K and V exponents of a key tile ride with the K tile (one barrier, one stage)
+        sE_layout = cute.make_layout((self.tile_n, self.num_stages))
+        mKexp_t, mVexp_t = (layout_utils.select(t, [1, 0]) for t in (mKexp, mVexp))
+        atom_ke, tma_ke = cpasync.make_tiled_tma_atom(
+            tma_load, mKexp_t, cute.make_layout(self.tile_n), (self.tile_n,)
+        )
+        atom_ve, tma_ve = cpasync.make_tiled_tma_atom(
+            tma_load, mVexp_t, cute.make_layout(self.tile_n), (self.tile_n,)
+        )
         self.tma_bytes = {
             name: cute.size_in_bytes(FP8, cute.select(layout, mode=[0, 1]))
             for name, layout in (("q", sQ_layout), ("k", sK_layout), ("v", sV_layout))
         }
+        self.tma_bytes["k"] += 2 * self.tile_n * 2
         stages = self.num_stages
 
         @cute.struct
@@ -143,11 +153,13 @@ class FlamiaFwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sP_layout)], 1024]
+            sKe: cute.struct.Align[cute.struct.MemRange[cutlass.Int16, cute.cosize(sE_layout)], 128]
+            sVe: cute.struct.Align[cute.struct.MemRange[cutlass.Int16, cute.cosize(sE_layout)], 128]
 
         self.kernel(
-            tma_q, tma_k, tma_v, atom_q, atom_k, atom_v, mQexp, mKexp, mVexp, mCu, mVtStart,
-            mItemDoc, mItemTile, mCount, mO, mM, mLSE, qk_scale, sQ_layout, sK_layout,
-            sV_layout, sP_layout, tiled_mma_qk, tiled_mma_pv, Storage,
+            tma_q, tma_k, tma_v, tma_ke, tma_ve, atom_q, atom_k, atom_v, atom_ke, atom_ve, mQexp,
+            mCu, mVtStart, mItemDoc, mItemTile, mCount, mO, mM, mLSE, qk_scale, sQ_layout,
+            sK_layout, sV_layout, sP_layout, sE_layout, tiled_mma_qk, tiled_mma_pv, Storage,
         ).launch(
             grid=[n_programs, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
@@ -160,12 +172,14 @@ class FlamiaFwdSm90:
         tma_q: cute.Tensor,
         tma_k: cute.Tensor,
         tma_v: cute.Tensor,
+        tma_ke: cute.Tensor,
+        tma_ve: cute.Tensor,
         atom_q: cute.CopyAtom,
         atom_k: cute.CopyAtom,
         atom_v: cute.CopyAtom,
+        atom_ke: cute.CopyAtom,
+        atom_ve: cute.CopyAtom,
         mQexp: cute.Tensor,
-        mKexp: cute.Tensor,
-        mVexp: cute.Tensor,
         mCu: cute.Tensor,
         mVtStart: cute.Tensor,
         mItemDoc: cute.Tensor,
@@ -179,13 +193,14 @@ class FlamiaFwdSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
+        sE_layout: cute.Layout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         Storage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (atom_q, atom_k, atom_v):
+            for atom in (atom_q, atom_k, atom_v, atom_ke, atom_ve):
                 cpasync.prefetch_descriptor(atom)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(Storage)
@@ -210,6 +225,8 @@ class FlamiaFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sKe = storage.sKe.get_tensor(sE_layout)
+        sVe = storage.sVe.get_tensor(sE_layout)
 
         # the work item of this CTA: (document, query tile) of the list, then the head
         work = cute.arch.block_idx()[0]
@@ -231,23 +248,28 @@ class FlamiaFwdSm90:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.produce(
-                        tma_q, tma_k, tma_v, atom_q, atom_k, atom_v, sQ, sK, sV, pipe_q, pipe_k,
-                        pipe_v, doc_start, vt_start, tile, head, head_kv, n_blocks,
+                        (tma_q, tma_k, tma_v, tma_ke, tma_ve), (atom_q, atom_k, atom_v, atom_ke,
+                        atom_ve), (sQ, sK, sV, sKe, sVe), pipe_q, pipe_k, pipe_v, doc_start,
+                        vt_start, tile, head, head_kv, n_blocks,
                     )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 self.consume(
-                    tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQexp,
-                    mKexp, mVexp, mO, mM, mLSE, qk_scale, doc_start, seqlen, vt_start, tile,
-                    head, head_kv, n_blocks,
+                    tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sKe, sVe, pipe_q, pipe_k, pipe_v,
+                    mQexp, mO, mM, mLSE, qk_scale, doc_start, seqlen, tile, head, head_kv,
+                    n_blocks,
                 )  # fmt: skip
 
     @cute.jit
     def produce(
-        self, tma_q, tma_k, tma_v, atom_q, atom_k, atom_v, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-        doc_start, vt_start, tile, head, head_kv, n_blocks,
+        self, tma, atoms, smem, pipe_q, pipe_k, pipe_v, doc_start, vt_start, tile, head, head_kv,
+        n_blocks,
     ):  # fmt: skip
-        """TMA loads: Q once, then K and V^T tiles from the last key tile down."""
+        """TMA loads: Q once, then per key tile (from the last down) K with its K and V
+        exponents on one barrier, and V^T."""
+        tma_q, tma_k, tma_v, tma_ke, tma_ve = tma
+        atom_q, atom_k, atom_v, atom_ke, atom_ve = atoms
+        sQ, sK, sV, sKe, sVe = smem
         gQ = cute.local_tile(
             cute.domain_offset((doc_start, 0), tma_q[None, None, head]),
             (self.tile_m, self.d), (tile, 0),
@@ -263,8 +285,15 @@ class FlamiaFwdSm90:
         load_q, _, _ = copy_utils.tma_get_copy_fn(
             atom_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True
         )
-        load_k, _, _ = copy_utils.tma_get_copy_fn(atom_k, 0, cute.make_layout(1), gK, sK)
-        load_k = copy_utils.tma_producer_copy_fn(load_k, pipe_k)
+        loads_k = []
+        for atom, g, s in (
+            (atom_k, gK, sK),
+            (atom_ke, self.exponent_tiles(tma_ke, vt_start, head_kv), sKe),
+            (atom_ve, self.exponent_tiles(tma_ve, vt_start, head_kv), sVe),
+        ):
+            fn, _, _ = copy_utils.tma_get_copy_fn(atom, 0, cute.make_layout(1), g, s)
+            loads_k.append(copy_utils.tma_producer_copy_fn(fn, pipe_k))
+        load_k = copy_utils.chain_tma_producer_copy_fns(loads_k)
         load_v, _, _ = copy_utils.tma_get_copy_fn(atom_v, 0, cute.make_layout(1), gV, sV)
         load_v = copy_utils.tma_producer_copy_fn(load_v, pipe_v)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -284,11 +313,16 @@ class FlamiaFwdSm90:
             load_v(src_idx=n, producer_state=state)
             state.advance()
 
+    def exponent_tiles(self, tma_e, vt_start, head_kv):
+        """Key tiles ``(tile_n, n)`` of one head's exponents in ``v_t``'s column layout."""
+        return cute.local_tile(
+            cute.domain_offset((vt_start,), tma_e[None, head_kv]), (self.tile_n,), (None,)
+        )
+
     @cute.jit
     def consume(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, pipe_q, pipe_k, pipe_v, mQexp, mKexp,
-        mVexp, mO, mM, mLSE, qk_scale, doc_start, seqlen, vt_start, tile, head, head_kv,
-        n_blocks,
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sKe, sVe, pipe_q, pipe_k, pipe_v, mQexp,
+        mO, mM, mLSE, qk_scale, doc_start, seqlen, tile, head, head_kv, n_blocks,
     ):  # fmt: skip
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -339,8 +373,7 @@ class FlamiaFwdSm90:
             pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, store_p=store_p, tPsP=tPsP, wg=wg,
             tScS=tScS, row=row, qfac=qfac, m_run=m_run, l_run=l_run, alpha=alpha,
             kf=cute.make_rmem_tensor(n_cols, Float32), evf=cute.make_rmem_tensor(n_cols, Float32),
-            vinv=cute.make_rmem_tensor(n_cols, Float32), mKexp=mKexp, mVexp=mVexp,
-            head_kv=head_kv, vt_start=vt_start, seqlen=seqlen,
+            vinv=cute.make_rmem_tensor(n_cols, Float32), sKe=sKe, sVe=sVe, seqlen=seqlen,
         )  # fmt: skip
         if const_expr(self.num_wg == 2):
             if wg == 0:  # the first warpgroup takes the first turn
@@ -356,9 +389,9 @@ class FlamiaFwdSm90:
             # first tile alone (nothing to add to O yet), then each Q̂·K̂ᵀ overlaps the
             # previous tile's P̂·V̂, then the last P̂·V̂
             n = n_blocks - 1
-            self.key_exponents(ctx, n, True)
             pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
             acc_S = ctx.mma_qk(state.index, 0)
+            self.key_exponents(ctx, state, n, True)
             pipe_k.consumer_release(state)
             self.softmax_step(ctx, acc_S, n, True)
             self.stage_p(ctx, acc_S)
@@ -386,13 +419,13 @@ class FlamiaFwdSm90:
         issued; softmax step; ``O = (O + P̂·V̂_prev) · 2^(m_old − m_new)``."""
         state_v = state.clone()
         state.advance()
-        self.key_exponents(ctx, n, mask)
         ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
         self.turn_wait(ctx.wg)
         acc_S = ctx.mma_qk(state.index, -1)
         ctx.pipe_v.consumer_wait(state_v, ctx.pipe_v.consumer_try_wait(state_v))
         acc_T = ctx.mma_pv(state_v.index, -1)
         self.turn_pass(ctx.wg)
+        self.key_exponents(ctx, state, n, mask)
         warpgroup.wait_group(1)
         ctx.pipe_k.consumer_release(state)
         self.softmax_step(ctx, acc_S, n, mask)
@@ -410,10 +443,10 @@ class FlamiaFwdSm90:
     def key_tile_serial(self, ctx, state, n, mask: cutlass.Constexpr):
         """Key tile ``n``: Q̂·K̂ᵀ, softmax step, ``O = O · 2^(m_old − m_new) + P̂·V̂``; the
         other warpgroup's softmax runs while this one's MMAs do."""
-        self.key_exponents(ctx, n, mask)
         ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
         acc_S = ctx.mma_qk(state.index, -1)
         self.turn_pass(ctx.wg)
+        self.key_exponents(ctx, state, n, mask)
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(state)
         self.softmax_step(ctx, acc_S, n, mask)
@@ -431,19 +464,18 @@ class FlamiaFwdSm90:
         return state
 
     @cute.jit
-    def key_exponents(self, ctx, n, mask: cutlass.Constexpr):
-        """``2^eK``, ``eV`` and ``2^−eV`` of this thread's columns of key tile ``n`` (0 for
-        keys past the document, so masked columns stay finite)."""
+    def key_exponents(self, ctx, state, n, mask: cutlass.Constexpr):
+        """``2^eK``, ``eV`` and ``2^−eV`` of this thread's columns of key tile ``n``, from the
+        stage its K tile arrived in (0 for keys past the document: masked columns stay
+        finite)."""
         for j in cutlass.range_constexpr(cute.size(ctx.kf)):
-            key = n * self.tile_n + ctx.tScS[0, j][1]
-            at = key
-            if const_expr(mask):  # stay inside the document (the last one ends the buffer)
-                at = cutlass.min(key, ctx.seqlen - 1)
-            ke_at = at
+            col = ctx.tScS[0, j][1]
+            key = n * self.tile_n + col
+            ke_col = col
             if const_expr(self.k_exp_block > 1):  # one exponent per aligned key block
-                ke_at = at // self.k_exp_block * self.k_exp_block
-            ke = Int32(ctx.mKexp[ctx.head_kv, ctx.vt_start + ke_at])
-            ev = Int32(ctx.mVexp[ctx.head_kv, ctx.vt_start + at])
+                ke_col = col // self.k_exp_block * self.k_exp_block
+            ke = Int32(ctx.sKe[ke_col, state.index])
+            ev = Int32(ctx.sVe[col, state.index])
             if const_expr(mask):
                 ke = ke if key < ctx.seqlen else Int32(0)
                 ev = ev if key < ctx.seqlen else Int32(0)
