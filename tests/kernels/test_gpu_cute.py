@@ -25,7 +25,8 @@ pytestmark = [
 
 CONFIGS = {
     "default": CUTE_CONFIG,
-    "serial-128x128": FwdConfig(128, 128, num_stages=2, kernel="cute", overlap=False),
+    "serial-128x64": FwdConfig(128, 64, num_stages=3, kernel="cute", overlap=False),
+    "overlap-128x64": FwdConfig(128, 64, num_stages=2, kernel="cute"),
     "one-warpgroup": FwdConfig(64, 64, num_stages=3, kernel="cute"),
 }
 CASES = [

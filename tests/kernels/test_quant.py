@@ -7,7 +7,7 @@ import torch
 
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.kernels.schedule import token_block_table
-from flamia_serve.numerics import resolve_recipe, token_block_ids
+from flamia_serve.numerics import EXP_MIN, exp2i, resolve_recipe, token_block_ids
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import quantize_qkv as reference_quantize_qkv
 
@@ -97,3 +97,23 @@ def test_v_t_outside_documents_is_zero(device, monkeypatch) -> None:
     outside = qkv.v_t.view(torch.uint8).cpu()[:, :, ~inside]
     assert outside.numel() > 0
     assert not bool(outside.any())
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["token_block", "exact_causal"])
+def test_kv_factors_are_the_exponents_as_floats(exact, device) -> None:
+    """``kv_factors`` holds ``2^eK``, ``eV``, ``2^-eV`` exactly, in ``v_t``'s columns; like the
+    kernels' ``exp2i``, ``2^EXP_MIN`` (all-zero groups: zero codes) is flushed to 0."""
+    lens = (5, 40, 1, 33)
+    q, k, v, cu, _ms = make_pack(lens, 2, 2, 64, seed=4, device=device)
+    k, v = k * torch.exp(torch.randn(k.shape[0], 1, 1) * 8).to(k), v * 1e-30
+    k[:40] = 0  # all-zero K groups get EXP_MIN
+    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact)
+    cols = torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(qkv.doc_v_t_start.tolist(), lens, strict=True)]
+    )
+    ke, ve = (x.cpu()[:, cols].int() for x in (qkv.k_exp, qkv.v_exp))
+    f = qkv.kv_factors.cpu()[:, :, cols]
+    assert bool((ke == EXP_MIN).any())
+    assert torch.equal(f[:, 0], torch.where(ke == EXP_MIN, 0.0, exp2i(ke)))
+    assert torch.equal(f[:, 1], ve.float())
+    assert torch.equal(f[:, 2], exp2i(-ve))

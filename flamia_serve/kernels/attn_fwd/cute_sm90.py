@@ -85,8 +85,7 @@ class FlamiaFwdSm90:
         mK: cute.Tensor,  # (T, Hkv, d) e4m3
         mVt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, keys contiguous
         mQexp: cute.Tensor,  # (Hq, T) int16
-        mKexp: cute.Tensor,  # (Hkv, t_pad) int16, v_t's column layout
-        mVexp: cute.Tensor,  # (Hkv, t_pad) int16
+        mFactors: cute.Tensor,  # (Hkv, 3, t_pad) f32: 2^eK, eV, 2^-eV in v_t's columns
         mCu: cute.Tensor,  # (B+1,) int32
         mVtStart: cute.Tensor,  # (B,) int32
         mItemDoc: cute.Tensor,  # (N,) int32
@@ -128,20 +127,17 @@ class FlamiaFwdSm90:
         atom_v, tma_v = cpasync.make_tiled_tma_atom(
             tma_load, mVt, cute.select(sV_layout, mode=[0, 1]), (self.d, self.tile_n), 1
         )
-        # K and V exponents of a key tile ride with the K tile (one barrier, one stage)
-        sE_layout = cute.make_layout((self.tile_n, self.num_stages))
-        mKexp_t, mVexp_t = (layout_utils.select(t, [1, 0]) for t in (mKexp, mVexp))
-        atom_ke, tma_ke = cpasync.make_tiled_tma_atom(
-            tma_load, mKexp_t, cute.make_layout(self.tile_n), (self.tile_n,)
-        )
-        atom_ve, tma_ve = cpasync.make_tiled_tma_atom(
-            tma_load, mVexp_t, cute.make_layout(self.tile_n), (self.tile_n,)
-        )
+        # a key tile's exponent factors ride with its K tile (one barrier, one stage)
+        sF_layout = cute.make_layout((self.tile_n, 3, self.num_stages))
+        atom_f, tma_f = cpasync.make_tiled_tma_atom(
+            tma_load, layout_utils.select(mFactors, [2, 1, 0]), cute.make_layout((self.tile_n, 3)),
+            (self.tile_n, 3),
+        )  # fmt: skip
         self.tma_bytes = {
             name: cute.size_in_bytes(FP8, cute.select(layout, mode=[0, 1]))
             for name, layout in (("q", sQ_layout), ("k", sK_layout), ("v", sV_layout))
         }
-        self.tma_bytes["k"] += 2 * self.tile_n * 2
+        self.tma_bytes["k"] += cute.size_in_bytes(Float32, cute.make_layout((self.tile_n, 3)))
         stages = self.num_stages
 
         @cute.struct
@@ -153,13 +149,12 @@ class FlamiaFwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sP_layout)], 1024]
-            sKe: cute.struct.Align[cute.struct.MemRange[cutlass.Int16, cute.cosize(sE_layout)], 128]
-            sVe: cute.struct.Align[cute.struct.MemRange[cutlass.Int16, cute.cosize(sE_layout)], 128]
+            sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
 
         self.kernel(
-            tma_q, tma_k, tma_v, tma_ke, tma_ve, atom_q, atom_k, atom_v, atom_ke, atom_ve, mQexp,
-            mCu, mVtStart, mItemDoc, mItemTile, mCount, mO, mM, mLSE, qk_scale, sQ_layout,
-            sK_layout, sV_layout, sP_layout, sE_layout, tiled_mma_qk, tiled_mma_pv, Storage,
+            tma_q, tma_k, tma_v, tma_f, atom_q, atom_k, atom_v, atom_f, mQexp, mCu, mVtStart,
+            mItemDoc, mItemTile, mCount, mO, mM, mLSE, qk_scale, sQ_layout, sK_layout,
+            sV_layout, sP_layout, sF_layout, tiled_mma_qk, tiled_mma_pv, Storage,
         ).launch(
             grid=[n_programs, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
@@ -172,13 +167,11 @@ class FlamiaFwdSm90:
         tma_q: cute.Tensor,
         tma_k: cute.Tensor,
         tma_v: cute.Tensor,
-        tma_ke: cute.Tensor,
-        tma_ve: cute.Tensor,
+        tma_f: cute.Tensor,
         atom_q: cute.CopyAtom,
         atom_k: cute.CopyAtom,
         atom_v: cute.CopyAtom,
-        atom_ke: cute.CopyAtom,
-        atom_ve: cute.CopyAtom,
+        atom_f: cute.CopyAtom,
         mQexp: cute.Tensor,
         mCu: cute.Tensor,
         mVtStart: cute.Tensor,
@@ -193,14 +186,14 @@ class FlamiaFwdSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
-        sE_layout: cute.Layout,
+        sF_layout: cute.Layout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         Storage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (atom_q, atom_k, atom_v, atom_ke, atom_ve):
+            for atom in (atom_q, atom_k, atom_v, atom_f):
                 cpasync.prefetch_descriptor(atom)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(Storage)
@@ -225,8 +218,7 @@ class FlamiaFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sKe = storage.sKe.get_tensor(sE_layout)
-        sVe = storage.sVe.get_tensor(sE_layout)
+        sF = storage.sF.get_tensor(sF_layout)
 
         # the work item of this CTA: (document, query tile) of the list, then the head
         work = cute.arch.block_idx()[0]
@@ -248,14 +240,14 @@ class FlamiaFwdSm90:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.produce(
-                        (tma_q, tma_k, tma_v, tma_ke, tma_ve), (atom_q, atom_k, atom_v, atom_ke,
-                        atom_ve), (sQ, sK, sV, sKe, sVe), pipe_q, pipe_k, pipe_v, doc_start,
-                        vt_start, tile, head, head_kv, n_blocks,
+                        (tma_q, tma_k, tma_v, tma_f), (atom_q, atom_k, atom_v, atom_f),
+                        (sQ, sK, sV, sF), pipe_q, pipe_k, pipe_v, doc_start, vt_start, tile, head,
+                        head_kv, n_blocks,
                     )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 self.consume(
-                    tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sKe, sVe, pipe_q, pipe_k, pipe_v,
+                    tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sF, pipe_q, pipe_k, pipe_v,
                     mQexp, mO, mM, mLSE, qk_scale, doc_start, seqlen, tile, head, head_kv,
                     n_blocks,
                 )  # fmt: skip
@@ -265,11 +257,11 @@ class FlamiaFwdSm90:
         self, tma, atoms, smem, pipe_q, pipe_k, pipe_v, doc_start, vt_start, tile, head, head_kv,
         n_blocks,
     ):  # fmt: skip
-        """TMA loads: Q once, then per key tile (from the last down) K with its K and V
-        exponents on one barrier, and V^T."""
-        tma_q, tma_k, tma_v, tma_ke, tma_ve = tma
-        atom_q, atom_k, atom_v, atom_ke, atom_ve = atoms
-        sQ, sK, sV, sKe, sVe = smem
+        """TMA loads: Q once, then per key tile (from the last down) K with its exponent
+        factors on one barrier, and V^T."""
+        tma_q, tma_k, tma_v, tma_f = tma
+        atom_q, atom_k, atom_v, atom_f = atoms
+        sQ, sK, sV, sF = smem
         gQ = cute.local_tile(
             cute.domain_offset((doc_start, 0), tma_q[None, None, head]),
             (self.tile_m, self.d), (tile, 0),
@@ -285,12 +277,12 @@ class FlamiaFwdSm90:
         load_q, _, _ = copy_utils.tma_get_copy_fn(
             atom_q, 0, cute.make_layout(1), gQ, sQ, single_stage=True
         )
+        gF = cute.local_tile(
+            cute.domain_offset((vt_start, 0), tma_f[None, None, head_kv]), (self.tile_n, 3),
+            (None, 0),
+        )  # fmt: skip
         loads_k = []
-        for atom, g, s in (
-            (atom_k, gK, sK),
-            (atom_ke, self.exponent_tiles(tma_ke, vt_start, head_kv), sKe),
-            (atom_ve, self.exponent_tiles(tma_ve, vt_start, head_kv), sVe),
-        ):
+        for atom, g, s in ((atom_k, gK, sK), (atom_f, gF, sF)):
             fn, _, _ = copy_utils.tma_get_copy_fn(atom, 0, cute.make_layout(1), g, s)
             loads_k.append(copy_utils.tma_producer_copy_fn(fn, pipe_k))
         load_k = copy_utils.chain_tma_producer_copy_fns(loads_k)
@@ -313,15 +305,9 @@ class FlamiaFwdSm90:
             load_v(src_idx=n, producer_state=state)
             state.advance()
 
-    def exponent_tiles(self, tma_e, vt_start, head_kv):
-        """Key tiles ``(tile_n, n)`` of one head's exponents in ``v_t``'s column layout."""
-        return cute.local_tile(
-            cute.domain_offset((vt_start,), tma_e[None, head_kv]), (self.tile_n,), (None,)
-        )
-
     @cute.jit
     def consume(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sKe, sVe, pipe_q, pipe_k, pipe_v, mQexp,
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sF, pipe_q, pipe_k, pipe_v, mQexp,
         mO, mM, mLSE, qk_scale, doc_start, seqlen, tile, head, head_kv, n_blocks,
     ):  # fmt: skip
         tidx = cute.arch.thread_idx()[0] - 128
@@ -347,7 +333,6 @@ class FlamiaFwdSm90:
             thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         )
         n_rows = cute.size(tScS, mode=[0])
-        n_cols = cute.size(tScS, mode=[1])
         row = cute.make_rmem_tensor(n_rows, Int32)  # document-local query index
         qfac = cute.make_rmem_tensor(n_rows, Float32)
         for r in cutlass.range_constexpr(n_rows):
@@ -372,8 +357,7 @@ class FlamiaFwdSm90:
             ),
             pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, store_p=store_p, tPsP=tPsP, wg=wg,
             tScS=tScS, row=row, qfac=qfac, m_run=m_run, l_run=l_run, alpha=alpha,
-            kf=cute.make_rmem_tensor(n_cols, Float32), evf=cute.make_rmem_tensor(n_cols, Float32),
-            vinv=cute.make_rmem_tensor(n_cols, Float32), sKe=sKe, sVe=sVe, seqlen=seqlen,
+            sF=sF, seqlen=seqlen,
         )  # fmt: skip
         if const_expr(self.num_wg == 2):
             if wg == 0:  # the first warpgroup takes the first turn
@@ -391,9 +375,8 @@ class FlamiaFwdSm90:
             n = n_blocks - 1
             pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
             acc_S = ctx.mma_qk(state.index, 0)
-            self.key_exponents(ctx, state, n, True)
+            self.softmax_step(ctx, acc_S, state, n, True)
             pipe_k.consumer_release(state)
-            self.softmax_step(ctx, acc_S, n, True)
             self.stage_p(ctx, acc_S)
             for i in cutlass.range(n_blocks - 1 - n_masked_end, unroll=1):
                 state = self.key_tile_overlapped(ctx, state, n_blocks - 2 - i, True)
@@ -425,10 +408,9 @@ class FlamiaFwdSm90:
         ctx.pipe_v.consumer_wait(state_v, ctx.pipe_v.consumer_try_wait(state_v))
         acc_T = ctx.mma_pv(state_v.index, -1)
         self.turn_pass(ctx.wg)
-        self.key_exponents(ctx, state, n, mask)
         warpgroup.wait_group(1)
+        self.softmax_step(ctx, acc_S, state, n, mask)
         ctx.pipe_k.consumer_release(state)
-        self.softmax_step(ctx, acc_S, n, mask)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(state_v)
         acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
@@ -446,58 +428,50 @@ class FlamiaFwdSm90:
         ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
         acc_S = ctx.mma_qk(state.index, -1)
         self.turn_pass(ctx.wg)
-        self.key_exponents(ctx, state, n, mask)
         warpgroup.wait_group(0)
+        self.softmax_step(ctx, acc_S, state, n, mask)
         ctx.pipe_k.consumer_release(state)
-        self.softmax_step(ctx, acc_S, n, mask)
         self.stage_p(ctx, acc_S)
-        acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
-        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r]
         ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
         self.turn_wait(ctx.wg)
         acc_T = ctx.mma_pv(state.index, 0)
         ctx.pipe_v.consumer_release(state)
-        ctx.acc_O.store(ctx.acc_O.load() + acc_T.load())
+        acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
+        acc_T_mn = layout_utils.reshape_acc_to_mn(acc_T)
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r] + acc_T_mn[r, c]
         state.advance()
         return state
 
     @cute.jit
-    def key_exponents(self, ctx, state, n, mask: cutlass.Constexpr):
-        """``2^eK``, ``eV`` and ``2^−eV`` of this thread's columns of key tile ``n``, from the
-        stage its K tile arrived in (0 for keys past the document: masked columns stay
-        finite)."""
-        for j in cutlass.range_constexpr(cute.size(ctx.kf)):
+    def softmax_step(self, ctx, acc_S, state, n, mask: cutlass.Constexpr):
+        """Folded logits ``y = s·qfac·2^eK + eV``, integer running reference, ``P = 2^(y − m +
+        8)`` (in ``acc_S``), normaliser ``l += P·2^−eV``; ``ctx.alpha`` = 2^(m_old − m_new)
+        rescales O. The exponent factors come from the stage the K tile arrived in; past the
+        document (``mask``) logits are −inf and ``2^−eV`` is 0, whatever the buffer holds."""
+        s_mn = layout_utils.reshape_acc_to_mn(acc_S)
+        n_rows = cute.size(ctx.m_run)
+        factors = ctx.sF[None, None, state.index]
+        for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             col = ctx.tScS[0, j][1]
             key = n * self.tile_n + col
             ke_col = col
-            if const_expr(self.k_exp_block > 1):  # one exponent per aligned key block
+            if const_expr(self.k_exp_block > 1):  # one K exponent per aligned key block
                 ke_col = col // self.k_exp_block * self.k_exp_block
-            ke = Int32(ctx.sKe[ke_col, state.index])
-            ev = Int32(ctx.sVe[col, state.index])
-            if const_expr(mask):
-                ke = ke if key < ctx.seqlen else Int32(0)
-                ev = ev if key < ctx.seqlen else Int32(0)
-            ctx.kf[j] = _pow2(ke)
-            ctx.evf[j] = Float32(ev)
-            ctx.vinv[j] = _pow2(-ev)
-
-    @cute.jit
-    def softmax_step(self, ctx, acc_S, n, mask: cutlass.Constexpr):
-        """Folded logits, integer running reference, ``P = 2^(y − m + 8)`` (in ``acc_S``),
-        normaliser update; ``ctx.alpha`` = 2^(m_old − m_new) rescales O."""
-        s_mn = layout_utils.reshape_acc_to_mn(acc_S)
-        for r in cutlass.range_constexpr(cute.size(ctx.m_run)):
-            for j in cutlass.range_constexpr(cute.size(ctx.kf)):
-                y = s_mn[r, j] * (ctx.qfac[r] * ctx.kf[j]) + ctx.evf[j]
+            k_scale = factors[ke_col, 0]
+            v_exp = factors[col, 1]
+            for r in cutlass.range_constexpr(n_rows):
+                y = s_mn[r, j] * (ctx.qfac[r] * k_scale) + v_exp
                 if const_expr(mask):
-                    key = n * self.tile_n + ctx.tScS[0, j][1]
                     ok = key < ctx.seqlen
                     if const_expr(self.causal):
                         ok = ok and key <= ctx.row[r]
                     y = y if ok else -Float32.inf
                 s_mn[r, j] = y
+        ref = cute.make_rmem_tensor(n_rows, Float32)
+        l_tile = cute.make_rmem_tensor(n_rows, Float32)
+        for r in cutlass.range_constexpr(n_rows):
             row_max = fa_utils.fmax_reduce(s_mn[r, None].load(), init_val=None, arch=90)
             row_max = cute.arch.warp_reduction_max(row_max, threads_in_group=4)
             m_old = ctx.m_run[r]
@@ -506,13 +480,19 @@ class FlamiaFwdSm90:
             m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
             ctx.alpha[r] = cute.math.exp2(m_old - m_safe, fastmath=True)
             ctx.m_run[r] = m_new
-            ref = m_safe - P_HAT_EXP
-            l_tile = Float32(0.0)
-            for j in cutlass.range_constexpr(cute.size(ctx.kf)):
-                p = cute.math.exp2(s_mn[r, j] - ref, fastmath=True)
+            ref[r] = m_safe - P_HAT_EXP
+            l_tile[r] = Float32(0.0)
+        for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            col = ctx.tScS[0, j][1]
+            v_inv = factors[col, 2]
+            if const_expr(mask):
+                v_inv = v_inv if n * self.tile_n + col < ctx.seqlen else Float32(0.0)
+            for r in cutlass.range_constexpr(n_rows):
+                p = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
                 s_mn[r, j] = p
-                l_tile += p * ctx.vinv[j]
-            ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + l_tile
+                l_tile[r] += p * v_inv
+        for r in cutlass.range_constexpr(n_rows):
+            ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + l_tile[r]
 
     @cute.jit
     def stage_p(self, ctx, acc_S):
@@ -584,7 +564,7 @@ def attn_fwd_sm90(
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
     tensors = (
-        qkv.q_codes, qkv.k_codes, v_t, q_exp, qkv.k_exp, qkv.v_exp, cu_seqlens,
+        qkv.q_codes, qkv.k_codes, v_t, q_exp, qkv.kv_factors, cu_seqlens,
         qkv.doc_v_t_start, work.doc, work.tile, work.count, out, m_rows, lse_rows,
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]
@@ -594,9 +574,9 @@ def attn_fwd_sm90(
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap
         )
-        leading = (2, 2, 1, 1, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1)
+        leading = (2, 2, 1, 1, 2, 0, 0, 0, 0, 0, 2, 1, 1)
         fake = [
-            to_cute_tensor(t, assumed_align=16 if i in (0, 1, 2, 11) else 4, leading_dim=ld)
+            to_cute_tensor(t, assumed_align=16 if i in (0, 1, 2, 4, 10) else 4, leading_dim=ld)
             for i, (t, ld) in enumerate(zip(tensors, leading, strict=True))
         ]
         _COMPILED[key] = cute.compile(

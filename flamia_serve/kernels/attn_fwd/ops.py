@@ -46,7 +46,7 @@ class FwdConfig:
 
 
 #: the CuTe forward's default on sm_90 (``benchmarks/tune_fwd.py --kernel cute``)
-CUTE_CONFIG = FwdConfig(128, 64, num_stages=2, kernel="cute", maxnreg=None)
+CUTE_CONFIG = FwdConfig(128, 128, num_stages=2, kernel="cute", maxnreg=None, overlap=False)
 
 
 def cute_available(device: torch.device) -> bool:

@@ -32,7 +32,9 @@ past a document's end: the CuTe kernel's TMA loads whole tiles). Exponents are i
     ``[T, Hq]`` (a view of a head-major ``[Hq, T]`` buffer); ``k_exp`` / ``v_exp``
     ``[Hkv, t_pad]`` in ``v_t``'s column layout, so a key tile's exponents are one aligned
     >= 4-byte vector per thread, which Triton's pipeliner stages through shared memory like
-    the code tiles. q4/k4 NVFP4 (mixed recipe only);
+    the code tiles. ``kv_factors`` ``[Hkv, 3, t_pad]`` float32, same columns: ``2^eK``, ``eV``
+    and ``2^-eV`` exactly (the CuTe kernel reads floats instead of converting the exponents
+    in every thread). q4/k4 NVFP4 (mixed recipe only);
     ``qk_rescale`` = 1/d after the Hadamard option; ``k_exp_block``: keys sharing one K
     exponent (document-local blocks; 1 = per token).
     """
@@ -45,6 +47,7 @@ past a document's end: the CuTe kernel's TMA loads whole tiles). Exponents are i
     doc_v_t_start: torch.Tensor
     cu_seqlens: torch.Tensor
     v_exp: torch.Tensor
+    kv_factors: torch.Tensor
     q4: NVFP4Tensor | None
     k4: NVFP4Tensor | None
     qk_rescale: float
@@ -128,6 +131,7 @@ def quantize_qkv(
     # inside documents): key tiles that run past the last document read finite codes
     v_t[:, :, total:].zero_()
     v_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
+    kv_factors = torch.empty(heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)
     k4 = _nvfp4_empty(total if nvfp4 else 0, heads_kv, d, dev)
@@ -135,7 +139,7 @@ def quantize_qkv(
         grid = (_num_programs(dev, blocks.num_slots * (heads_q + 2 * heads_kv), programs_per_sm),)
         quantize_qkv_kernel[grid](
             q, k, v, blocks.start, blocks.length, blocks.v_t_start,
-            q_codes, q_exp, k_codes, k_exp, v_t, v_exp,
+            q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             t_pad, total, blocks.num_slots,
@@ -146,7 +150,7 @@ def quantize_qkv(
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
     return KernelQKV(
-        q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp,
+        q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp, kv_factors,
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
     )  # fmt: skip

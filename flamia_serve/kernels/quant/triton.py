@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import fp8_rows, hadamard_rows, nvfp4_rows, to_e4m3
+from flamia_serve.kernels._common import exp2i, fp8_rows, hadamard_rows, nvfp4_rows, to_e4m3
 from flamia_serve.kernels.schedule import V_T_ALIGN as _V_T_ALIGN
 
 V_T_ALIGN = tl.constexpr(_V_T_ALIGN)
@@ -22,7 +22,7 @@ def _quantize_qk_head(
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``),
-    and NVFP4 when asked."""
+    and NVFP4 when asked; returns the exponents (int32)."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -40,6 +40,7 @@ def _quantize_qk_head(
         scale_ptrs = out4_scale + row_off[:, None] * (D // 16) + groups[None, :]
         tl.store(scale_ptrs, to_e4m3(scale, INTERPRET), mask=row_ok[:, None])
         tl.store(out4_exp + h * n_tok + tok, e4.to(tl.int8), mask=row_ok)
+    return e
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def quantize_qkv_kernel(
     k_exp_ptr,  # [HKV, t_pad] int16, in v_t's column layout
     vt_ptr,  # [HKV, D, t_pad] e4m3: V codes, keys contiguous (K-major for P·V)
     v_exp_ptr,  # [HKV, t_pad] int16, in v_t's column layout
+    kv_factor_ptr,  # [HKV, 3, t_pad] float32: 2^eK, eV, 2^-eV in v_t's column layout
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4 only)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
     q4_exp_ptr,  # [HQ, T] int8
@@ -113,11 +115,13 @@ def quantize_qkv_kernel(
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
-        _quantize_qk_head(
+        e = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
             HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
         )  # fmt: skip
+        factor_at = kv_factor_ptr + h * 3 * t_pad + col
+        tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         slot = item % n_slots
@@ -132,3 +136,6 @@ def quantize_qkv_kernel(
         pad_ok = rows < (n_rows + V_T_ALIGN - 1) // V_T_ALIGN * V_T_ALIGN
         tl.store(vt_ptrs, tl.trans(codes), mask=pad_ok[None, :])
         tl.store(v_exp_ptr + h * t_pad + col, e.to(v_exp_ptr.dtype.element_ty), mask=row_ok)
+        factor_at = kv_factor_ptr + (h * 3 + 1) * t_pad + col
+        tl.store(factor_at, e.to(tl.float32), mask=row_ok)
+        tl.store(factor_at + t_pad, exp2i(-e), mask=row_ok)
