@@ -37,12 +37,12 @@ NVFP4_CONFIGS = [  # mixed recipes: Q/K dequantized to BF16 in registers (more l
 ]
 
 CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap (kernel="cute", sm_90)
-    (128, 64, 2, True),
-    (128, 64, 3, True),
     (128, 128, 2, False),
     (128, 128, 3, False),
-    (128, 128, 2, True),
-    (64, 64, 3, True),
+    (192, 64, 2, False),
+    (192, 64, 3, False),
+    (128, 96, 2, True),
+    (128, 64, 2, True),
 ]
 
 

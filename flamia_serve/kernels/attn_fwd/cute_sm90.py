@@ -43,7 +43,7 @@ FP8 = cutlass.Float8E4M3FN
 # named barriers (0 is __syncthreads): ping-pong turns of consumer warpgroups 1/2, and the
 # P̂ smem-store barrier of each consumer warpgroup
 _BAR_TURN = 1
-_BAR_P = 3
+_BAR_P = 4
 
 
 class FlamiaFwdSm90:
@@ -73,9 +73,9 @@ class FlamiaFwdSm90:
         self.num_stages = num_stages
         self.overlap = overlap
         self.num_wg = self.tile_m // 64
-        assert self.num_wg in (1, 2)
+        assert self.num_wg in (1, 2, 3)
         self.num_threads = 128 * (self.num_wg + 1)
-        self.mma_regs, self.producer_regs = {1: (256, 56), 2: (240, 24)}[self.num_wg]
+        self.mma_regs, self.producer_regs = {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.num_wg]
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -359,7 +359,7 @@ class FlamiaFwdSm90:
             tScS=tScS, row=row, qfac=qfac, m_run=m_run, l_run=l_run, alpha=alpha,
             sF=sF, seqlen=seqlen,
         )  # fmt: skip
-        if const_expr(self.num_wg == 2):
+        if const_expr(self.num_wg > 1):
             if wg == 0:  # the first warpgroup takes the first turn
                 cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=256)
 
@@ -470,7 +470,7 @@ class FlamiaFwdSm90:
                     y = y if ok else -Float32.inf
                 s_mn[r, j] = y
         ref = cute.make_rmem_tensor(n_rows, Float32)
-        l_tile = cute.make_rmem_tensor(n_rows, Float32)
+        l_tile = cute.make_rmem_tensor((n_rows, 2), Float32)  # two partial sums per row
         for r in cutlass.range_constexpr(n_rows):
             row_max = fa_utils.fmax_reduce(s_mn[r, None].load(), init_val=None, arch=90)
             row_max = cute.arch.warp_reduction_max(row_max, threads_in_group=4)
@@ -481,7 +481,8 @@ class FlamiaFwdSm90:
             ctx.alpha[r] = cute.math.exp2(m_old - m_safe, fastmath=True)
             ctx.m_run[r] = m_new
             ref[r] = m_safe - P_HAT_EXP
-            l_tile[r] = Float32(0.0)
+            l_tile[r, 0] = Float32(0.0)
+            l_tile[r, 1] = Float32(0.0)
         for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             col = ctx.tScS[0, j][1]
             v_inv = factors[col, 2]
@@ -490,9 +491,9 @@ class FlamiaFwdSm90:
             for r in cutlass.range_constexpr(n_rows):
                 p = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
                 s_mn[r, j] = p
-                l_tile[r] += p * v_inv
+                l_tile[r, j % 2] += p * v_inv
         for r in cutlass.range_constexpr(n_rows):
-            ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + l_tile[r]
+            ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + (l_tile[r, 0] + l_tile[r, 1])
 
     @cute.jit
     def stage_p(self, ctx, acc_S):
@@ -505,13 +506,14 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def turn_wait(self, wg):
-        if const_expr(self.num_wg == 2):
+        if const_expr(self.num_wg > 1):
             cute.arch.barrier(barrier_id=_BAR_TURN + wg, number_of_threads=256)
 
     @cute.jit
     def turn_pass(self, wg):
-        if const_expr(self.num_wg == 2):
-            cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=256)
+        if const_expr(self.num_wg > 1):
+            next_wg = wg + 1 if wg + 1 < self.num_wg else 0
+            cute.arch.barrier_arrive(barrier_id=_BAR_TURN + next_wg, number_of_threads=256)
 
     @cute.jit
     def epilogue(self, acc_O, thr_mma_pv, m_run, l_run, row, mO, mM, mLSE, doc_start, seqlen, head):

@@ -113,7 +113,7 @@ def attn_fwd(
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     cfg = config or default_config(d, dev, qk_nvfp4=qkv.q4 is not None)
-    if cfg.block_m % cfg.block_n:
+    if cfg.kernel == "triton" and cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
     if cfg.kernel not in ("triton", "cute"):
         raise ValueError(f"config.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
