@@ -136,6 +136,15 @@ def _flamia_loader(
     return load
 
 
+def _default_fwd_config(device: torch.device) -> dict[str, Any]:
+    """The forward kernel and tiles ``flamia-mxfp8`` runs with here (recorded in the JSON)."""
+    import dataclasses
+
+    from flamia_serve.kernels.attn_fwd.ops import default_config
+
+    return dataclasses.asdict(default_config(HEAD_DIM, device))
+
+
 def _load_flamia_quant() -> Builder:
     """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone (mxfp8), plan prebuilt."""
     import flamia_serve
@@ -480,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": "bfloat16",
         "warmup_ms": warmup_ms,
         "rep_ms": rep_ms,
+        "flamia_fwd_default": _default_fwd_config(device),
     }
     rows: list[dict] = []
     with torch.no_grad():
