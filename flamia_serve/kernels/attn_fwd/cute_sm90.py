@@ -220,51 +220,66 @@ class FlamiaFwdSm90:
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sF = storage.sF.get_tensor(sF_layout)
 
-        # the work item of this CTA: (document, query tile) of the list, then the head
-        work = cute.arch.block_idx()[0]
+        # persistent CTAs stride over work items w = item * Hq + head (items longest first)
+        sched = SimpleNamespace(
+            doc=mItemDoc, tile=mItemTile, cu=mCu, vt_start=mVtStart,
+            n_work=mCount[0] * self.heads_q, stride=cute.arch.grid_dim()[0],
+        )  # fmt: skip
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    sched, (tma_q, tma_k, tma_v, tma_f), (atom_q, atom_k, atom_v, atom_f),
+                    (sQ, sK, sV, sF), pipe_q, pipe_k, pipe_v,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(
+                sched, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sF, pipe_q, pipe_k, pipe_v,
+                mQexp, mO, mM, mLSE, qk_scale,
+            )  # fmt: skip
+
+    @cute.jit
+    def work_item(self, sched, work):
+        """(document start, length, first v_t column, query tile, head, K/V head, key tiles)
+        of work item ``work``."""
         item = work // self.heads_q
         head = work - item * self.heads_q
-        head_kv = head // self.group
-        doc = mItemDoc[item]
-        tile = mItemTile[item]
-        doc_start = mCu[doc]
-        seqlen = mCu[doc + 1] - doc_start
-        vt_start = mVtStart[doc]
+        doc = sched.doc[item]
+        tile = sched.tile[item]
+        doc_start = sched.cu[doc]
+        seqlen = sched.cu[doc + 1] - doc_start
         n_blocks = cute.ceil_div(seqlen, self.tile_n)
         if const_expr(self.causal):
             n_blocks = cutlass.min(n_blocks, cute.ceil_div((tile + 1) * self.tile_m, self.tile_n))
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
-
-        if item < mCount[0]:
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    self.produce(
-                        (tma_q, tma_k, tma_v, tma_f), (atom_q, atom_k, atom_v, atom_f),
-                        (sQ, sK, sV, sF), pipe_q, pipe_k, pipe_v, doc_start, vt_start, tile, head,
-                        head_kv, n_blocks,
-                    )  # fmt: skip
-            else:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(
-                    tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sF, pipe_q, pipe_k, pipe_v,
-                    mQexp, mO, mM, mLSE, qk_scale, doc_start, seqlen, tile, head, head_kv,
-                    n_blocks,
-                )  # fmt: skip
+        return SimpleNamespace(
+            doc_start=doc_start, seqlen=seqlen, vt_start=sched.vt_start[doc], tile=tile,
+            head=head, head_kv=head // self.group, n_blocks=n_blocks,
+        )  # fmt: skip
 
     @cute.jit
-    def produce(
-        self, tma, atoms, smem, pipe_q, pipe_k, pipe_v, doc_start, vt_start, tile, head, head_kv,
-        n_blocks,
-    ):  # fmt: skip
-        """TMA loads: Q once, then per key tile (from the last down) K with its exponent
-        factors on one barrier, and V^T."""
+    def produce(self, sched, tma, atoms, smem, pipe_q, pipe_k, pipe_v):
+        """TMA loads per work item: Q (once its buffer is free), then per key tile (from the
+        last down) K with its exponent factors on one barrier, and V^T."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        q_phase = Int32(1)
+        work = cute.arch.block_idx()[0]
+        while work < sched.n_work:
+            w = self.work_item(sched, work)
+            state = self.produce_item(w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase)
+            q_phase ^= 1
+            work += sched.stride
+
+    @cute.jit
+    def produce_item(self, w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase):
         tma_q, tma_k, tma_v, tma_f = tma
         atom_q, atom_k, atom_v, atom_f = atoms
         sQ, sK, sV, sF = smem
+        doc_start, vt_start, head_kv, n_blocks = w.doc_start, w.vt_start, w.head_kv, w.n_blocks
         gQ = cute.local_tile(
-            cute.domain_offset((doc_start, 0), tma_q[None, None, head]),
-            (self.tile_m, self.d), (tile, 0),
+            cute.domain_offset((doc_start, 0), tma_q[None, None, w.head]),
+            (self.tile_m, self.d), (w.tile, 0),
         )  # fmt: skip
         gK = cute.local_tile(
             cute.domain_offset((doc_start, 0), tma_k[None, None, head_kv]),
@@ -288,11 +303,10 @@ class FlamiaFwdSm90:
         load_k = copy_utils.chain_tma_producer_copy_fns(loads_k)
         load_v, _, _ = copy_utils.tma_get_copy_fn(atom_v, 0, cute.make_layout(1), gV, sV)
         load_v = copy_utils.tma_producer_copy_fn(load_v, pipe_v)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         n = n_blocks - 1
         pipe_k.producer_acquire(state)
         load_k(src_idx=n, producer_state=state)
-        pipe_q.producer_acquire_w_index_phase(0, Int32(1))
+        pipe_q.producer_acquire_w_index_phase(0, q_phase)
         load_q(tma_bar_ptr=pipe_q.sync_object_full.get_barrier(0))
         pipe_v.producer_acquire(state)
         load_v(src_idx=n, producer_state=state)
@@ -304,12 +318,15 @@ class FlamiaFwdSm90:
             pipe_v.producer_acquire(state)
             load_v(src_idx=n, producer_state=state)
             state.advance()
+        return state
 
     @cute.jit
     def consume(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sF, pipe_q, pipe_k, pipe_v, mQexp,
-        mO, mM, mLSE, qk_scale, doc_start, seqlen, tile, head, head_kv, n_blocks,
+        self, sched, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sF, pipe_q, pipe_k, pipe_v,
+        mQexp, mO, mM, mLSE, qk_scale,
     ):  # fmt: skip
+        """Consumer warpgroups: every work item of this CTA, key tiles from the last (masked:
+        document end, causal diagonal) down to the first, then the epilogue."""
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
@@ -326,28 +343,11 @@ class FlamiaFwdSm90:
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=16),
             tiled_mma_qk,
         ).get_slice(tidx)
-        tPsP = store_p.partition_D(sP)
-
         # this thread's rows and key columns of a score tile
         tScS = layout_utils.reshape_acc_to_mn(
             thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         )
         n_rows = cute.size(tScS, mode=[0])
-        row = cute.make_rmem_tensor(n_rows, Int32)  # document-local query index
-        qfac = cute.make_rmem_tensor(n_rows, Float32)
-        for r in cutlass.range_constexpr(n_rows):
-            row[r] = tile * self.tile_m + tScS[r, 0][0]
-            qe = Int32(0)
-            if row[r] < seqlen:
-                qe = Int32(mQexp[head, doc_start + row[r]])
-            qfac[r] = _pow2(qe) * qk_scale
-        m_run = cute.make_rmem_tensor(n_rows, Float32)
-        l_run = cute.make_rmem_tensor(n_rows, Float32)
-        m_run.fill(-Float32.inf)
-        l_run.fill(0.0)
-        acc_O.fill(0.0)
-        alpha = cute.make_rmem_tensor(n_rows, Float32)
-
         ctx = SimpleNamespace(
             mma_qk=lambda k_idx, wait: sm90_utils.gemm_zero_init(
                 tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK, B_idx=k_idx, wg_wait=wait
@@ -355,46 +355,80 @@ class FlamiaFwdSm90:
             mma_pv=lambda v_idx, wait: sm90_utils.gemm_zero_init(
                 tiled_mma_pv, (self.tile_m, self.d), tOrP, tOrV, B_idx=v_idx, wg_wait=wait
             ),
-            pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, store_p=store_p, tPsP=tPsP, wg=wg,
-            tScS=tScS, row=row, qfac=qfac, m_run=m_run, l_run=l_run, alpha=alpha,
-            sF=sF, seqlen=seqlen,
+            pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, store_p=store_p,
+            tPsP=store_p.partition_D(sP), wg=wg, tScS=tScS, sF=sF,
+            row=cute.make_rmem_tensor(n_rows, Int32),  # document-local query index
+            qfac=cute.make_rmem_tensor(n_rows, Float32),  # qk_scale · 2^eQ
+            m_run=cute.make_rmem_tensor(n_rows, Float32),
+            l_run=cute.make_rmem_tensor(n_rows, Float32),
+            alpha=cute.make_rmem_tensor(n_rows, Float32),
         )  # fmt: skip
         if const_expr(self.num_wg > 1):
             if wg == 0:  # the first warpgroup takes the first turn
                 cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=256)
-
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        pipe_q.consumer_wait_w_index_phase(0, Int32(0))
-        # key tiles from the last (masked: document end, causal diagonal) down to the first
+        q_phase = Int32(0)
+        work = cute.arch.block_idx()[0]
+        while work < sched.n_work:
+            w = self.work_item(sched, work)
+            item_ctx = self.start_item(ctx, w, mQexp, qk_scale)
+            state = self.key_tiles(item_ctx, state, pipe_q, q_phase, w)
+            q_phase ^= 1
+            self.epilogue(acc_O, thr_mma_pv, item_ctx, mO, mM, mLSE, w)
+            work += sched.stride
+
+    @cute.jit
+    def start_item(self, ctx, w, mQexp, qk_scale):
+        """Per-item state: query rows, ``qk_scale·2^eQ``, reset statistics and accumulator
+        (a helper, so the item loop itself assigns only runtime values)."""
+        for r in cutlass.range_constexpr(cute.size(ctx.row)):
+            ctx.row[r] = w.tile * self.tile_m + ctx.tScS[r, 0][0]
+            qe = Int32(0)
+            if ctx.row[r] < w.seqlen:
+                qe = Int32(mQexp[w.head, w.doc_start + ctx.row[r]])
+            ctx.qfac[r] = _pow2(qe) * qk_scale
+        ctx.m_run.fill(-Float32.inf)
+        ctx.l_run.fill(0.0)
+        ctx.acc_O.fill(0.0)
+        return SimpleNamespace(**vars(ctx), seqlen=w.seqlen)
+
+    @cute.jit
+    def key_tiles(self, ctx, state, pipe_q, q_phase, w):
+        """The key tiles of one item (Q released after its last Q̂·K̂ᵀ)."""
+        n_blocks = w.n_blocks
         n_masked_end = n_blocks - 1
         if const_expr(self.causal):
-            n_masked_end = cutlass.min(tile * self.tile_m // self.tile_n, n_blocks - 1)
+            n_masked_end = cutlass.min(w.tile * self.tile_m // self.tile_n, n_blocks - 1)
+        pipe_q.consumer_wait_w_index_phase(0, q_phase)
         if const_expr(self.overlap):
             # first tile alone (nothing to add to O yet), then each Q̂·K̂ᵀ overlaps the
             # previous tile's P̂·V̂, then the last P̂·V̂
             n = n_blocks - 1
-            pipe_k.consumer_wait(state, pipe_k.consumer_try_wait(state))
+            ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
             acc_S = ctx.mma_qk(state.index, 0)
             self.softmax_step(ctx, acc_S, state, n, True)
-            pipe_k.consumer_release(state)
+            ctx.pipe_k.consumer_release(state)
             self.stage_p(ctx, acc_S)
             for i in cutlass.range(n_blocks - 1 - n_masked_end, unroll=1):
                 state = self.key_tile_overlapped(ctx, state, n_blocks - 2 - i, True)
             for i in cutlass.range(n_masked_end, unroll=1):
                 state = self.key_tile_overlapped(ctx, state, n_masked_end - 1 - i, False)
-            pipe_v.consumer_wait(state, pipe_v.consumer_try_wait(state))
+            pipe_q.consumer_release_w_index(0)
+            ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
             acc_T = ctx.mma_pv(state.index, 0)
-            pipe_v.consumer_release(state)
-            acc_O.store(acc_O.load() + acc_T.load())
+            ctx.pipe_v.consumer_release(state)
+            state.advance()
+            ctx.acc_O.store(ctx.acc_O.load() + acc_T.load())
         else:
             # a warpgroup's turn on the tensor cores: P̂·V̂ of one tile and Q̂·K̂ᵀ of the next
-            self.turn_wait(wg)
+            self.turn_wait(ctx.wg)
             for i in cutlass.range(n_blocks - n_masked_end, unroll=1):
                 state = self.key_tile_serial(ctx, state, n_blocks - 1 - i, True)
             for i in cutlass.range(n_masked_end, unroll=1):
                 state = self.key_tile_serial(ctx, state, n_masked_end - 1 - i, False)
-            self.turn_pass(wg)
-        self.epilogue(acc_O, thr_mma_pv, m_run, l_run, row, mO, mM, mLSE, doc_start, seqlen, head)
+            pipe_q.consumer_release_w_index(0)
+            self.turn_pass(ctx.wg)
+        return state
 
     @cute.jit
     def key_tile_overlapped(self, ctx, state, n, mask: cutlass.Constexpr):
@@ -516,22 +550,27 @@ class FlamiaFwdSm90:
             cute.arch.barrier_arrive(barrier_id=_BAR_TURN + next_wg, number_of_threads=256)
 
     @cute.jit
-    def epilogue(self, acc_O, thr_mma_pv, m_run, l_run, row, mO, mM, mLSE, doc_start, seqlen, head):
-        """O = acc / l in BF16, the row reference M and base-2 lse, for rows in the document."""
-        l_run.store(fa_utils.warp_reduce(l_run.load(), lambda a, b: a + b, width=4))
+    def epilogue(self, acc_O, thr_mma_pv, ctx, mO, mM, mLSE, w):
+        """O = acc / l in the output dtype, the row reference M and base-2 lse, for the rows
+        inside the document."""
+        ctx.l_run.store(fa_utils.warp_reduce(ctx.l_run.load(), lambda a, b: a + b, width=4))
         tOcO = layout_utils.reshape_acc_to_mn(
             thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d)))
         )
         acc_mn = layout_utils.reshape_acc_to_mn(acc_O)
-        for r in cutlass.range_constexpr(cute.size(m_run)):
-            if row[r] < seqlen:
-                inv = cute.arch.rcp_approx(l_run[r])
-                tok = doc_start + row[r]
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    mO[tok, head, tOcO[0, c][1]] = (acc_mn[r, c] * inv).to(mO.element_type)
+        out_pairs = cute.recast_tensor(mO, Int32)  # two adjacent output columns per store
+        for r in cutlass.range_constexpr(cute.size(ctx.m_run)):
+            if ctx.row[r] < w.seqlen:
+                inv = cute.arch.rcp_approx(ctx.l_run[r])
+                tok = w.doc_start + ctx.row[r]
+                for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+                    out_pairs[tok, w.head, tOcO[0, c][1] // 2] = fa_utils.cvt_f16x2_f32(
+                        acc_mn[r, c] * inv, acc_mn[r, c + 1] * inv, mO.element_type
+                    )
                 if tOcO[0, 0][1] == 0:
-                    mM[tok, head] = m_run[r]
-                    mLSE[tok, head] = m_run[r] - P_HAT_EXP + cute.math.log2(l_run[r], fastmath=True)
+                    m = ctx.m_run[r]
+                    mM[tok, w.head] = m
+                    mLSE[tok, w.head] = m - P_HAT_EXP + cute.math.log2(ctx.l_run[r], fastmath=True)
 
 
 @cute.jit
@@ -561,7 +600,7 @@ def attn_fwd_sm90(
 ) -> None:
     """Fill ``out [T, Hq, d]`` (BF16/FP16), ``m_rows``/``lse_rows [T, Hq]`` (float32) from
     quantized operands; ``work`` was built with ``block_m = tile_m`` (one CTA per item and
-    head; items past ``work.count`` exit at once). ``qk_scale = softmax_scale·log2(e)``."""
+    head, one persistent CTA per SM striding over them). ``qk_scale = softmax_scale·log2(e)``."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
@@ -587,4 +626,5 @@ def attn_fwd_sm90(
             options="--enable-tvm-ffi",
         )  # fmt: skip
     fp8_as_bytes = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
-    _COMPILED[key](*fp8_as_bytes, qk_scale, work.num_slots * heads_q)
+    sms = torch.cuda.get_device_properties(out.device).multi_processor_count
+    _COMPILED[key](*fp8_as_bytes, qk_scale, max(1, min(work.num_slots * heads_q, sms)))
