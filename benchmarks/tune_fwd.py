@@ -40,8 +40,6 @@ CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap (kernel="cute", sm_90)
     (128, 128, 2, False),
     (128, 128, 3, False),
     (192, 64, 2, False),
-    (192, 64, 3, False),
-    (128, 96, 2, True),
     (128, 64, 2, True),
 ]
 

@@ -56,6 +56,19 @@ def test_cute_fwd_matches_reference(lens, hq, hkv, d, causal, exact, config) -> 
     assert float(cos) >= 0.998
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cute_three_warpgroups(causal) -> None:
+    lens, hq, hkv, d = CASES[0]
+    q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=24, device="cuda")
+    qkv = quantize_qkv(q, k, v, cu)
+    cfg = FwdConfig(192, 64, num_stages=2, kernel="cute", overlap=False)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
+    ref = attention_forward(
+        qkv.to_reference(), cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5
+    )
+    _check_close(out, m, lse, *ref)
+
+
 def test_cute_is_the_default_here_and_agrees_with_triton() -> None:
     q, k, v, cu, ms = make_pack((500, 1500, 77), 8, 2, 128, seed=22, device="cuda")
     with torch.no_grad():

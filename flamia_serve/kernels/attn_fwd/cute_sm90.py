@@ -40,10 +40,8 @@ from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.numerics import P_HAT_EXP
 
 FP8 = cutlass.Float8E4M3FN
-# named barriers (0 is __syncthreads): ping-pong turns of consumer warpgroups 1/2, and the
-# P̂ smem-store barrier of each consumer warpgroup
+# named barriers (0 is __syncthreads): the tensor-core turns of consumer warpgroups 0..2
 _BAR_TURN = 1
-_BAR_P = 4
 
 
 class FlamiaFwdSm90:
@@ -531,12 +529,14 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def stage_p(self, ctx, acc_S):
-        """P̂ = E4M3(P) into shared memory, visible to this warpgroup's next ``wgmma``."""
+        """P̂ = E4M3(P) into shared memory, visible to this warpgroup's next ``wgmma``: each
+        warp writes its own 16 rows, and a ``wgmma`` starts only once all four warps of the
+        warpgroup issued it, so a fence and a warp sync suffice (as in FA3/FA4)."""
         rP = cute.make_rmem_tensor_like(acc_S, FP8)
         rP.store(acc_S.load().to(FP8))
         cute.copy(ctx.store_p, ctx.store_p.retile(rP), ctx.tPsP)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_P + ctx.wg, number_of_threads=128)
+        cute.arch.sync_warp()
 
     @cute.jit
     def turn_wait(self, wg):
