@@ -19,6 +19,7 @@ Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazil
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -626,5 +627,10 @@ def attn_fwd_sm90(
             options="--enable-tvm-ffi",
         )  # fmt: skip
     fp8_as_bytes = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
-    sms = torch.cuda.get_device_properties(out.device).multi_processor_count
+    sms = _sm_count(out.device)
     _COMPILED[key](*fp8_as_bytes, qk_scale, max(1, min(work.num_slots * heads_q, sms)))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
