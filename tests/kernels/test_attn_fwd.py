@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from flamia_serve import flamia_attn, flamia_attn_varlen
-from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, default_config
+from flamia_serve.kernels.attn_fwd.ops import (
+    FwdConfig,
+    attn_fwd,
+    cute_available,
+    default_config,
+)
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.kernels.schedule import build_work_list
 from flamia_serve.probes import cross_document_leakage, future_leakage, make_pack
@@ -80,9 +85,7 @@ def test_fwd_key_tiles_spanning_exponent_blocks(exact, causal, device) -> None:
     assert qkv.k_exp_block == (1 if exact else 32)
     cfg = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
     out, m, lse = attn_fwd(qkv, cu, heads_q=4, causal=causal, softmax_scale=0.125, config=cfg)
-    ref = attention_forward(
-        qkv.to_reference(), cu, heads_q=4, causal=causal, softmax_scale=0.125
-    )
+    ref = attention_forward(qkv.to_reference(), cu, heads_q=4, causal=causal, softmax_scale=0.125)
     _check_close(out, m, lse, *ref)
 
 
@@ -161,3 +164,29 @@ def test_empty_pack_and_empty_documents(device) -> None:
     ref = attention_forward(qkv.to_reference(), cu, heads_q=2, causal=True, softmax_scale=0.125)
     assert bool(torch.isfinite(out).all())
     assert float((out.float() - ref[0].float()).abs().max()) <= 2**-5 * float(ref[0].abs().max())
+
+
+def test_fwd_config_errors(device) -> None:
+    """Configs a kernel cannot run are refused by name before anything launches."""
+    q, k, v, cu, _ms = make_pack((40, 9), 2, 1, 256, seed=1, device=device)
+    qkv = quantize_qkv(q, k, v, cu)
+    args = dict(heads_q=2, causal=True, softmax_scale=0.1)
+    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+        attn_fwd(qkv, cu, config=FwdConfig(128, 128, kernel="cute"), **args)
+    q, k, v, cu, _ms = make_pack((40, 9), 2, 1, 64, seed=1, device=device)
+    qkv = quantize_qkv(q, k, v, cu)
+    with pytest.raises(ValueError, match="block_m in \\(64, 128, 192\\)"):
+        attn_fwd(qkv, cu, config=FwdConfig(96, 32, kernel="cute"), **args)
+    with pytest.raises(ValueError, match="one pass"):
+        attn_fwd(qkv, cu, config=FwdConfig(128, 64, two_pass=True, kernel="cute"), **args)
+    with pytest.raises(ValueError, match=r"config\.kernel must be"):
+        attn_fwd(qkv, cu, config=FwdConfig(64, 64, kernel="cuda"), **args)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        attn_fwd(qkv, cu, config=FwdConfig(64, 48), **args)
+    with pytest.raises(ValueError, match="kernel must be None"):
+        default_config(64, q.device, kernel="fast")
+    assert default_config(64, q.device, kernel="cute").kernel == "cute"
+    assert default_config(64, q.device, kernel="triton").kernel == "triton"
+    if not cute_available(q.device):
+        with pytest.raises(RuntimeError, match="needs an sm_90 GPU"):
+            attn_fwd(qkv, cu, config=FwdConfig(128, 128, kernel="cute"), **args)

@@ -6,12 +6,15 @@ Same numerics as the Triton kernel beside it (twin: ``flamia_serve.reference``):
 added to the FP32 output: promotion per tile), normaliser ``l = Σ 2^(y − m + 8 − eV_j)``.
 
 Design (the structure of FlashAttention-3/4's sm90 forward, written for our numerics; its
-public helper modules are used as a dependency): one CTA per (document, 128-row query tile,
-head) item of the work list; a producer warp TMA-loads Q, K and V^T tiles (``v_t``, keys
-contiguous: FP8 ``wgmma`` wants both operands K-major) into a ring of shared-memory stages;
-two consumer warpgroups (64 rows each) take turns on the tensor cores (named-barrier
-ping-pong) and overlap the next tile's ``Q̂·K̂ᵀ`` with the current P̂·V̂. P̂ goes through
-shared memory (SS ``wgmma``): an 8-bit A operand cannot reuse the accumulator's registers.
+public helper modules are used as a dependency): persistent CTAs, one per SM, stride over
+the longest-first work list of (document, query tile, head) items. Per CTA a producer warp
+TMA-loads Q, then per key tile K with its exponent factors (``kv_factors``, one barrier)
+and V^T (``v_t``, keys contiguous: FP8 ``wgmma`` wants both operands K-major) into a ring
+of shared-memory stages; consumer warpgroups (64 query rows each) take turns on the tensor
+cores (named-barrier ping-pong), so one's softmax step runs under another's MMAs;
+``overlap=True`` also issues the next tile's ``Q̂·K̂ᵀ`` before the current ``P̂·V̂`` (more
+registers: measured slower, see ``benchmarks/NOTES.md``). P̂ goes through shared memory
+(SS ``wgmma``): an 8-bit A operand cannot reuse the accumulator's registers as they are.
 
 Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazily by
 ``ops.attn_fwd`` only on sm_90 when they are installed.
@@ -90,7 +93,7 @@ class FlamiaFwdSm90:
         mItemDoc: cute.Tensor,  # (N,) int32
         mItemTile: cute.Tensor,  # (N,) int32
         mCount: cute.Tensor,  # (1,) int32
-        mO: cute.Tensor,  # (T, Hq, d) bf16
+        mO: cute.Tensor,  # (T, Hq, d) bf16 or fp16
         mM: cute.Tensor,  # (T, Hq) f32
         mLSE: cute.Tensor,  # (T, Hq) f32
         qk_scale: Float32,

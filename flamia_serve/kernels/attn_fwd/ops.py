@@ -19,18 +19,20 @@ LOG2E = math.log2(math.e)
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Kernel, tile shape and launch options (``block_m % block_n == 0``).
+    """Kernel, tile shape and launch options.
 
-    ``kernel="triton"`` (portable; CPU interpreter): the defaults are the H200's best for
+    ``kernel="triton"`` (portable; CPU interpreter; ``block_m % block_n == 0``): the
+    defaults are the H200's best for
     d <= 128 (``benchmarks/tune_fwd.py`` on W1/W3/W6/W9): one program per work item,
     registers capped at 168 so three programs share an SM. ``persistent=True`` takes the
     work list through an atomic ticket with ``programs_per_sm`` programs per SM (measured
     10-15% slower under the same cap: the item loop keeps more values live).
 
     ``kernel="cute"`` (sm_90, d in {64, 128}, E4M3 Q/K, one pass): the warp-specialized CuTe
-    DSL kernel of ``cute_sm90.py``; ``block_m`` = 64 rows per consumer warpgroup (64 or
-    128), ``num_stages`` K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the
-    previous tile's P̂·V̂ finishes. ``num_warps``/``persistent``/``maxnreg`` do not apply.
+    DSL kernel of ``cute_sm90.py``, always persistent (one CTA per SM); ``block_m`` = 64
+    rows per consumer warpgroup (64, 128 or 192), ``block_n`` 64 or 128 keys, ``num_stages``
+    K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the previous tile's P̂·V̂
+    finishes. ``num_warps``/``persistent``/``maxnreg``/``programs_per_sm`` do not apply.
     """
 
     block_m: int = 64
@@ -51,10 +53,8 @@ CUTE_CONFIG = FwdConfig(128, 128, num_stages=2, kernel="cute", maxnreg=None, ove
 
 def cute_available(device: torch.device) -> bool:
     """The CuTe forward runs here: an sm_90 GPU with ``nvidia-cutlass-dsl`` and
-    ``flash-attn-4`` installed, and ``FLAMIA_FWD_KERNEL`` not set to ``triton``."""
-    if device.type != "cuda" or os.environ.get("FLAMIA_FWD_KERNEL", "") == "triton":
-        return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    ``flash-attn-4`` installed (the ``cute`` extra)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
     return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "flash_attn"))
 
@@ -83,7 +83,8 @@ def default_config(
         return FwdConfig(64, 64, num_warps=8, num_stages=2, persistent=True, maxnreg=None)
     if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
         return FwdConfig(128, 64, num_warps=8, num_stages=3, maxnreg=None)
-    if kernel is None and head_dim in (64, 128) and cute_available(device):
+    prefer_triton = os.environ.get("FLAMIA_FWD_KERNEL", "") == "triton"
+    if kernel is None and not prefer_triton and head_dim in (64, 128) and cute_available(device):
         return CUTE_CONFIG
     return FwdConfig()
 
@@ -120,6 +121,16 @@ def attn_fwd(
     if cfg.kernel == "cute" and (qkv.q4 is not None or cfg.two_pass or d not in (64, 128)):
         raise ValueError(
             "config.kernel='cute' runs E4M3 Q/K (recipe mxfp8), one pass, head_dim 64 or 128"
+        )
+    if cfg.kernel == "cute" and (cfg.block_m not in (64, 128, 192) or cfg.block_n not in (64, 128)):
+        raise ValueError(
+            f"config.kernel='cute' takes block_m in (64, 128, 192) and block_n in (64, 128), "
+            f"got {cfg.block_m}, {cfg.block_n}"
+        )
+    if cfg.kernel == "cute" and not cute_available(dev):
+        raise RuntimeError(
+            "config.kernel='cute' needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4 "
+            '(pip install "flamia-serve[cute]"); use the default config or kernel="triton"'
         )
     if work is None or (work.block_m, work.block_n, work.causal) != (
         cfg.block_m,

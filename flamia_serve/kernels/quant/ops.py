@@ -27,8 +27,9 @@ class KernelQKV:
 
     ``q_codes`` ``[T, Hq, d]`` / ``k_codes`` ``[T, Hkv, d]`` E4M3; ``v_t`` ``[Hkv, d, t_pad]``
     E4M3 V codes with keys contiguous, document ``b`` starting at column
-    ``doc_v_t_start[b]`` (16-aligned; codes outside documents are zero, so a key tile may run
-past a document's end: the CuTe kernel's TMA loads whole tiles). Exponents are int16: ``q_exp``
+    ``doc_v_t_start[b]`` (16-aligned; codes outside documents are zero, so a key tile may
+    run past a document's end: the CuTe kernel's TMA loads whole tiles). Exponents are int16:
+    ``q_exp``
     ``[T, Hq]`` (a view of a head-major ``[Hq, T]`` buffer); ``k_exp`` / ``v_exp``
     ``[Hkv, t_pad]`` in ``v_t``'s column layout, so a key tile's exponents are one aligned
     >= 4-byte vector per thread, which Triton's pipeliner stages through shared memory like

@@ -120,7 +120,7 @@ def quantize_qkv_kernel(
             k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
             HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
         )  # fmt: skip
-        factor_at = kv_factor_ptr + h * 3 * t_pad + col
+        factor_at = kv_factor_ptr + h * 3 * t_pad + col  # (a token block's e is a scalar)
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
