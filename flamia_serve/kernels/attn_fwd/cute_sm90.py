@@ -275,6 +275,7 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def produce_item(self, w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase):
+        """One item's loads: the last key tile's K first, then Q, then the rest in order."""
         tma_q, tma_k, tma_v, tma_f = tma
         atom_q, atom_k, atom_v, atom_f = atoms
         sQ, sK, sV, sF = smem
