@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -51,6 +52,7 @@ class FwdConfig:
 CUTE_CONFIG = FwdConfig(128, 128, num_stages=2, kernel="cute", maxnreg=None, overlap=False)
 
 
+@functools.cache
 def cute_available(device: torch.device) -> bool:
     """The CuTe forward runs here: an sm_90 GPU with ``nvidia-cutlass-dsl`` and
     ``flash-attn-4`` installed (the ``cute`` extra)."""
