@@ -57,7 +57,8 @@ def configs(recipe: str, kernel: str) -> list:
 
 
 def tune_workload(name: str, recipe: str, kernel: str = "triton") -> list[dict]:
-    """Time every config of CONFIGS on one workload (random BF16 inputs, rotated sets)."""
+    """Time every config of ``configs(recipe, kernel)`` on one workload (random BF16 inputs,
+    rotated sets)."""
     import dataclasses
 
     import flamia_serve

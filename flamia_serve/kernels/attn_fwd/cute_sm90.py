@@ -609,10 +609,13 @@ def attn_fwd_sm90(
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
-    tensors = (
-        qkv.q_codes, qkv.k_codes, v_t, q_exp, qkv.kv_factors, cu_seqlens,
-        qkv.doc_v_t_start, work.doc, work.tile, work.count, out, m_rows, lse_rows,
+    # (tensor, byte alignment the kernel may assume): TMA-loaded and paired-store tensors 16
+    aligned = (
+        (qkv.q_codes, 16), (qkv.k_codes, 16), (v_t, 16), (q_exp, 4), (qkv.kv_factors, 16),
+        (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4), (work.tile, 4),
+        (work.count, 4), (out, 16), (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
+    tensors = [t for t, _ in aligned]
     heads_kv = qkv.k_codes.shape[1]
     key = (d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
            out.dtype)  # fmt: skip
@@ -620,10 +623,11 @@ def attn_fwd_sm90(
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap
         )
-        leading = (2, 2, 1, 1, 2, 0, 0, 0, 0, 0, 2, 1, 1)
-        fake = [
-            to_cute_tensor(t, assumed_align=16 if i in (0, 1, 2, 4, 10) else 4, leading_dim=ld)
-            for i, (t, ld) in enumerate(zip(tensors, leading, strict=True))
+        fake = [  # each tensor's contiguous (stride-1) dim is its leading one
+            to_cute_tensor(
+                t, assumed_align=align, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1)
+            )
+            for t, align in aligned
         ]
         _COMPILED[key] = cute.compile(
             kernel, *fake, Float32(qk_scale), Int32(1),
