@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton.language as tl  # noqa: F401  (in scope for the Triton kernels that jit v_t_key/v_t_position)
 
 
 def _tiles_of_documents(
@@ -30,6 +31,25 @@ def _tiles_of_documents(
 
 #: each document's keys start at a multiple of this in the K-major V layout (16-byte loads)
 V_T_ALIGN = 16
+
+
+def v_t_position(key):
+    """Column, inside its document's span of the K-major V layout, of document-local key
+    ``key`` (int tensor, torch or Triton). Keys are permuted inside each 16-key group (key
+    ``8a + 2b + c`` at ``4b + 2a + c``: order 0,1,8,9,2,3,10,11,4,5,12,13,6,7,14,15) so
+    that a Hopper FP8 ``wgmma`` accumulator fragment of ``Q̂·K̂ᵀ`` (columns ``2b + c`` and
+    ``8 + 2b + c`` per thread) is, byte for byte, the A fragment of ``P̂·V̂`` (4
+    consecutive keys per register): P̂ stays in registers. Every array in this layout
+    (``v_t``, ``k_exp``, ``v_exp``, ``kv_factors``) uses the same columns; 16-key groups,
+    32-key exponent blocks and key tiles keep their sets of keys."""
+    k = key & 15
+    return (key - k) + (((k >> 1) & 3) << 2) + ((k >> 3) << 1) + (k & 1)
+
+
+def v_t_key(position):
+    """Inverse of ``v_t_position``: the document-local key stored at column ``position``."""
+    i = position & 15
+    return (position - i) + ((i >> 2) << 1) + (((i >> 1) & 1) << 3) + (i & 1)
 
 
 def v_t_length(total_tokens: int, num_docs: int) -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flamia_serve.kernels.quant.ops import quantize_qkv
-from flamia_serve.kernels.schedule import token_block_table
+from flamia_serve.kernels.schedule import token_block_table, v_t_key, v_t_position
 from flamia_serve.numerics import EXP_MIN, exp2i, resolve_recipe, token_block_ids
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import quantize_qkv as reference_quantize_qkv
@@ -58,6 +58,31 @@ def test_quant_kernel_bit_exact(lens, hq, hkv, d, recipe, exact, device) -> None
         assert torch.equal(a, b)
 
 
+def test_v_t_key_order() -> None:
+    """``v_t_position`` permutes keys inside 16-key groups (the order that makes an FP8
+    ``wgmma`` accumulator fragment the A fragment of the next one), ``v_t_key`` inverts it."""
+    keys = torch.arange(64)
+    pos = v_t_position(keys)
+    assert pos[:16].tolist() == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+    assert torch.equal(pos // 16, keys // 16)
+    assert torch.equal(v_t_key(pos), keys)
+
+
+def test_v_t_columns_are_permuted_keys(device) -> None:
+    """Each token's V codes sit at its permuted column: ``v_t[:, :, key_columns()]`` is V
+    quantized token by token (checked against the reference's codes)."""
+    lens = (37, 16, 1, 50)
+    q, k, v, cu, _ms = make_pack(lens, 2, 1, 64, seed=6, device=device)
+    qkv = quantize_qkv(q, k, v, cu)
+    ref = reference_quantize_qkv(q, k, v, cu, resolve_recipe("mxfp8"), False)
+    cols = qkv.key_columns()
+    starts = qkv.doc_v_t_start.long().cpu()
+    local = (cols.cpu() - starts.repeat_interleave(torch.tensor(lens)))
+    assert local[:16].tolist() == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+    got = qkv.v_t[:, :, cols].permute(2, 0, 1)
+    assert _same(got, ref.v8.codes)
+
+
 def test_token_block_table_matches_numerics() -> None:
     cu = torch.tensor([0, 5, 40, 40, 107, 108], dtype=torch.int32)
     table = token_block_table(cu, 108)
@@ -92,8 +117,7 @@ def test_v_t_outside_documents_is_zero(device, monkeypatch) -> None:
     q, k, v, cu, _ms = make_pack(lens, 2, 2, 64, seed=3, device=device)
     qkv = quantize_qkv(q, k, v, cu)
     inside = torch.zeros(qkv.v_t.shape[-1], dtype=torch.bool)
-    for start, n in zip(qkv.doc_v_t_start.tolist(), lens, strict=True):
-        inside[start : start + n] = True
+    inside[qkv.key_columns().cpu()] = True
     outside = qkv.v_t.view(torch.uint8).cpu()[:, :, ~inside]
     assert outside.numel() > 0
     assert not bool(outside.any())
@@ -108,9 +132,7 @@ def test_kv_factors_are_the_exponents_as_floats(exact, device) -> None:
     k, v = k * torch.exp(torch.randn(k.shape[0], 1, 1) * 8).to(k), v * 1e-30
     k[:40] = 0  # all-zero K groups get EXP_MIN
     qkv = quantize_qkv(q, k, v, cu, exact_causal=exact)
-    cols = torch.cat(
-        [torch.arange(s, s + n) for s, n in zip(qkv.doc_v_t_start.tolist(), lens, strict=True)]
-    )
+    cols = qkv.key_columns().cpu()
     ke, ve = (x.cpu()[:, cols].int() for x in (qkv.k_exp, qkv.v_exp))
     f = qkv.kv_factors.cpu()[:, :, cols]
     assert bool((ke == EXP_MIN).any())

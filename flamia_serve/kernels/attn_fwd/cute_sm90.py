@@ -6,15 +6,20 @@ Same numerics as the Triton kernel beside it (twin: ``flamia_serve.reference``):
 added to the FP32 output: promotion per tile), normaliser ``l = Σ 2^(y − m + 8 − eV_j)``.
 
 Design (the structure of FlashAttention-3/4's sm90 forward, written for our numerics; its
-public helper modules are used as a dependency): persistent CTAs, one per SM, stride over
-the longest-first work list of (document, query tile, head) items. Per CTA a producer warp
+public helper modules are used as a dependency): persistent CTAs, one per SM, take the
+longest-first work list of (document, query tile, head) items through an atomic ticket
+(the producer warp draws it and hands it to the consumers through shared memory). Per CTA a
+producer warp
 TMA-loads Q, then per key tile K with its exponent factors (``kv_factors``, one barrier)
 and V^T (``v_t``, keys contiguous: FP8 ``wgmma`` wants both operands K-major) into a ring
 of shared-memory stages; consumer warpgroups (64 query rows each) take turns on the tensor
 cores (named-barrier ping-pong), so one's softmax step runs under another's MMAs;
 ``overlap=True`` also issues the next tile's ``Q̂·K̂ᵀ`` before the current ``P̂·V̂`` (more
-registers: measured slower, see ``benchmarks/NOTES.md``). P̂ goes through shared memory
-(SS ``wgmma``): an 8-bit A operand cannot reuse the accumulator's registers as they are.
+registers: measured slower, see ``benchmarks/NOTES.md``). P̂ stays in registers (RS
+``wgmma``): ``v_t`` stores keys permuted inside 16-key groups (``schedule.v_t_position``),
+which makes the E4M3 accumulator fragment of ``Q̂·K̂ᵀ`` the A fragment of ``P̂·V̂`` as it is;
+the exponent factors use the same columns, so a thread's four factors of a 16-key group are
+adjacent in shared memory.
 
 Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazily by
 ``ops.attn_fwd`` only on sm_90 when they are installed.
@@ -46,6 +51,7 @@ from flamia_serve.numerics import P_HAT_EXP
 FP8 = cutlass.Float8E4M3FN
 # named barriers (0 is __syncthreads): the tensor-core turns of consumer warpgroups 0..2
 _BAR_TURN = 1
+_WORK_STAGES = 2  # work items the producer warp may publish ahead of the consumers
 
 
 class FlamiaFwdSm90:
@@ -93,6 +99,7 @@ class FlamiaFwdSm90:
         mItemDoc: cute.Tensor,  # (N,) int32
         mItemTile: cute.Tensor,  # (N,) int32
         mCount: cute.Tensor,  # (1,) int32
+        mTicket: cute.Tensor,  # (1,) int32, zero at launch: items taken after the first
         mO: cute.Tensor,  # (T, Hq, d) bf16 or fp16
         mM: cute.Tensor,  # (T, Hq) f32
         mLSE: cute.Tensor,  # (T, Hq) f32
@@ -109,9 +116,6 @@ class FlamiaFwdSm90:
         sV_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (self.d, self.tile_n), self.num_stages
         )
-        sP_layout = sm90_utils.make_smem_layout(
-            FP8, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n)
-        )
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
@@ -119,7 +123,7 @@ class FlamiaFwdSm90:
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.d),
-            a_source=warpgroup.OperandSource.SMEM,
+            a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.d))
@@ -147,16 +151,17 @@ class FlamiaFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_work: cute.struct.MemRange[cutlass.Int64, 2 * _WORK_STAGES]
+            sWork: cute.struct.MemRange[Int32, _WORK_STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sP_layout)], 1024]
             sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
 
         self.kernel(
             tma_q, tma_k, tma_v, tma_f, atom_q, atom_k, atom_v, atom_f, mQexp, mCu, mVtStart,
-            mItemDoc, mItemTile, mCount, mO, mM, mLSE, qk_scale, sQ_layout, sK_layout,
-            sV_layout, sP_layout, sF_layout, tiled_mma_qk, tiled_mma_pv, Storage,
+            mItemDoc, mItemTile, mCount, mTicket, mO, mM, mLSE, qk_scale, sQ_layout, sK_layout,
+            sV_layout, sF_layout, tiled_mma_qk, tiled_mma_pv, Storage,
         ).launch(
             grid=[n_programs, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
@@ -180,6 +185,7 @@ class FlamiaFwdSm90:
         mItemDoc: cute.Tensor,
         mItemTile: cute.Tensor,
         mCount: cute.Tensor,
+        mTicket: cute.Tensor,
         mO: cute.Tensor,
         mM: cute.Tensor,
         mLSE: cute.Tensor,
@@ -187,7 +193,6 @@ class FlamiaFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
         sF_layout: cute.Layout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -215,17 +220,25 @@ class FlamiaFwdSm90:
             producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.tma_bytes["v"],
             defer_sync=True,
         )  # fmt: skip
+        # work items, producer warp -> consumers (one shared-memory slot per stage)
+        pipe_work = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_work.data_ptr(), num_stages=_WORK_STAGES,
+            producer_group=tma_warp,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 128),
+            defer_sync=True,
+        )  # fmt: skip
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sF = storage.sF.get_tensor(sF_layout)
 
-        # persistent CTAs stride over work items w = item * Hq + head (items longest first)
+        # work items w = item * Hq + head (items longest first): CTA b takes item b first,
+        # then grid + (ticket drawn); sWork carries them from the producer warp
         sched = SimpleNamespace(
-            doc=mItemDoc, tile=mItemTile, cu=mCu, vt_start=mVtStart,
-            n_work=mCount[0] * self.heads_q, stride=cute.arch.grid_dim()[0],
+            doc=mItemDoc, tile=mItemTile, cu=mCu, vt_start=mVtStart, ticket=mTicket,
+            n_work=mCount[0] * self.heads_q, n_ctas=cute.arch.grid_dim()[0], pipe=pipe_work,
+            slots=storage.sWork.get_tensor(cute.make_layout(_WORK_STAGES)),
         )  # fmt: skip
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         if warp_idx < 4:
@@ -238,8 +251,8 @@ class FlamiaFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(
-                sched, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sF, pipe_q, pipe_k, pipe_v,
-                mQexp, mO, mM, mLSE, qk_scale,
+                sched, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sF, pipe_q, pipe_k, pipe_v, mQexp,
+                mO, mM, mLSE, qk_scale,
             )  # fmt: skip
 
     @cute.jit
@@ -265,13 +278,39 @@ class FlamiaFwdSm90:
         """TMA loads per work item: Q (once its buffer is free), then per key tile (from the
         last down) K with its exponent factors on one barrier, and V^T."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        work_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, _WORK_STAGES)
         q_phase = Int32(1)
         work = cute.arch.block_idx()[0]
         while work < sched.n_work:
+            work_state = self.publish_work(sched, work_state, work)
             w = self.work_item(sched, work)
             state = self.produce_item(w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase)
             q_phase ^= 1
-            work += sched.stride
+            ticket = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                ticket = fa_utils.atomic_add_i32(1, sched.ticket.iterator)
+            work = sched.n_ctas + cute.arch.shuffle_sync(ticket, 0)
+        self.publish_work(sched, work_state, work)  # past the end: the consumers stop
+
+    @cute.jit
+    def publish_work(self, sched, work_state, work):
+        """Hand work item ``work`` to the consumer warpgroups (one lane writes the slot and
+        arrives; the arrive orders the write before the consumers' wait)."""
+        sched.pipe.producer_acquire(work_state)
+        with cute.arch.elect_one():
+            sched.slots[work_state.index] = work
+            sched.pipe.producer_commit(work_state)
+        work_state.advance()
+        return work_state
+
+    @cute.jit
+    def receive_work(self, sched, work_state):
+        """The next work item of this CTA (consumer threads)."""
+        sched.pipe.consumer_wait(work_state)
+        work = sched.slots[work_state.index]
+        sched.pipe.consumer_release(work_state)
+        work_state.advance()
+        return work, work_state
 
     @cute.jit
     def produce_item(self, w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase):
@@ -325,8 +364,8 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def consume(
-        self, sched, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sP, sF, pipe_q, pipe_k, pipe_v,
-        mQexp, mO, mM, mLSE, qk_scale,
+        self, sched, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sF, pipe_q, pipe_k, pipe_v, mQexp,
+        mO, mM, mLSE, qk_scale,
     ):  # fmt: skip
         """Consumer warpgroups: every work item of this CTA, key tiles from the last (masked:
         document end, causal diagonal) down to the first, then the epilogue."""
@@ -340,17 +379,16 @@ class FlamiaFwdSm90:
             wg_mma_qk, (self.tile_m, self.tile_n, self.d), sQ, sK
         )
         acc_O, tOrP, tOrV = sm90_utils.partition_fragment_ABC(
-            wg_mma_pv, (self.tile_m, self.d, self.tile_n), sP, sV
+            wg_mma_pv, (self.tile_m, self.d, self.tile_n), None, sV
         )
-        store_p = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), FP8, num_bits_per_copy=16),
-            tiled_mma_qk,
-        ).get_slice(tidx)
         # this thread's rows and key columns of a score tile
         tScS = layout_utils.reshape_acc_to_mn(
             thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         )
         n_rows = cute.size(tScS, mode=[0])
+        # this thread's key columns are col0 + _column_offset(j), col0 = 2·(lane % 4); their
+        # exponent factors sit at 2·col0 + _factor_offset(j) (v_t's permuted columns)
+        col0 = tScS[0, 0][1]
         ctx = SimpleNamespace(
             mma_qk=lambda k_idx, wait: sm90_utils.gemm_zero_init(
                 tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK, B_idx=k_idx, wg_wait=wait
@@ -358,8 +396,8 @@ class FlamiaFwdSm90:
             mma_pv=lambda v_idx, wait: sm90_utils.gemm_zero_init(
                 tiled_mma_pv, (self.tile_m, self.d), tOrP, tOrV, B_idx=v_idx, wg_wait=wait
             ),
-            pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, store_p=store_p,
-            tPsP=store_p.partition_D(sP), wg=wg, tScS=tScS, sF=sF,
+            pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, tOrP=tOrP, wg=wg, tScS=tScS, sF=sF,
+            col0=col0,
             row=cute.make_rmem_tensor(n_rows, Int32),  # document-local query index
             qfac=cute.make_rmem_tensor(n_rows, Float32),  # qk_scale · 2^eQ
             m_run=cute.make_rmem_tensor(n_rows, Float32),
@@ -370,15 +408,16 @@ class FlamiaFwdSm90:
             if wg == 0:  # the first warpgroup takes the first turn
                 cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=256)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        work_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, _WORK_STAGES)
         q_phase = Int32(0)
-        work = cute.arch.block_idx()[0]
+        work, work_state = self.receive_work(sched, work_state)
         while work < sched.n_work:
             w = self.work_item(sched, work)
             item_ctx = self.start_item(ctx, w, mQexp, qk_scale)
             state = self.key_tiles(item_ctx, state, pipe_q, q_phase, w)
             q_phase ^= 1
             self.epilogue(acc_O, thr_mma_pv, item_ctx, mO, mM, mLSE, w)
-            work += sched.stride
+            work, work_state = self.receive_work(sched, work_state)
 
     @cute.jit
     def start_item(self, ctx, w, mQexp, qk_scale):
@@ -490,14 +529,15 @@ class FlamiaFwdSm90:
         s_mn = layout_utils.reshape_acc_to_mn(acc_S)
         n_rows = cute.size(ctx.m_run)
         factors = ctx.sF[None, None, state.index]
+        # this thread's factors: 4 adjacent floats per 16-key group, from column 2·col0
+        thr_factors = cute.domain_offset((2 * ctx.col0, 0), factors)
         for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            col = ctx.tScS[0, j][1]
-            key = n * self.tile_n + col
-            ke_col = col
+            key = n * self.tile_n + ctx.col0 + _column_offset(j)
             if const_expr(self.k_exp_block > 1):  # one K exponent per aligned key block
-                ke_col = col // self.k_exp_block * self.k_exp_block
-            k_scale = factors[ke_col, 0]
-            v_exp = factors[col, 1]
+                k_scale = factors[_column_offset(j) // self.k_exp_block * self.k_exp_block, 0]
+            else:
+                k_scale = thr_factors[_factor_offset(j), 0]
+            v_exp = thr_factors[_factor_offset(j), 1]
             for r in cutlass.range_constexpr(n_rows):
                 y = s_mn[r, j] * (ctx.qfac[r] * k_scale) + v_exp
                 if const_expr(mask):
@@ -521,10 +561,10 @@ class FlamiaFwdSm90:
             l_tile[r, 0] = Float32(0.0)
             l_tile[r, 1] = Float32(0.0)
         for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            col = ctx.tScS[0, j][1]
-            v_inv = factors[col, 2]
+            v_inv = thr_factors[_factor_offset(j), 2]
             if const_expr(mask):
-                v_inv = v_inv if n * self.tile_n + col < ctx.seqlen else Float32(0.0)
+                key = n * self.tile_n + ctx.col0 + _column_offset(j)
+                v_inv = v_inv if key < ctx.seqlen else Float32(0.0)
             for r in cutlass.range_constexpr(n_rows):
                 p = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
                 s_mn[r, j] = p
@@ -534,14 +574,22 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def stage_p(self, ctx, acc_S):
-        """P̂ = E4M3(P) into shared memory, visible to this warpgroup's next ``wgmma``: each
-        warp writes its own 16 rows, and a ``wgmma`` starts only once all four warps of the
-        warpgroup issued it, so a fence and a warp sync suffice (as in FA3/FA4)."""
-        rP = cute.make_rmem_tensor_like(acc_S, FP8)
-        rP.store(acc_S.load().to(FP8))
-        cute.copy(ctx.store_p, ctx.store_p.retile(rP), ctx.tPsP)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_warp()
+        """P̂ = E4M3(P) into the A fragment of the next ``P̂·V̂`` (registers). Accumulator value
+        (c, h, n8) is key column ``8·n8 + 2q + c`` of row half h; A value (i, h, g, b) is
+        ``v_t`` column ``32b + 16g + 4q + i``, which holds key ``32b + 16g + 8·(i // 2) + 2q
+        + i % 2`` (``v_t_position``): the same key for n8 = 4b + 2g + i // 2, c = i % 2."""
+        k_blocks = cute.size(acc_S, mode=[0]) // 16
+        acc_as_a = cute.make_tensor(
+            acc_S.iterator,
+            cute.make_layout(
+                (((2, 2), 2, 2), 1, k_blocks), stride=(((1, 4), 2, 8), 0, 16)
+            ),
+        )  # fmt: skip
+        p_hat = cute.make_tensor(
+            ctx.tOrP.iterator,
+            cute.make_layout((((2, 2), 2, 2), 1, k_blocks), stride=(((1, 2), 4, 8), 0, 16)),
+        )
+        p_hat.store(acc_as_a.load().to(FP8))
 
     @cute.jit
     def turn_wait(self, wg):
@@ -578,6 +626,19 @@ class FlamiaFwdSm90:
                     mLSE[tok, w.head] = m - P_HAT_EXP + cute.math.log2(ctx.l_run[r], fastmath=True)
 
 
+def _column_offset(j: int) -> int:
+    """Key column of a thread's score value ``j`` (row-major mn view of a Hopper
+    accumulator: pairs of adjacent columns, 8 apart) relative to its first, ``col0``."""
+    return j % 2 + 8 * (j // 2)
+
+
+def _factor_offset(j: int) -> int:
+    """Column, relative to ``2·col0``, of the factors of that key in ``v_t``'s permuted
+    order (``v_t_position(col0 + _column_offset(j)) - 2·col0``; col0 = 2q < 8)."""
+    n8 = j // 2
+    return 16 * (n8 // 2) + 2 * (n8 % 2) + j % 2
+
+
 @cute.jit
 def _pow2(e: Int32) -> Float32:
     """float32 ``2**e`` for int32 ``e`` in [-126, 127], built from the exponent field."""
@@ -604,8 +665,8 @@ def attn_fwd_sm90(
     overlap: bool,
 ) -> None:
     """Fill ``out [T, Hq, d]`` (BF16/FP16), ``m_rows``/``lse_rows [T, Hq]`` (float32) from
-    quantized operands; ``work`` was built with ``block_m = tile_m`` (one CTA per item and
-    head, one persistent CTA per SM striding over them). ``qk_scale = softmax_scale·log2(e)``."""
+    quantized operands; ``work`` was built with ``block_m = tile_m`` (one persistent CTA per SM
+    takes (item, head) pairs by atomic ticket). ``qk_scale = softmax_scale·log2(e)``."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
@@ -613,7 +674,8 @@ def attn_fwd_sm90(
     aligned = (
         (qkv.q_codes, 16), (qkv.k_codes, 16), (v_t, 16), (q_exp, 4), (qkv.kv_factors, 16),
         (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4), (work.tile, 4),
-        (work.count, 4), (out, 16), (m_rows, 4), (lse_rows, 4),
+        (work.count, 4), (torch.zeros(1, dtype=torch.int32, device=out.device), 4), (out, 16),
+        (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
     tensors = [t for t, _ in aligned]
     heads_kv = qkv.k_codes.shape[1]

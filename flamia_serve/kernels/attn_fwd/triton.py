@@ -17,9 +17,13 @@ import triton
 import triton.language as tl
 
 from flamia_serve.kernels._common import e2m1_decode, exp2i, to_e4m3
+from flamia_serve.kernels.schedule import v_t_key as _v_t_key
 from flamia_serve.numerics import P_HAT_EXP as _P_HAT_EXP
 
 P_HAT_EXP = tl.constexpr(_P_HAT_EXP)  # P̂ holds E4M3(P' * 2^8)
+# a key tile's columns are v_t's (keys permuted inside 16-key groups): column c of a tile
+# at key0 holds key key0 + v_t_key(c); K rows are loaded in that order too
+v_t_key = triton.jit(_v_t_key)
 
 
 @triton.jit
@@ -81,9 +85,10 @@ def _key_exponents(
     ``KE_BLOCK > 1``: K exponents are shared by document-local blocks of that many keys
     (token-block recipe), so one scalar load per block replaces a per-key vector load.
     """
-    offs_n = key0 + tl.arange(0, BLOCK_N)
+    columns = tl.arange(0, BLOCK_N)
+    offs_n = key0 + v_t_key(columns)
     key_ok = (offs_n < key_end) | (not MASK)
-    at = hk * t_pad + v_t_start + offs_n
+    at = hk * t_pad + v_t_start + key0 + columns
     if QK_NVFP4:
         ke = tl.load(k4_exp_ptr + hk * n_tok + doc_start + offs_n, mask=key_ok, other=0)
         ke = ke.to(tl.int32)
@@ -107,7 +112,7 @@ def _scores(
 ):  # fmt: skip
     """Folded base-2 logits ``y = (Q̂·K̂ᵀ) qfac_i 2^eK_j + eV_j`` of one key tile, −inf where
     masked, and ``2^(−eV_j)``."""
-    keys = tl.arange(0, BLOCK_N)
+    keys = v_t_key(tl.arange(0, BLOCK_N))
     offs_n = key0 + keys
     key_ok = offs_n < key_end
     # full tiles load unmasked (every key is inside the document)
@@ -172,12 +177,13 @@ def _accumulate(
         p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
         l_i += tl.sum(p * v_inv[None, :], axis=1)
         p_hat = to_e4m3(p, INTERPRET)
-        offs_n = key0 + tl.arange(0, BLOCK_N)
+        columns = key0 + tl.arange(0, BLOCK_N)
         vt_ptrs = (
-            vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + v_t_start + offs_n[None, :]
+            vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + v_t_start + columns[None, :]
         )
         if MASK:  # the diagonal / tail tiles: keys past the document must read as 0
-            vt = tl.load(vt_ptrs, mask=(offs_n < key_end)[None, :], other=0.0)
+            key_ok = key0 + v_t_key(tl.arange(0, BLOCK_N)) < key_end
+            vt = tl.load(vt_ptrs, mask=key_ok[None, :], other=0.0)
         else:  # a mask along the contiguous key axis would forbid 16-byte loads
             vt = tl.load(vt_ptrs)
         # Hopper's FP8 MMA accumulates with ~14 mantissa bits: each key tile's P̂·V̂ starts

@@ -8,7 +8,13 @@ import torch
 
 from flamia_serve.kernels._common import interpreted
 from flamia_serve.kernels.quant.triton import quantize_qkv_kernel
-from flamia_serve.kernels.schedule import TokenBlocks, token_block_table, v_t_length
+from flamia_serve.kernels.schedule import (
+    V_T_ALIGN,
+    TokenBlocks,
+    token_block_table,
+    v_t_length,
+    v_t_position,
+)
 from flamia_serve.numerics import (
     FP8Tensor,
     NVFP4Tensor,
@@ -27,8 +33,10 @@ class KernelQKV:
 
     ``q_codes`` ``[T, Hq, d]`` / ``k_codes`` ``[T, Hkv, d]`` E4M3; ``v_t`` ``[Hkv, d, t_pad]``
     E4M3 V codes with keys contiguous, document ``b`` starting at column
-    ``doc_v_t_start[b]`` (16-aligned; codes outside documents are zero, so a key tile may
-    run past a document's end: the CuTe kernel's TMA loads whole tiles). Exponents are int16:
+    ``doc_v_t_start[b]`` (16-aligned), its key ``j`` at ``doc_v_t_start[b] + v_t_position(j)``
+    (permuted inside 16-key groups, see ``schedule.v_t_position``; ``key_columns``); codes
+    outside documents are zero, so a key tile may run past a document's end (the CuTe
+    kernel's TMA loads whole tiles). Exponents are int16:
     ``q_exp``
     ``[T, Hq]`` (a view of a head-major ``[Hq, T]`` buffer); ``k_exp`` / ``v_exp``
     ``[Hkv, t_pad]`` in ``v_t``'s column layout, so a key tile's exponents are one aligned
@@ -54,10 +62,14 @@ class KernelQKV:
     qk_rescale: float
     k_exp_block: int = 1
 
+    def key_columns(self) -> torch.Tensor:
+        """int64 ``[T]``: the column of each token (as a key) in ``v_t``'s layout."""
+        doc, pos = token_documents(self.cu_seqlens, self.k_codes.shape[0])
+        return self.doc_v_t_start.long()[doc] + v_t_position(pos)
+
     def to_reference(self) -> QuantizedQKV:
         """The same operands in the reference twin's layout (V token-major, int8 exponents)."""
-        doc, pos = token_documents(self.cu_seqlens, self.k_codes.shape[0])
-        column = self.doc_v_t_start.long()[doc] + pos
+        column = self.key_columns()
         v_codes = self.v_t[:, :, column].permute(2, 0, 1).contiguous()
 
         def fp8(codes: torch.Tensor, exp: torch.Tensor) -> FP8Tensor:
@@ -114,6 +126,11 @@ def quantize_qkv(
     (``benchmarks/tune_quant.py``).
     """
     rec = resolve_recipe(recipe)
+    if rec.token_block % V_T_ALIGN:
+        raise ValueError(
+            f"recipe token_block {rec.token_block}: must be a multiple of {V_T_ALIGN} (the "
+            "K-major V layout permutes keys inside 16-key groups)"
+        )
     total, heads_q, d = q.shape
     heads_kv = k.shape[1]
     dev = q.device
