@@ -36,11 +36,11 @@ NVFP4_CONFIGS = [  # mixed recipes: Q/K dequantized to BF16 in registers (more l
     (128, 64, 4, 3, True, False, None, 2),
 ]
 
-CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap (kernel="cute", sm_90)
-    (128, 128, 2, False),
-    (128, 128, 3, False),
-    (192, 64, 2, False),
-    (128, 64, 2, True),
+CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap, ticket (kernel="cute", sm_90)
+    (128, 128, 2, False, True),
+    (128, 128, 2, False, False),
+    (128, 128, 3, False, True),
+    (192, 64, 2, False, True),
 ]
 
 
@@ -50,8 +50,10 @@ def configs(recipe: str, kernel: str) -> list:
 
     if kernel == "cute":
         return [
-            FwdConfig(bm, bn, num_stages=st, overlap=ov, kernel="cute", maxnreg=None)
-            for bm, bn, st, ov in CUTE_CONFIGS
+            FwdConfig(
+                bm, bn, num_stages=st, overlap=ov, persistent=ticket, kernel="cute", maxnreg=None
+            )
+            for bm, bn, st, ov, ticket in CUTE_CONFIGS
         ]
     return [FwdConfig(*e) for e in (NVFP4_CONFIGS if recipe.startswith("mixed") else CONFIGS)]
 

@@ -8,7 +8,8 @@ added to the FP32 output: promotion per tile), normaliser ``l = Σ 2^(y − m + 
 Design (the structure of FlashAttention-3/4's sm90 forward, written for our numerics; its
 public helper modules are used as a dependency): persistent CTAs, one per SM, take the
 longest-first work list of (document, query tile, head) items through an atomic ticket
-(the producer warp draws it and hands it to the consumers through shared memory). Per CTA a
+(or a static stride; the producer warp hands each item to the consumers through shared
+memory). Per CTA a
 producer warp
 TMA-loads Q, then per key tile K with its exponent factors (``kv_factors``, one barrier)
 and V^T (``v_t``, keys contiguous: FP8 ``wgmma`` wants both operands K-major) into a ring
@@ -68,6 +69,7 @@ class FlamiaFwdSm90:
         tile_n: int,
         num_stages: int,
         overlap: bool,
+        ticket: bool,
     ) -> None:
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64 and 128")
@@ -80,6 +82,7 @@ class FlamiaFwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.overlap = overlap
+        self.ticket = ticket
         self.num_wg = self.tile_m // 64
         assert self.num_wg in (1, 2, 3)
         self.num_threads = 128 * (self.num_wg + 1)
@@ -286,10 +289,13 @@ class FlamiaFwdSm90:
             w = self.work_item(sched, work)
             state = self.produce_item(w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase)
             q_phase ^= 1
-            ticket = Int32(0)
-            if cute.arch.lane_idx() == 0:
-                ticket = fa_utils.atomic_add_i32(1, sched.ticket.iterator)
-            work = sched.n_ctas + cute.arch.shuffle_sync(ticket, 0)
+            if const_expr(self.ticket):
+                ticket = Int32(0)
+                if cute.arch.lane_idx() == 0:
+                    ticket = fa_utils.atomic_add_i32(1, sched.ticket.iterator)
+                work = sched.n_ctas + cute.arch.shuffle_sync(ticket, 0)
+            else:
+                work += sched.n_ctas
         self.publish_work(sched, work_state, work)  # past the end: the consumers stop
 
     @cute.jit
@@ -663,10 +669,12 @@ def attn_fwd_sm90(
     tile_n: int,
     num_stages: int,
     overlap: bool,
+    ticket: bool = True,
 ) -> None:
     """Fill ``out [T, Hq, d]`` (BF16/FP16), ``m_rows``/``lse_rows [T, Hq]`` (float32) from
     quantized operands; ``work`` was built with ``block_m = tile_m`` (one persistent CTA per SM
-    takes (item, head) pairs by atomic ticket). ``qk_scale = softmax_scale·log2(e)``."""
+    takes (item, head) pairs after its first by atomic ticket, or with ``ticket=False`` by a
+    static stride). ``qk_scale = softmax_scale·log2(e)``."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
@@ -680,11 +688,12 @@ def attn_fwd_sm90(
     tensors = [t for t, _ in aligned]
     heads_kv = qkv.k_codes.shape[1]
     key = (d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
-           out.dtype)  # fmt: skip
+           ticket, out.dtype)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
-            d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap
-        )
+            d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
+            ticket,
+        )  # fmt: skip
         fake = [  # each tensor's contiguous (stride-1) dim is its leading one
             to_cute_tensor(
                 t, assumed_align=align, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1)

@@ -30,10 +30,12 @@ class FwdConfig:
     10-15% slower under the same cap: the item loop keeps more values live).
 
     ``kernel="cute"`` (sm_90, d in {64, 128}, E4M3 Q/K, one pass): the warp-specialized CuTe
-    DSL kernel of ``cute_sm90.py``, always persistent (one CTA per SM); ``block_m`` = 64
-    rows per consumer warpgroup (64, 128 or 192), ``block_n`` 64 or 128 keys, ``num_stages``
-    K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the previous tile's P̂·V̂
-    finishes. ``num_warps``/``persistent``/``maxnreg``/``programs_per_sm`` do not apply.
+    DSL kernel of ``cute_sm90.py``, one CTA per SM taking items after its first by atomic
+    ticket (``persistent=True``) or by a static stride of the grid size (``False``);
+    ``block_m`` = 64 rows per consumer warpgroup (64, 128 or 192), ``block_n`` 64 or 128
+    keys, ``num_stages`` K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the
+    previous tile's P̂·V̂ finishes. ``num_warps``/``maxnreg``/``programs_per_sm`` do not
+    apply.
     """
 
     block_m: int = 64
@@ -49,7 +51,9 @@ class FwdConfig:
 
 
 #: the CuTe forward's default on sm_90 (``benchmarks/tune_fwd.py --kernel cute``)
-CUTE_CONFIG = FwdConfig(128, 128, num_stages=2, kernel="cute", maxnreg=None, overlap=False)
+CUTE_CONFIG = FwdConfig(
+    128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
+)
 
 
 @functools.cache
@@ -154,7 +158,7 @@ def attn_fwd(
         attn_fwd_sm90(
             qkv, cu_seqlens, work, out, m_rows, lse_rows, heads_q=heads_q, causal=causal,
             qk_scale=scale_log2, tile_m=cfg.block_m, tile_n=cfg.block_n,
-            num_stages=cfg.num_stages, overlap=cfg.overlap,
+            num_stages=cfg.num_stages, overlap=cfg.overlap, ticket=cfg.persistent,
         )  # fmt: skip
         return out, m_rows, lse_rows
     q4, k4 = qkv.q4, qkv.k4

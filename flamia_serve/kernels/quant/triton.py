@@ -10,10 +10,10 @@ import triton.language as tl
 
 from flamia_serve.kernels._common import exp2i, fp8_rows, hadamard_rows, nvfp4_rows, to_e4m3
 from flamia_serve.kernels.schedule import V_T_ALIGN as _V_T_ALIGN
-from flamia_serve.kernels.schedule import v_t_position as _v_t_position
+from flamia_serve.kernels.schedule import v_t_key as _v_t_key
 
 V_T_ALIGN = tl.constexpr(_V_T_ALIGN)
-v_t_position = triton.jit(_v_t_position)
+v_t_key = triton.jit(_v_t_key)
 
 
 @triton.jit
@@ -47,12 +47,15 @@ def _quantize_qk_head(
 
 @triton.jit
 def _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows):
-    """Tokens of block ``slot`` (int64), which of ``rows`` exist, and their v_t columns
-    (``v_t_position``: keys permuted inside 16-key groups)."""
+    """Tokens of block ``slot`` (int64) taken in v_t's key order (row ``r`` is the block's
+    token ``v_t_key(r)``: ``v_t`` columns, exponents and factors are then stored as
+    contiguous vectors), which of them exist, and their v_t columns. Quantization is per
+    row or per block, so the row order does not change any code."""
     start = tl.load(block_start_ptr + slot).to(tl.int64)
-    row_ok = rows < tl.load(block_len_ptr + slot)
-    col = tl.load(block_v_t_ptr + slot).to(tl.int64) + v_t_position(rows)
-    return start + rows, row_ok, col
+    keys = v_t_key(rows)
+    row_ok = keys < tl.load(block_len_ptr + slot)
+    col = tl.load(block_v_t_ptr + slot).to(tl.int64) + rows
+    return start + keys, row_ok, col
 
 
 @triton.jit
