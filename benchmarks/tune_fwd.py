@@ -38,9 +38,9 @@ NVFP4_CONFIGS = [  # mixed recipes: Q/K dequantized to BF16 in registers (more l
 
 CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap, ticket (kernel="cute", sm_90)
     (128, 128, 2, False, True),
-    (128, 96, 2, False, True),
-    (128, 64, 2, False, True),
     (128, 128, 2, False, False),
+    (128, 128, 3, False, True),
+    (192, 64, 2, False, True),
 ]
 
 

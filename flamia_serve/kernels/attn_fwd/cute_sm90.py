@@ -468,30 +468,14 @@ class FlamiaFwdSm90:
             state.advance()
             ctx.acc_O.store(ctx.acc_O.load() + acc_T.load())
         else:
-            # each turn on the tensor cores issues the previous tile's P̂·V̂ and this tile's
-            # Q̂·K̂ᵀ; the O update runs under the Q̂·K̂ᵀ, the softmax step under the other
-            # warpgroup's turn. First turn: Q̂·K̂ᵀ alone; last: P̂·V̂ alone.
-            ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
+            # a warpgroup's turn on the tensor cores: P̂·V̂ of one tile and Q̂·K̂ᵀ of the next
             self.turn_wait(ctx.wg)
-            acc_S = ctx.mma_qk(state.index, -1)
-            self.turn_pass(ctx.wg)
-            warpgroup.wait_group(0)
-            self.softmax_step(ctx, acc_S, state, n_blocks - 1, True)
-            ctx.pipe_k.consumer_release(state)
-            self.stage_p(ctx, acc_S)
-            for i in cutlass.range(n_blocks - 1 - n_masked_end, unroll=1):
-                state = self.key_tile(ctx, state, n_blocks - 2 - i, True)
+            for i in cutlass.range(n_blocks - n_masked_end, unroll=1):
+                state = self.key_tile_serial(ctx, state, n_blocks - 1 - i, True)
             for i in cutlass.range(n_masked_end, unroll=1):
-                state = self.key_tile(ctx, state, n_masked_end - 1 - i, False)
+                state = self.key_tile_serial(ctx, state, n_masked_end - 1 - i, False)
             pipe_q.consumer_release_w_index(0)
-            ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
-            self.turn_wait(ctx.wg)
-            acc_T = ctx.mma_pv(state.index, -1)
             self.turn_pass(ctx.wg)
-            warpgroup.wait_group(0)
-            ctx.pipe_v.consumer_release(state)
-            state.advance()
-            self.update_o(ctx, acc_T)
         return state
 
     @cute.jit
@@ -520,35 +504,27 @@ class FlamiaFwdSm90:
         return state
 
     @cute.jit
-    def key_tile(self, ctx, state, n, mask: cutlass.Constexpr):
-        """Key tile ``n`` after the first: one turn issues the previous tile's P̂·V̂ and this
-        tile's Q̂·K̂ᵀ; ``O = O · 2^(m_old − m_new) + P̂·V̂_prev`` once the first is done, the
-        softmax step once the second is."""
-        state_v = state.clone()
-        state.advance()
-        ctx.pipe_v.consumer_wait(state_v, ctx.pipe_v.consumer_try_wait(state_v))
+    def key_tile_serial(self, ctx, state, n, mask: cutlass.Constexpr):
+        """Key tile ``n``: Q̂·K̂ᵀ, softmax step, ``O = O · 2^(m_old − m_new) + P̂·V̂``; the
+        other warpgroup's softmax runs while this one's MMAs do."""
         ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
-        self.turn_wait(ctx.wg)
-        acc_T = ctx.mma_pv(state_v.index, -1)
         acc_S = ctx.mma_qk(state.index, -1)
         self.turn_pass(ctx.wg)
-        warpgroup.wait_group(1)
-        ctx.pipe_v.consumer_release(state_v)
-        self.update_o(ctx, acc_T)
         warpgroup.wait_group(0)
         self.softmax_step(ctx, acc_S, state, n, mask)
         ctx.pipe_k.consumer_release(state)
         self.stage_p(ctx, acc_S)
-        return state
-
-    @cute.jit
-    def update_o(self, ctx, acc_T):
-        """``O = O · alpha + P̂·V̂`` (one FFMA per element; alpha from the tile's softmax step)."""
+        ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
+        self.turn_wait(ctx.wg)
+        acc_T = ctx.mma_pv(state.index, 0)
+        ctx.pipe_v.consumer_release(state)
         acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
         acc_T_mn = layout_utils.reshape_acc_to_mn(acc_T)
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r] + acc_T_mn[r, c]
+        state.advance()
+        return state
 
     @cute.jit
     def softmax_step(self, ctx, acc_S, state, n, mask: cutlass.Constexpr):

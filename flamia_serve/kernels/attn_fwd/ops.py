@@ -32,8 +32,8 @@ class FwdConfig:
     ``kernel="cute"`` (sm_90, d in {64, 128}, E4M3 Q/K, one pass): the warp-specialized CuTe
     DSL kernel of ``cute_sm90.py``, one CTA per SM taking items after its first by atomic
     ticket (``persistent=True``) or by a static stride of the grid size (``False``);
-    ``block_m`` = 64 rows per consumer warpgroup (64, 128 or 192), ``block_n`` 64, 96 or
-    128 keys, ``num_stages`` K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the
+    ``block_m`` = 64 rows per consumer warpgroup (64, 128 or 192), ``block_n`` 64 or 128
+    keys, ``num_stages`` K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the
     previous tile's P̂·V̂ finishes. ``num_warps``/``maxnreg``/``programs_per_sm`` do not
     apply.
     """
@@ -128,11 +128,9 @@ def attn_fwd(
         raise ValueError(
             "config.kernel='cute' runs E4M3 Q/K (recipe mxfp8), one pass, head_dim 64 or 128"
         )
-    if cfg.kernel == "cute" and (
-        cfg.block_m not in (64, 128, 192) or cfg.block_n not in (64, 96, 128)
-    ):
+    if cfg.kernel == "cute" and (cfg.block_m not in (64, 128, 192) or cfg.block_n not in (64, 128)):
         raise ValueError(
-            f"config.kernel='cute' takes block_m in (64, 128, 192) and block_n in (64, 96, 128), "
+            f"config.kernel='cute' takes block_m in (64, 128, 192) and block_n in (64, 128), "
             f"got {cfg.block_m}, {cfg.block_n}"
         )
     if cfg.kernel == "cute" and not cute_available(dev):
