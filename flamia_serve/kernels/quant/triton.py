@@ -54,7 +54,7 @@ def _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows):
     start = tl.load(block_start_ptr + slot).to(tl.int64)
     keys = v_t_key(rows)
     row_ok = keys < tl.load(block_len_ptr + slot)
-    col = tl.multiple_of(tl.load(block_v_t_ptr + slot), 16).to(tl.int64) + rows
+    col = tl.load(block_v_t_ptr + slot).to(tl.int64) + rows
     return start + keys, row_ok, col
 
 
