@@ -9,9 +9,7 @@ Design (the structure of FlashAttention-3/4's sm90 forward, written for our nume
 public helper modules are used as a dependency): persistent CTAs, one per SM, take the
 longest-first work list of (document, query tile, head) items through an atomic ticket
 (or a static stride; the producer warp hands each item to the consumers through shared
-memory). Per CTA a
-producer warp
-TMA-loads Q, then per key tile K with its exponent factors (``kv_factors``, one barrier)
+memory). Per CTA a producer warp TMA-loads Q, then per key tile K with its exponent factors (``kv_factors``, one barrier)
 and V^T (``v_t``, keys contiguous: FP8 ``wgmma`` wants both operands K-major) into a ring
 of shared-memory stages; consumer warpgroups (64 query rows each) take turns on the tensor
 cores (named-barrier ping-pong), so one's softmax step runs under another's MMAs;
