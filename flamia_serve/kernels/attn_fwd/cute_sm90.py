@@ -7,18 +7,18 @@ added to the FP32 output: promotion per tile), normaliser ``l = Σ 2^(y − m + 
 
 Design (the structure of FlashAttention-3/4's sm90 forward, written for our numerics; its
 public helper modules are used as a dependency): persistent CTAs, one per SM, take the
-longest-first work list of (document, query tile, head) items through an atomic ticket
-(or a static stride; the producer warp hands each item to the consumers through shared
-memory). Per CTA a producer warp TMA-loads Q, then per key tile K with its exponent factors (``kv_factors``, one barrier)
-and V^T (``v_t``, keys contiguous: FP8 ``wgmma`` wants both operands K-major) into a ring
-of shared-memory stages; consumer warpgroups (64 query rows each) take turns on the tensor
-cores (named-barrier ping-pong), so one's softmax step runs under another's MMAs;
-``overlap=True`` also issues the next tile's ``Q̂·K̂ᵀ`` before the current ``P̂·V̂`` (more
-registers: measured slower, see ``benchmarks/NOTES.md``). P̂ stays in registers (RS
-``wgmma``): ``v_t`` stores keys permuted inside 16-key groups (``schedule.v_t_position``),
-which makes the E4M3 accumulator fragment of ``Q̂·K̂ᵀ`` the A fragment of ``P̂·V̂`` as it is;
-the exponent factors use the same columns, so a thread's four factors of a 16-key group are
-adjacent in shared memory.
+longest-first work list of (document, query tile, head) items through an atomic ticket (or a
+static stride; the producer warp hands each item to the consumers through shared memory).
+Per CTA a producer warp TMA-loads Q, then per key tile K with its exponent factors
+(``kv_factors``, one barrier) and V^T (``v_t``, keys contiguous: FP8 ``wgmma`` wants both
+operands K-major) into a ring of shared-memory stages; consumer warpgroups (64 query rows
+each) take turns on the tensor cores (named-barrier ping-pong), so one's softmax step runs
+under another's MMAs; ``overlap=True`` also issues the next tile's ``Q̂·K̂ᵀ`` before the
+current ``P̂·V̂`` (more registers: measured slower, see ``benchmarks/NOTES.md``). P̂ stays
+in registers (RS ``wgmma``): ``v_t`` stores keys permuted inside 16-key groups
+(``schedule.v_t_position``), which makes the E4M3 accumulator fragment of ``Q̂·K̂ᵀ`` the A
+fragment of ``P̂·V̂`` as it is; the exponent factors use the same columns, so a thread's
+four factors of a 16-key group are adjacent in shared memory.
 
 Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazily by
 ``ops.attn_fwd`` only on sm_90 when they are installed.
