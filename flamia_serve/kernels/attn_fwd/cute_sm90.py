@@ -493,11 +493,7 @@ class FlamiaFwdSm90:
         ctx.pipe_k.consumer_release(state)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(state_v)
-        acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
-        acc_T_mn = layout_utils.reshape_acc_to_mn(acc_T)
-        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = (acc_O_mn[r, c] + acc_T_mn[r, c]) * ctx.alpha[r]
+        self.update_o(ctx, acc_T, add_first=True)
         self.stage_p(ctx, acc_S)
         return state
 
@@ -516,13 +512,23 @@ class FlamiaFwdSm90:
         self.turn_wait(ctx.wg)
         acc_T = ctx.mma_pv(state.index, 0)
         ctx.pipe_v.consumer_release(state)
+        self.update_o(ctx, acc_T, add_first=False)
+        state.advance()
+        return state
+
+    @cute.jit
+    def update_o(self, ctx, acc_T, add_first: cutlass.Constexpr):
+        """O += P̂·V̂ of a tile in FP32 (the per-tile promotion), with O's rescale by ``alpha``
+        = 2^(m_old − m_new): ``(O + T)·alpha`` (``add_first``: overlap mode, T belongs to the
+        previous row reference) or ``O·alpha + T`` (one FFMA per element)."""
         acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
         acc_T_mn = layout_utils.reshape_acc_to_mn(acc_T)
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r] + acc_T_mn[r, c]
-        state.advance()
-        return state
+                if const_expr(add_first):
+                    acc_O_mn[r, c] = (acc_O_mn[r, c] + acc_T_mn[r, c]) * ctx.alpha[r]
+                else:
+                    acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r] + acc_T_mn[r, c]
 
     @cute.jit
     def softmax_step(self, ctx, acc_S, state, n, mask: cutlass.Constexpr):
