@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -139,3 +141,12 @@ def test_kv_factors_are_the_exponents_as_floats(exact, device) -> None:
     assert torch.equal(f[:, 0], torch.where(ke == EXP_MIN, 0.0, exp2i(ke)))
     assert torch.equal(f[:, 1], ve.float())
     assert torch.equal(f[:, 2], exp2i(-ve))
+
+
+def test_token_block_must_fill_v_t_key_groups(device) -> None:
+    """A recipe whose token blocks are not whole 16-key groups is refused by name (the
+    K-major V layout permutes keys inside 16-key groups)."""
+    q, k, v, cu, _ms = make_pack((40,), 2, 1, 64, seed=1, device=device)
+    recipe = dataclasses.replace(resolve_recipe("mxfp8"), token_block=8)
+    with pytest.raises(ValueError, match="token_block 8: must be a multiple of 16"):
+        quantize_qkv(q, k, v, cu, recipe=recipe)
