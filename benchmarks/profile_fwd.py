@@ -10,6 +10,10 @@ The first call compiles (skipped by ``--launch-skip 1``), the second is profiled
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

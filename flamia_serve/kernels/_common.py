@@ -11,6 +11,11 @@ import os
 import triton
 import triton.language as tl
 
+from flamia_serve.kernels import schedule
+
+#: ``schedule.v_t_key`` inside kernels: the key stored at a column of ``v_t``'s layout
+v_t_key = triton.jit(schedule.v_t_key)
+
 
 def interpreted() -> bool:
     """True under Triton's CPU interpreter (3.6), which needs two workarounds: its float ->

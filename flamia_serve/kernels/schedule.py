@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton.language as tl  # noqa: F401  (in scope for the Triton kernels that jit v_t_key/v_t_position)
+import triton.language as tl  # noqa: F401  (in scope where _common jits v_t_key)
 
 
 def _tiles_of_documents(

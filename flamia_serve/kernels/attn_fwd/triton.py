@@ -16,14 +16,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import e2m1_decode, exp2i, to_e4m3
-from flamia_serve.kernels.schedule import v_t_key as _v_t_key
+from flamia_serve.kernels._common import e2m1_decode, exp2i, to_e4m3, v_t_key
 from flamia_serve.numerics import P_HAT_EXP as _P_HAT_EXP
 
 P_HAT_EXP = tl.constexpr(_P_HAT_EXP)  # P̂ holds E4M3(P' * 2^8)
 # a key tile's columns are v_t's (keys permuted inside 16-key groups): column c of a tile
 # at key0 holds key key0 + v_t_key(c); K rows are loaded in that order too
-v_t_key = triton.jit(_v_t_key)
 
 
 @triton.jit

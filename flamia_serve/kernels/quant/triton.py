@@ -8,12 +8,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import exp2i, fp8_rows, hadamard_rows, nvfp4_rows, to_e4m3
+from flamia_serve.kernels._common import (
+    exp2i,
+    fp8_rows,
+    hadamard_rows,
+    nvfp4_rows,
+    to_e4m3,
+    v_t_key,
+)
 from flamia_serve.kernels.schedule import V_T_ALIGN as _V_T_ALIGN
-from flamia_serve.kernels.schedule import v_t_key as _v_t_key
 
 V_T_ALIGN = tl.constexpr(_V_T_ALIGN)
-v_t_key = triton.jit(_v_t_key)
 
 
 @triton.jit
