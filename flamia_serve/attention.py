@@ -1,24 +1,59 @@
 """Public FLAMIA attention entry points (kernel path): packed varlen and batched.
 
-Forward only for now: the backward kernel is a later issue, so calls that need gradients
-raise instead of silently returning a non-differentiable output. For a differentiable
-path with the same numerics use ``flamia_serve.reference.attention``.
+Differentiable: the forward and backward run as ``torch.library`` custom ops
+(``flamia_serve.custom_ops``) with a registered autograd formula, so ``loss.backward()``,
+``torch.compile(fullgraph=True)`` and CUDA graphs work. The plain-PyTorch twin with the
+same numerics is ``flamia_serve.reference.attention``.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from flamia_serve import custom_ops  # noqa: F401  (registers torch.ops.flamia.*)
+from flamia_serve.kernels.attn_bwd.ops import (
+    BwdConfig,
+    attn_bwd,
+    check_bwd_config,
+    default_bwd_config,
+)
 from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, default_config
-from flamia_serve.kernels.quant.ops import quantize_qkv
-from flamia_serve.numerics import Recipe, resolve_recipe
+from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
+from flamia_serve.numerics import RECIPES, Recipe, resolve_recipe
 from flamia_serve.numerics.checks import (
     INPUT_DTYPES,
     check_softmax_scale,
     check_tensor,
     check_varlen_inputs,
 )
+from flamia_serve.numerics.formats import P_HAT_EXP
 from flamia_serve.plan import VarlenPlan, plan_varlen
+
+
+def _check_kernel_device(q: torch.Tensor) -> None:
+    """The kernels run on CUDA GPUs, or on the CPU under Triton's interpreter (tests)."""
+    if q.device.type == "cuda":
+        return
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    raise RuntimeError(
+        f"flamia_attn_varlen runs Triton kernels and needs CUDA tensors (got q on {q.device}); "
+        "on a CPU use flamia_serve.reference.attention (same numerics), or set "
+        "TRITON_INTERPRET=1 before importing flamia_serve to interpret the kernels (slow)"
+    )
+
+
+def _kernel_recipe(recipe: str | Recipe) -> Recipe:
+    """The kernels implement the preset recipes (their scale blocks are compiled in)."""
+    rec = resolve_recipe(recipe)
+    if RECIPES.get(rec.name) != rec:
+        raise ValueError(
+            f"recipe: the kernel path runs the presets {sorted(RECIPES)}, got a custom "
+            f"{rec!r}; use flamia_serve.reference.attention for custom recipes"
+        )
+    return rec
 
 
 def flamia_attn_varlen(
@@ -35,8 +70,10 @@ def flamia_attn_varlen(
     return_stats: bool = False,
     plan: VarlenPlan | None = None,
     config: FwdConfig | None = None,
+    bwd_config: BwdConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FLAMIA attention over packed documents (fused quantization + FP8 forward kernel).
+    """FLAMIA attention over packed documents (fused quantization + FP8 kernels),
+    differentiable (FP8 backward kernel).
 
     Args:
         q: ``[T, Hq, d]`` BF16/FP16; k, v: ``[T, Hkv, d]``, same dtype and device,
@@ -48,40 +85,43 @@ def flamia_attn_varlen(
         exact_causal: per-token Q/K exponents, so no output depends on a later token.
         softmax_scale: defaults to ``1/sqrt(d)``.
         return_stats: also return ``M`` (integer row reference) and ``lse`` (base 2), both
-            float32 ``[T, Hq]``, which the backward needs.
+            float32 ``[T, Hq]`` (not differentiable).
         plan: ``plan_varlen(cu_seqlens, T, max_seqlen)`` built once per microbatch: skips
-            the host read that validates ``cu_seqlens`` and reuses the schedules.
-        config: kernel tile shape (default per head dim; ``FLAMIA_FWD_CONFIG`` overrides).
+            the host read that validates ``cu_seqlens`` and reuses the schedules (forward
+            and backward). Inside ``torch.compile`` a missing plan is built unvalidated.
+        config / bwd_config: kernel tiles (defaults per head dim and device).
 
     Returns:
-        ``O [T, Hq, d]`` in the input dtype (and the statistics when asked).
+        ``O [T, Hq, d]`` in the input dtype (and the statistics when asked). Gradients flow
+        to q, k, v (dQ is accumulated with FP32 atomics: not bitwise repeatable).
     """
+    _check_kernel_device(q)
     if plan is not None and plan.cu_seqlens is not cu_seqlens:
         raise ValueError("plan was built for another cu_seqlens tensor")
-    shape = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, check_values=plan is None)
-    rec = resolve_recipe(recipe)
+    compiling = torch.compiler.is_compiling()
+    shape = check_varlen_inputs(
+        q, k, v, cu_seqlens, max_seqlen, check_values=plan is None and not compiling
+    )
+    rec = _kernel_recipe(recipe)
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise NotImplementedError(
-            "flamia_attn_varlen has no backward kernel yet: call it under torch.no_grad(), "
-            "or use flamia_serve.reference.attention for gradients"
-        )
     if plan is None:
-        plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen)
+        plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen, validate=False)
     cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4")
-    qkv = quantize_qkv(
-        q, k, v, cu_seqlens, recipe=rec, exact_causal=exact_causal, blocks=plan.blocks
-    )
-    out, m_rows, lse_rows = attn_fwd(
-        qkv,
-        cu_seqlens,
-        heads_q=shape.heads_q,
-        causal=bool(causal),
-        softmax_scale=scale,
-        out_dtype=q.dtype,
-        config=cfg,
-        work=plan.work_list(cfg.block_m, cfg.block_n, bool(causal)),
-    )
+    bcfg = bwd_config or default_bwd_config(shape.head_dim, q.device)
+    work = plan.work_list(cfg.block_m, cfg.block_n, bool(causal))
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    bwd_work: list[torch.Tensor] = []
+    if needs_grad:
+        check_bwd_config(bcfg, rec)
+        bw = plan.key_work_list(bcfg.block_n, bcfg.block_m, bool(causal))
+        bwd_work = [bw.doc, bw.tile, bw.count]
+    blocks = plan.blocks
+    out, m_rows, lse_rows = torch.ops.flamia.attn_varlen_fwd(
+        q, k, v, cu_seqlens,
+        [blocks.start, blocks.length, blocks.v_t_start, blocks.doc_v_t_start],
+        [work.doc, work.tile, work.count], bwd_work,
+        bool(causal), rec.name, bool(exact_causal), scale, cfg.to_ints(), bcfg.to_ints(),
+    )  # fmt: skip
     return (out, m_rows, lse_rows) if return_stats else out
 
 
@@ -109,6 +149,7 @@ def flamia_attn(
             f"{tuple(v.shape[:2])}"
         )
     cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
+    plan = plan_varlen(cu, batch * seq, seq, validate=False)  # valid by construction
     out = flamia_attn_varlen(
         q.reshape(batch * seq, *q.shape[2:]),
         k.reshape(batch * seq, *k.shape[2:]),
@@ -119,5 +160,62 @@ def flamia_attn(
         recipe=recipe,
         exact_causal=exact_causal,
         softmax_scale=softmax_scale,
+        plan=plan,
     )
     return out.view(batch, seq, *out.shape[1:])
+
+
+def debug_p_hat(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = True,
+    recipe: str | Recipe = "mxfp8",
+    exact_causal: bool = False,
+    softmax_scale: float | None = None,
+    two_pass: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Debug hook (DESIGN N5): the forward's and the backward's P̂ of one small call.
+
+    Runs the Triton forward (one pass with integer running maxima, or ``two_pass``) and
+    the backward kernel with their debug outputs on. Returns two float32 ``[Hq, T, T]``
+    tensors ``(forward, backward)`` of P̂ at ``[head, query, key]``, both expressed against
+    the final row reference ``M`` (the forward's value rescaled by its exact power of two
+    ``2^(m_running − M)``; zero where masked or across documents). They are bit-identical
+    wherever the forward's running maximum had reached M, and otherwise differ only where
+    ``P' < 2^-14`` (E4M3 subnormals) or where ``exp2`` rounds differently.
+    """
+    _check_kernel_device(q)
+    shape = check_varlen_inputs(q, k, v, cu_seqlens, int(q.shape[0]))
+    rec = _kernel_recipe(recipe)
+    scale = check_softmax_scale(softmax_scale, shape.head_dim)
+    total, heads_q = shape.total_tokens, shape.heads_q
+    if total > 2048:
+        raise ValueError(
+            f"debug_p_hat allocates [Hq, T, T] buffers: T must be <= 2048, got {total}"
+        )
+    qkv = quantize_qkv(q, k, v, cu_seqlens, recipe=rec, exact_causal=exact_causal,
+                       with_transposed=True)  # fmt: skip
+    dense = torch.zeros(heads_q, total, total, dtype=torch.float32, device=q.device)
+    fwd_p, fwd_m = dense.clone(), dense.clone()
+    cfg = default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
+                         kernel="triton")  # fmt: skip
+    cfg = FwdConfig(**{**cfg.__dict__, "two_pass": two_pass})
+    out, m_rows, lse_rows = attn_fwd(
+        qkv, cu_seqlens, heads_q=heads_q, causal=causal, softmax_scale=scale, out_dtype=q.dtype,
+        config=cfg, debug_p=(fwd_p, fwd_m),
+    )  # fmt: skip
+    qdo = quantize_do(torch.randn_like(out), out, m_rows, lse_rows, cu_seqlens, recipe=rec)
+    bwd_p = dense.clone()
+    attn_bwd(
+        qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=heads_q, causal=causal,
+        softmax_scale=scale, recipe=rec, out_dtype=q.dtype, debug_p=bwd_p,
+    )  # fmt: skip
+    final = m_rows.t()[..., None]  # [Hq, T, 1]
+    fwd_final = fwd_p * torch.exp2(torch.where(fwd_p != 0, fwd_m - final, 0.0))
+    return fwd_final, bwd_p
+
+
+__all__ = ["P_HAT_EXP", "debug_p_hat", "flamia_attn", "flamia_attn_varlen"]

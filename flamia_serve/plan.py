@@ -14,6 +14,7 @@ import torch
 from flamia_serve.kernels.schedule import (
     TokenBlocks,
     WorkList,
+    build_key_work_list,
     build_work_list,
     token_block_table,
 )
@@ -31,17 +32,32 @@ class VarlenPlan:
     _work: dict[tuple[int, int, bool], WorkList] = field(default_factory=dict, repr=False)
 
     def work_list(self, block_m: int, block_n: int, causal: bool) -> WorkList:
-        key = (block_m, block_n, causal)
+        """The forward's list of query tiles (built once per tile shape)."""
+        key = (block_m, block_n, causal, False)
         if key not in self._work:
             self._work[key] = build_work_list(
                 self.cu_seqlens, self.total_tokens, block_m=block_m, block_n=block_n, causal=causal
             )
         return self._work[key]
 
+    def key_work_list(self, block_n: int, block_m: int, causal: bool) -> WorkList:
+        """The backward's list of key tiles (built once per tile shape)."""
+        key = (block_m, block_n, causal, True)
+        if key not in self._work:
+            self._work[key] = build_key_work_list(
+                self.cu_seqlens, self.total_tokens, block_n=block_n, block_m=block_m, causal=causal
+            )
+        return self._work[key]
 
-def plan_varlen(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int) -> VarlenPlan:
-    """Validate ``cu_seqlens`` ([B+1] int32: 0 … T, non-decreasing) once and plan the pack."""
-    device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
-    check_max_seqlen(max_seqlen, check_cu_seqlens(cu_seqlens, total_tokens, device))
+
+def plan_varlen(
+    cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int, *, validate: bool = True
+) -> VarlenPlan:
+    """Plan a pack; with ``validate`` (default) first check ``cu_seqlens`` ([B+1] int32:
+    0 … T, non-decreasing) and ``max_seqlen`` on the host (one sync). ``validate=False``
+    builds the schedules on the device only (inside ``torch.compile``, CUDA graphs)."""
+    if validate:
+        device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
+        check_max_seqlen(max_seqlen, check_cu_seqlens(cu_seqlens, total_tokens, device))
     blocks = token_block_table(cu_seqlens, total_tokens)
     return VarlenPlan(cu_seqlens, total_tokens, max_seqlen, blocks)

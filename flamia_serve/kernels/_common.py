@@ -7,14 +7,22 @@ for bit (tests compare them).
 from __future__ import annotations
 
 import os
+import types
 
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels import schedule
+from flamia_serve.numerics import operands
 
-#: ``schedule.v_t_key`` inside kernels: the key stored at a column of ``v_t``'s layout
-v_t_key = triton.jit(schedule.v_t_key)
+
+def _jit_int_rule(fn: types.FunctionType) -> triton.JITFunction:
+    """``triton.jit`` of a plain-int rule written for torch and Triton alike (``numerics``
+    stays free of Triton; the JIT wants ``tl`` among the function's globals)."""
+    return triton.jit(types.FunctionType(fn.__code__, {"tl": tl, "__name__": fn.__module__}))
+
+
+#: ``operands.v_t_key`` inside kernels: the token stored at a column of the column layout
+v_t_key = _jit_int_rule(operands.v_t_key)
 
 
 def interpreted() -> bool:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton.language as tl  # noqa: F401  (in scope where _common jits v_t_key)
+
+from flamia_serve.numerics.operands import V_T_ALIGN
 
 
 def _tiles_of_documents(
@@ -27,34 +28,6 @@ def _tiles_of_documents(
     doc = doc.clamp(max=max(num_docs - 1, 0))
     local = slots - (ends - tiles_per_doc)[doc]
     return doc, local, valid
-
-
-#: each document's keys start at a multiple of this in the K-major V layout (16-byte loads)
-V_T_ALIGN = 16
-
-
-def v_t_position(key):
-    """Column, inside its document's span of the K-major V layout, of document-local key
-    ``key`` (int tensor, torch or Triton). Keys are permuted inside each 16-key group (key
-    ``8a + 2b + c`` at ``4b + 2a + c``: order 0,1,8,9,2,3,10,11,4,5,12,13,6,7,14,15) so
-    that a Hopper FP8 ``wgmma`` accumulator fragment of ``Q̂·K̂ᵀ`` (columns ``2b + c`` and
-    ``8 + 2b + c`` per thread) is, byte for byte, the A fragment of ``P̂·V̂`` (4
-    consecutive keys per register): P̂ stays in registers. Every array in this layout
-    (``v_t``, ``k_exp``, ``v_exp``, ``kv_factors``) uses the same columns; 16-key groups,
-    32-key exponent blocks and key tiles keep their sets of keys."""
-    k = key & 15
-    return (key - k) + (((k >> 1) & 3) << 2) + ((k >> 3) << 1) + (k & 1)
-
-
-def v_t_key(position):
-    """Inverse of ``v_t_position``: the document-local key stored at column ``position``."""
-    i = position & 15
-    return (position - i) + ((i >> 2) << 1) + (((i >> 1) & 1) << 3) + (i & 1)
-
-
-def v_t_length(total_tokens: int, num_docs: int) -> int:
-    """Columns of the K-major V layout: every document padded to ``V_T_ALIGN``."""
-    return max(-(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN, V_T_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -92,9 +65,11 @@ def token_block_table(cu_seqlens: torch.Tensor, total_tokens: int, block: int = 
 
 @dataclass(frozen=True)
 class WorkList:
-    """(document, query tile) items sorted by work, longest first; heads are expanded by
-    the kernel (item ``i`` covers programs ``i*H .. i*H+H-1``). ``count`` ([1] int32) is
-    the number of valid items; slots after it are padding."""
+    """(document, tile) items sorted by work, longest first; heads are expanded by the
+    kernel (item ``i`` covers programs ``i*H .. i*H+H-1``). ``count`` ([1] int32) is the
+    number of valid items; slots after it are padding. Forward lists hold query tiles of
+    ``block_m`` rows (``by_keys=False``); backward lists key tiles of ``block_n`` keys that
+    step over queries ``block_m`` at a time (``by_keys=True``)."""
 
     doc: torch.Tensor
     tile: torch.Tensor
@@ -102,6 +77,7 @@ class WorkList:
     block_m: int
     block_n: int
     causal: bool
+    by_keys: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -127,3 +103,21 @@ def build_work_list(
         block_n,
         causal,
     )
+
+
+def build_key_work_list(
+    cu_seqlens: torch.Tensor, total_tokens: int, *, block_n: int, block_m: int, causal: bool
+) -> WorkList:
+    """Work list of key tiles (the backward's items), sorted by the number of query steps
+    each one takes (causal: the queries from the tile's first key to the document's end)."""
+    doc, tile, valid = _tiles_of_documents(cu_seqlens, total_tokens, block_n)
+    cu = cu_seqlens.long()
+    length = cu[doc + 1] - cu[doc]
+    queries = length - tile * block_n if causal else length
+    cost = torch.where(valid, (queries + block_m - 1) // block_m, -1)
+    order = torch.argsort(cost, descending=True, stable=True)
+    count = valid.sum().to(torch.int32).reshape(1)
+    return WorkList(
+        doc[order].to(torch.int32), tile[order].to(torch.int32), count, block_m, block_n, causal,
+        by_keys=True,
+    )  # fmt: skip

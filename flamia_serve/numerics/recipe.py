@@ -16,7 +16,9 @@ class Recipe:
       ``"nvfp4"``: QKᵀ from NVFP4 Q/K (per-16 E4M3 scales + per-token power of two).
     * ``hadamard`` — rotate Q and K by the same orthonormal Hadamard matrix before NVFP4.
     * ``token_block`` — tokens sharing a Q/K/dO exponent (N2).
-    * ``ds_block`` — (query, key) block of one dS exponent (N6).
+    * ``ds_block`` — (query, key) block of one dS exponent in dK = dSᵀ·Q̂ (N6, the paper's
+      32×32); ``dq_ds_block`` — the same for dQ = dS·K̂, whose contraction runs over keys:
+      on Hopper one exponent must span the backward kernel's whole key tile (64 keys).
 
     V is always E4M3 per key (N3); P and dS are E4M3; dO is E4M3 with token-block scales.
     """
@@ -26,6 +28,7 @@ class Recipe:
     hadamard: bool = False
     token_block: int = 32
     ds_block: tuple[int, int] = (32, 32)
+    dq_ds_block: tuple[int, int] = (32, 64)
 
 
 RECIPES: dict[str, Recipe] = {

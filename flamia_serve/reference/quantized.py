@@ -17,12 +17,24 @@ when causal), with ``c = softmax_scale * log2(e)``:
   returned zeros; kept for later);
   row statistics: ``M`` and ``lse = M + log2(l)`` = log2 Σ_j 2^x_ij, float32 ``[T, Hq]``.
 
-Backward (N5, N6): dO is quantized with token-block exponents (``dÔ``);
-``D_i = rowsum(dÔ_i ∘ O_i)``; P̂ is rebuilt from the stored codes exactly as above;
-``dV = P̂ᵀ·dÔ`` with P̂ carrying its ``2^(−eV_j)/l_i`` factors; ``dP = dÔ·Vᵀ``;
-``dS = P ∘ (dP − D)`` with the unquantized ``P = 2^(x − lse)`` (straight-through);
-dS is E4M3 with one exponent per ``recipe.ds_block`` (document-local);
-``dQ = scale·dŜ·K̂``, ``dK = scale·dŜᵀ·Q̂`` with the E4M3 Q/K (also in the mixed recipe).
+Backward (N5, N6; ``attention_backward``, twin of the backward kernels):
+
+* dO: ``dÔ`` E4M3 with token-block exponents; ``D_i = rowsum(dÔ_i ∘ O_i)`` (the same dÔ
+  that dP uses); ``Ĝ`` = E4M3 of ``G_i = f_i dO_i`` with token-block exponents, where
+  ``f_i = 2^(M_i − 8 − lse_i) = 1 / (2^8 l_i)`` is the forward's normaliser (``quantize_do``).
+* P̂ is rebuilt from the stored codes exactly as above; ``dV_j = 2^(−eV_j) Σ_i P̂_ij Ĝ_i``
+  (P̂·V̂ of the forward, transposed; folding ``f`` into G keeps every scale of this product
+  constant along its contraction over 32-query blocks);
+* ``dP = dÔ·V̂ᵀ``; ``dS = P ∘ (dP − D)`` with the unquantized ``P_ij = p8_ij 2^(−eV_j) f_i``,
+  ``p8 = 2^(y − M + 8)`` the value P̂ rounds (equal to ``2^(x − lse)``; straight-through);
+* ``dK = scale · Σ_i Ŝᴷ_ij Q̂_i`` with ``Ŝᴷ`` = dS ∘ 2^(eQ_i) quantized to E4M3 with one
+  exponent per ``recipe.ds_block`` (32 queries × 32 keys, document-local): the paper's dS
+  blocks (bit-identical to quantizing dS and scaling by Q's token-block exponent);
+* ``dQ = scale · Σ_j Ŝᵠ_ij K̂_j`` with ``Ŝᵠ`` = dS ∘ 2^(eK_j) quantized with one exponent per
+  ``recipe.dq_ds_block`` (32 queries × 64 keys): on Hopper an MMA needs its scale constant
+  along the contraction (keys), so one exponent spans a whole 64-key tile (DESIGN N6).
+  With per-token Q/K exponents (``exact_causal``) the folds are what make both products
+  MMA-shaped; Q̂/K̂ here are always the E4M3 codes (also in the mixed recipe).
 """
 
 from __future__ import annotations
@@ -34,9 +46,7 @@ import torch
 
 from flamia_serve.numerics import (
     P_HAT_EXP,
-    FP8Tensor,
     Granularity,
-    NVFP4Tensor,
     Recipe,
     document_slices,
     exp2i,
@@ -47,26 +57,9 @@ from flamia_serve.numerics import (
     resolve_recipe,
 )
 from flamia_serve.numerics.checks import check_softmax_scale, check_varlen_inputs
+from flamia_serve.numerics.operands import QuantizedDO, QuantizedQKV
 
 LOG2E = math.log2(math.e)
-
-
-@dataclass(frozen=True)
-class QuantizedQKV:
-    """All quantized operands of one call (what the fused quantization kernel writes).
-
-    ``q8``/``k8``: E4M3 Q/K (token-block, or per-token with ``exact_causal``) — QKᵀ in the
-    MXFP8 recipe and dQ/dK products in both; ``q4``/``k4``: NVFP4 Q/K (mixed recipe, after
-    the optional Hadamard rotation); ``v8``: E4M3 V per key.
-    """
-
-    q8: FP8Tensor
-    k8: FP8Tensor
-    v8: FP8Tensor
-    q4: NVFP4Tensor | None = None
-    k4: NVFP4Tensor | None = None
-    #: exact factor restoring the scores after an unnormalized Hadamard rotation (1/d)
-    qk_rescale: float = 1.0
 
 
 def quantize_qkv(
@@ -183,6 +176,52 @@ def attention_forward(
     return out.to(out_dtype), m_all, lse_all
 
 
+def quantize_do(
+    d_out: torch.Tensor,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    recipe: Recipe,
+    *,
+    row_factor: torch.Tensor | None = None,
+) -> QuantizedDO:
+    """dÔ, Ĝ and D of the backward (twin of the fused dO kernel, module docstring).
+
+    ``row_factor`` ``[T, Hq]`` float32 replaces ``f = 2^(M − 8 − lse)`` (tests pass the
+    kernel's, whose ``exp2`` may differ in the last bit, to compare the codes bit for bit).
+    """
+    do8 = quantize_fp8(d_out, cu_seqlens, Granularity.TOKEN_BLOCK, recipe.token_block)
+    delta = (do8.dequantize() * out.float()).sum(-1)
+    f = torch.exp2(m_rows - P_HAT_EXP - lse_rows) if row_factor is None else row_factor
+    g8 = quantize_fp8(d_out.float() * f[..., None], cu_seqlens, Granularity.TOKEN_BLOCK,
+                      recipe.token_block)  # fmt: skip
+    return QuantizedDO(do8, g8, delta)
+
+
+def _fold_quantize(ds: torch.Tensor, factor: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``E4M3(ds ∘ factor)`` with one exponent per ``block``, dequantized (float32)."""
+    return quantize_blocks_2d(ds * factor, block).dequantize()
+
+
+def backward_probs(
+    qkv: QuantizedQKV,
+    cu_seqlens: torch.Tensor,
+    m_rows: torch.Tensor,
+    *,
+    heads_q: int,
+    causal: bool,
+    softmax_scale: float,
+) -> list[torch.Tensor]:
+    """P̂ per document as the backward rebuilds it: float32 ``[Hq, L, L]`` each (debug)."""
+    operands = _qk_operands(qkv)
+    group = heads_q // qkv.v8.codes.shape[1]
+    return [
+        _doc_probs(qkv, operands, sl, group, causal, softmax_scale).p_hat
+        for sl in document_slices(cu_seqlens)
+    ]
+
+
 def attention_backward(
     d_out: torch.Tensor,
     out: torch.Tensor,
@@ -194,32 +233,40 @@ def attention_backward(
     *,
     causal: bool,
     softmax_scale: float,
+    qdo: QuantizedDO | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 ``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv, d])`` (see module docstring)."""
+    """float32 ``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv, d])`` (module docstring).
+
+    ``qdo`` reuses quantized dO operands (default: ``quantize_do`` here).
+    """
     operands = _qk_operands(qkv)
     total, heads_q, d = d_out.shape
     heads_kv = qkv.v8.codes.shape[1]
     group = heads_q // heads_kv
-    do8 = quantize_fp8(d_out, cu_seqlens, Granularity.TOKEN_BLOCK, recipe.token_block)
-    do_q = do8.dequantize()
-    delta = (do_q * out.float()).sum(-1)  # [T, Hq]
-    q_deq, k_deq, v_deq = qkv.q8.dequantize(), qkv.k8.dequantize(), qkv.v8.dequantize()
+    if qdo is None:
+        qdo = quantize_do(d_out, out, m_rows, lse_rows, cu_seqlens, recipe)
+    do_q, g_q = qdo.do8.dequantize(), qdo.g8.dequantize()
+    q_codes, k_codes = qkv.q8.codes.float(), qkv.k8.codes.float()
+    v_deq = qkv.v8.dequantize()
     dq = torch.zeros(total, heads_q, d, dtype=torch.float32, device=d_out.device)
     dk_q = torch.zeros_like(dq)
     dv_q = torch.zeros_like(dq)
     for sl in document_slices(cu_seqlens):
         probs = _doc_probs(qkv, operands, sl, group, causal, softmax_scale)
-        m_doc, lse_doc = m_rows[sl].t(), lse_rows[sl].t()  # [Hq, L]
-        inv_l = torch.exp2(m_doc - P_HAT_EXP - lse_doc)  # 1 / (2^8 l_i): P̂ carries 2^8
-        # forward's probabilities as multiplied with V: P̂ 2^(−eV_j) / l_i
-        p_used = probs.p_hat * exp2i(-probs.ev.int())[:, None, :] * inv_l[..., None]
-        dv_q[sl] = torch.einsum("hij,ihd->jhd", p_used, do_q[sl])
+        f = torch.exp2(m_rows[sl].t() - P_HAT_EXP - lse_rows[sl].t())  # [Hq, L]
+        v_inv = exp2i(-probs.ev.int())[:, None, :]  # [Hq, 1, L]
+        dv_q[sl] = torch.einsum("hij,ihd->jhd", probs.p_hat, g_q[sl]) * v_inv.permute(2, 0, 1)
         dp = torch.einsum("ihd,jhd->hij", do_q[sl], _per_q_head(v_deq[sl], group))
-        p = torch.exp2(probs.x - lse_doc[..., None])
-        ds = p * (dp - delta[sl].t()[..., None])
-        ds_q = quantize_blocks_2d(ds, recipe.ds_block).dequantize()
-        dq[sl] = softmax_scale * torch.einsum("hij,jhd->ihd", ds_q, _per_q_head(k_deq[sl], group))
-        dk_q[sl] = softmax_scale * torch.einsum("hij,ihd->jhd", ds_q, q_deq[sl])
+        p = probs.p_prime * 2.0**P_HAT_EXP * v_inv * f[..., None]
+        ds = p * (dp - qdo.delta[sl].t()[..., None])
+        eq = exp2i(qkv.q8.exponents[sl].int()).t()[..., None]  # [Hq, L, 1]
+        ek = exp2i(_per_q_head(qkv.k8.exponents[sl], group).int()).t()[:, None, :]  # [Hq, 1, L]
+        ds_k = _fold_quantize(ds, eq, recipe.ds_block)
+        ds_q = _fold_quantize(ds, ek, recipe.dq_ds_block)
+        dq[sl] = softmax_scale * torch.einsum(
+            "hij,jhd->ihd", ds_q, _per_q_head(k_codes[sl], group)
+        )
+        dk_q[sl] = softmax_scale * torch.einsum("hij,ihd->jhd", ds_k, q_codes[sl])
     dk = dk_q.view(total, heads_kv, group, d).sum(2)
     dv = dv_q.view(total, heads_kv, group, d).sum(2)
     return dq, dk, dv

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import inspect
 import sys
+from pathlib import Path
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
 from flamia_serve.kernels.paged.ops import PagedLayout
 from flamia_serve.kernels.paged.triton import (
@@ -22,7 +24,7 @@ from flamia_serve.kernels.paged.triton import (
     paged_attention_kernel,
     write_kv_cache_kernel,
 )
-from flamia_serve.kernels.quant.triton import quantize_qkv_kernel
+from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -38,11 +40,28 @@ def _compile(
         sig[name] = ptrs.get(name) or ("constexpr" if name in consts else "i32")
         if name in ptrs or name == "t_pad":
             attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in ("qk_scale",):
+    for name in ("qk_scale", "softmax_scale"):
         if name in sig:
             sig[name] = "fp32"
     source = ASTSource(kernel, sig, consts, attrs)
     return triton.compile(source, target=TARGET, options={"num_warps": warps})
+
+
+def resource_usage(kernel: triton.compiler.CompiledKernel) -> str:
+    """``REG``/``STACK``/``SHARED`` of a compiled kernel (``cuobjdump``; '' without it)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    bundled = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    tool = shutil.which("cuobjdump") or (str(bundled) if bundled.exists() else None)
+    if tool is None:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    return " ".join(w for w in out.split() if w.startswith(("REG:", "STACK:", "SHARED:")))
 
 
 def quant_variants() -> None:
@@ -50,14 +69,16 @@ def quant_variants() -> None:
         "q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "block_start_ptr": I32,
         "block_len_ptr": I32, "block_v_t_ptr": I32, "q8_ptr": FP8, "q_exp_ptr": I16,
         "k8_ptr": FP8, "k_exp_ptr": I16,
-        "vt_ptr": FP8, "v_exp_ptr": I16, "kv_factor_ptr": F32, "q4_ptr": U8,
+        "vt_ptr": FP8, "v_exp_ptr": I16, "kv_factor_ptr": F32, "qt_ptr": FP8, "kt_ptr": FP8,
+        "q4_ptr": U8,
         "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
         "k4_exp_ptr": I8,
     }  # fmt: skip
     for d in (64, 128, 256):
         for exact, nvfp4, had in ((False, False, False), (True, True, False), (False, True, True)):
             consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
-                          HADAMARD=had, LOG2_D=d.bit_length() - 1, INTERPRET=False)  # fmt: skip
+                          HADAMARD=had, LOG2_D=d.bit_length() - 1, WRITE_T=not exact,
+                          INTERPRET=False)  # fmt: skip
             _compile(quantize_qkv_kernel, ptrs, consts, 4)
             print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had}: ok")
 
@@ -69,7 +90,7 @@ def fwd_variants() -> None:
         "k4_exp_ptr": I8, "vt_ptr": FP8, "doc_v_t_ptr": I32, "v_exp_ptr": I16, "cu_ptr": I32,
         "item_doc_ptr": I32,
         "item_tile_ptr": I32, "count_ptr": I32, "ticket_ptr": I32, "out_ptr": BF16,
-        "m_ptr": F32, "lse_ptr": F32,
+        "m_ptr": F32, "lse_ptr": F32, "dbg_p_ptr": F32, "dbg_m_ptr": F32,
     }  # fmt: skip
     for d, bm, bn, warps in ((64, 64, 64, 4), (128, 64, 64, 4), (256, 64, 64, 8)):
         for causal, nvfp4, two_pass, persistent in (
@@ -79,9 +100,40 @@ def fwd_variants() -> None:
         ):
             consts = dict(HQ=32, HKV=8, D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
                           QK_NVFP4=nvfp4, TWO_PASS=two_pass, INTERPRET=False,
-                          PERSISTENT=persistent, KE_BLOCK=1 if causal else 32)  # fmt: skip
+                          PERSISTENT=persistent, KE_BLOCK=1 if causal else 32,
+                          DEBUG_P=False)  # fmt: skip
             _compile(attn_fwd_kernel, ptrs, consts, warps)
             print(f"attn_fwd d={d} causal={causal} nvfp4={nvfp4} two_pass={two_pass}: ok")
+
+
+def do_quant_variants() -> None:
+    ptrs = {
+        "do_ptr": BF16, "o_ptr": BF16, "m_ptr": F32, "lse_ptr": F32, "block_start_ptr": I32,
+        "block_len_ptr": I32, "block_v_t_ptr": I32, "do8_ptr": FP8, "do_exp_ptr": I16,
+        "gt_ptr": FP8, "g_exp_ptr": I16, "delta_ptr": F32, "f_ptr": F32,
+    }  # fmt: skip
+    for d in (64, 128, 256):
+        _compile(quantize_do_kernel, ptrs, dict(HQ=32, D=d, BLOCK=32, INTERPRET=False), 4)
+        print(f"quant_do d={d}: ok")
+
+
+def bwd_variants(verbose: bool = False) -> None:
+    ptrs = {
+        "q8_ptr": FP8, "q_exp_ptr": I16, "qt_ptr": FP8, "k8_ptr": FP8, "k_exp_ptr": I16,
+        "kt_ptr": FP8, "q4_ptr": U8, "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8,
+        "k4_scale_ptr": FP8, "k4_exp_ptr": I8, "vt_ptr": FP8, "v_exp_ptr": I16,
+        "doc_v_t_ptr": I32, "do8_ptr": FP8, "do_exp_ptr": I16, "gt_ptr": FP8, "g_exp_ptr": I16,
+        "delta_ptr": F32, "m_ptr": F32, "lse_ptr": F32, "cu_ptr": I32, "item_doc_ptr": I32,
+        "item_tile_ptr": I32, "count_ptr": I32, "dq_ptr": F32, "dk_ptr": BF16, "dv_ptr": BF16,
+        "dbg_ptr": F32,
+    }  # fmt: skip
+    for d, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        for causal, nvfp4 in ((True, False), (False, False), (True, True)):
+            consts = dict(HQ=32, HKV=8, D=d, BLOCK_M=32, BLOCK_N=64, DK_KEYS=32, CAUSAL=causal,
+                          QK_NVFP4=nvfp4, DEBUG_P=False, INTERPRET=False)  # fmt: skip
+            k = _compile(attn_bwd_kernel, ptrs, consts, warps)
+            extra = f" {resource_usage(k)}" if verbose else ""
+            print(f"attn_bwd d={d} warps={warps} causal={causal} nvfp4={nvfp4}: ok{extra}")
 
 
 _PTR = {torch.uint8: U8, torch.bfloat16: BF16, torch.int32: I32}
@@ -121,6 +173,8 @@ def paged_variants() -> None:
 
 if __name__ == "__main__":
     quant_variants()
+    do_quant_variants()
     fwd_variants()
+    bwd_variants(verbose="-v" in sys.argv)
     paged_variants()
     sys.exit(0)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from flamia_serve.kernels.quant.ops import quantize_qkv
-from flamia_serve.kernels.schedule import token_block_table, v_t_key, v_t_position
+from flamia_serve.kernels.schedule import token_block_table
 from flamia_serve.numerics import EXP_MIN, exp2i, resolve_recipe, token_block_ids
+from flamia_serve.numerics.operands import v_t_key, v_t_position
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import quantize_qkv as reference_quantize_qkv
 

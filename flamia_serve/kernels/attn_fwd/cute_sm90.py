@@ -16,7 +16,7 @@ each) take turns on the tensor cores (named-barrier ping-pong), so one's softmax
 under another's MMAs; ``overlap=True`` also issues the next tile's ``Q̂·K̂ᵀ`` before the
 current ``P̂·V̂`` (more registers: measured slower, see ``benchmarks/NOTES.md``). P̂ stays
 in registers (RS ``wgmma``): ``v_t`` stores keys permuted inside 16-key groups
-(``schedule.v_t_position``), which makes the E4M3 accumulator fragment of ``Q̂·K̂ᵀ`` the A
+(``operands.v_t_position``), which makes the E4M3 accumulator fragment of ``Q̂·K̂ᵀ`` the A
 fragment of ``P̂·V̂`` as it is; the exponent factors use the same columns, so a thread's
 four factors of a 16-key group are adjacent in shared memory.
 
@@ -43,9 +43,9 @@ from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 from quack import copy_utils, layout_utils, sm90_utils
 
-from flamia_serve.kernels.quant.ops import KernelQKV
 from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.numerics import P_HAT_EXP
+from flamia_serve.numerics.operands import KernelQKV
 
 FP8 = cutlass.Float8E4M3FN
 # named barriers (0 is __syncthreads): the tensor-core turns of consumer warpgroups 0..2

@@ -12,8 +12,8 @@ import torch
 
 from flamia_serve.kernels._common import interpreted
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
-from flamia_serve.kernels.quant.ops import KernelQKV
 from flamia_serve.kernels.schedule import WorkList, build_work_list
+from flamia_serve.numerics.operands import KernelQKV
 
 LOG2E = math.log2(math.e)
 
@@ -49,11 +49,32 @@ class FwdConfig:
     kernel: str = "triton"  # "triton" | "cute"
     overlap: bool = True  # cute: overlap Q̂·K̂ᵀ of one key tile with P̂·V̂ of the previous
 
+    def to_ints(self) -> list[int]:
+        """The config as ints (what the custom op carries)."""
+        return [
+            self.block_m, self.block_n, self.num_warps, self.num_stages, int(self.persistent),
+            int(self.two_pass), self.maxnreg or 0, self.programs_per_sm,
+            int(self.kernel == "cute"), int(self.overlap),
+        ]  # fmt: skip
+
+    @classmethod
+    def from_ints(cls, xs: list[int]) -> FwdConfig:
+        bm, bn, warps, stages, persistent, two_pass, maxnreg, per_sm, cute, overlap = xs
+        return cls(
+            bm, bn, warps, stages, bool(persistent), bool(two_pass), maxnreg or None, per_sm,
+            "cute" if cute else "triton", bool(overlap),
+        )  # fmt: skip
+
 
 #: the CuTe forward's default on sm_90 (``benchmarks/tune_fwd.py --kernel cute``)
 CUTE_CONFIG = FwdConfig(
     128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
 )
+
+
+@torch.compiler.assume_constant_result
+def _cute_available(device: torch.device) -> bool:
+    return cute_available(device)
 
 
 @functools.cache
@@ -90,7 +111,7 @@ def default_config(
     if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
         return FwdConfig(128, 64, num_warps=8, num_stages=3, maxnreg=None)
     prefer_triton = os.environ.get("FLAMIA_FWD_KERNEL", "") == "triton"
-    if kernel is None and not prefer_triton and head_dim in (64, 128) and cute_available(device):
+    if kernel is None and not prefer_triton and head_dim in (64, 128) and _cute_available(device):
         return CUTE_CONFIG
     return FwdConfig()
 
@@ -111,11 +132,14 @@ def attn_fwd(
     out_dtype: torch.dtype = torch.bfloat16,
     config: FwdConfig | None = None,
     work: WorkList | None = None,
+    debug_p: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward from quantized operands: ``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``.
 
     Same contract as ``flamia_serve.reference.attention_forward`` (M integer row reference,
     lse base 2). ``work`` comes from a ``VarlenPlan``; without one it is built here.
+    ``debug_p`` (Triton kernel, small calls): two float32 ``[Hq, T, T]`` buffers that receive
+    every P̂ as quantized and the row reference it was quantized against.
     """
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
@@ -170,17 +194,20 @@ def attn_fwd(
         q4_args = k4_args = (qkv.q_codes.view(torch.uint8), qkv.q_codes, qkv.q_exp)
     # K exponents shared by aligned key blocks are read once per block (scalar loads)
     ke_block = qkv.k_exp_block if not nvfp4 and cfg.block_n % qkv.k_exp_block == 0 else 1
+    if debug_p is not None and cfg.kernel != "triton":
+        raise ValueError("debug_p needs the Triton forward (config.kernel='triton')")
+    dbg_p, dbg_m = debug_p if debug_p is not None else (m_rows, m_rows)
     ticket = torch.zeros(1, dtype=torch.int32, device=dev)
     grid = (_persistent_programs(dev, cfg) if cfg.persistent else work.num_slots * heads_q,)
     attn_fwd_kernel[grid](
         qkv.q_codes, qkv.q_exp, qkv.k_codes, qkv.k_exp,
         *q4_args, *k4_args, qkv.v_t, qkv.doc_v_t_start, qkv.v_exp,
         cu_seqlens, work.doc, work.tile, work.count, ticket,
-        out, m_rows, lse_rows,
+        out, m_rows, lse_rows, dbg_p, dbg_m,
         scale_log2, qkv.v_t.shape[-1], total,
         HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=cfg.two_pass, INTERPRET=interpreted(),
-        PERSISTENT=cfg.persistent, KE_BLOCK=ke_block,
+        PERSISTENT=cfg.persistent, KE_BLOCK=ke_block, DEBUG_P=debug_p is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip

@@ -16,58 +16,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import e2m1_decode, exp2i, to_e4m3, v_t_key
+from flamia_serve.kernels._common import exp2i, to_e4m3, v_t_key
+from flamia_serve.kernels.attn_tiles import load_qk_tile
 from flamia_serve.numerics import P_HAT_EXP as _P_HAT_EXP
 
 P_HAT_EXP = tl.constexpr(_P_HAT_EXP)  # P̂ holds E4M3(P' * 2^8)
 # a key tile's columns are v_t's (keys permuted inside 16-key groups): column c of a tile
 # at key0 holds key key0 + v_t_key(c); K rows are loaded in that order too
-
-
-@triton.jit
-def _load_nvfp4_tile(
-    codes_ptr, scale_ptr, row0, offs, row_ok, H: tl.constexpr, h, D: tl.constexpr,
-    ROWS: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """Dequantize the NVFP4 ``[ROWS, D]`` tile of tokens ``row0 + offs`` to BF16 (exact: <= 6
-    significant bits), without its per-token power of two (float32 under the interpreter,
-    whose BF16 dot is broken)."""
-    half = tl.arange(0, D // 2)
-    groups = tl.arange(0, D // 16)
-    first = row0.to(tl.int64) * H + h
-    codes = codes_ptr + first * (D // 2) + offs[:, None] * (H * D // 2) + half[None, :]
-    packed = tl.load(codes, mask=row_ok[:, None], other=0)
-    vals = tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))
-    vals = tl.reshape(vals, (ROWS, D // 16, 16))
-    scales = scale_ptr.to(tl.pointer_type(tl.uint8)) + first * (D // 16)
-    scales += offs[:, None] * (H * D // 16) + groups[None, :]
-    scale = tl.load(scales, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-    vals = vals * scale.to(tl.float32)[:, :, None]
-    vals = tl.reshape(vals, (ROWS, D))
-    if INTERPRET:
-        return vals
-    return vals.to(tl.bfloat16)
-
-
-@triton.jit
-def _load_qk_tile(
-    x8_ptr, x4_ptr, x4_scale_ptr, row0, offs, row_ok, H: tl.constexpr, h, D: tl.constexpr,
-    ROWS: tl.constexpr, QK_NVFP4: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """Score operand tile of tokens ``row0 + offs`` (``offs`` int32 ``[ROWS]``, small): E4M3
-    codes, or NVFP4 dequantized to BF16 (without its exponents). One 64-bit base per tile
-    and 32-bit offsets keep the address registers few."""
-    if QK_NVFP4:
-        tile = _load_nvfp4_tile(
-            x4_ptr, x4_scale_ptr, row0, offs, row_ok, H, h, D, ROWS, INTERPRET
-        )
-    else:
-        cols = tl.arange(0, D)
-        base = x8_ptr + (row0.to(tl.int64) * H + h) * D
-        tile = tl.load(
-            base + offs[:, None] * (H * D) + cols[None, :], mask=row_ok[:, None], other=0.0
-        )
-    return tile
 
 
 @triton.jit
@@ -114,7 +69,7 @@ def _scores(
     offs_n = key0 + keys
     key_ok = offs_n < key_end
     # full tiles load unmasked (every key is inside the document)
-    k = _load_qk_tile(
+    k = load_qk_tile(
         k8_ptr, k4_ptr, k4_scale_ptr, doc_start + key0, keys, key_ok | (not MASK), HKV, hk, D,
         BLOCK_N, QK_NVFP4, INTERPRET,
     )  # fmt: skip
@@ -149,11 +104,27 @@ def _row_max_pass(
 
 
 @triton.jit
+def _store_debug_p(
+    dbg_p_ptr, dbg_m_ptr, p_hat, m_i, h, doc_start, offs_m, length, key0, key_end, n_tok,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Debug hook: P̂ of one tile (float32) and the integer row reference it was quantized
+    against, at ``[h, query, key]`` of dense ``[H, T, T]`` buffers (small calls only)."""
+    offs_n = key0 + v_t_key(tl.arange(0, BLOCK_N))
+    ok = (offs_m[:, None] < length) & (offs_n[None, :] < key_end)
+    rows = (h * n_tok + doc_start + offs_m).to(tl.int64)
+    at = rows[:, None] * n_tok + doc_start + offs_n[None, :]
+    tl.store(dbg_p_ptr + at, p_hat.to(tl.float32), mask=ok)
+    tl.store(dbg_m_ptr + at, m_i[:, None] + tl.zeros_like(p_hat.to(tl.float32)), mask=ok)
+
+
+@triton.jit
 def _accumulate(
     acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
     v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, lo, hi, key_end, offs_m, HKV: tl.constexpr, hk,
     D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr, KE_BLOCK: tl.constexpr,
     CAUSAL: tl.constexpr, MASK: tl.constexpr, TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+    dbg_p_ptr, dbg_m_ptr, h, length, DEBUG_P: tl.constexpr,
 ):  # fmt: skip
     cols = tl.arange(0, D)
     for key0 in range(lo, hi, BLOCK_N):
@@ -175,6 +146,11 @@ def _accumulate(
         p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
         l_i += tl.sum(p * v_inv[None, :], axis=1)
         p_hat = to_e4m3(p, INTERPRET)
+        if DEBUG_P:  # P̂ and the row reference it was rounded against, dense [H, T, T]
+            _store_debug_p(
+                dbg_p_ptr, dbg_m_ptr, p_hat, m_i, h, doc_start, offs_m, length, key0, key_end,
+                n_tok, BLOCK_N,
+            )  # fmt: skip
         columns = key0 + tl.arange(0, BLOCK_N)
         vt_ptrs = (
             vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + v_t_start + columns[None, :]
@@ -195,10 +171,11 @@ def _accumulate(
 def _attn_item(
     work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
     k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr, item_doc_ptr,
-    item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tok,
+    item_tile_ptr, out_ptr, m_ptr, lse_ptr, dbg_p_ptr, dbg_m_ptr, qk_scale, t_pad, n_tok,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, QK_NVFP4: tl.constexpr,
     TWO_PASS: tl.constexpr, INTERPRET: tl.constexpr, KE_BLOCK: tl.constexpr,
+    DEBUG_P: tl.constexpr,
 ):  # fmt: skip
     """One (document, query tile, head) work item."""
     pair = work // HQ
@@ -212,7 +189,7 @@ def _attn_item(
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < length
     rows = doc_start + offs_m
-    q = _load_qk_tile(
+    q = load_qk_tile(
         q8_ptr, q4_ptr, q4_scale_ptr, doc_start + tile * BLOCK_M, tl.arange(0, BLOCK_M), row_ok,
         HQ, h, D, BLOCK_M, QK_NVFP4, INTERPRET,
     )  # fmt: skip
@@ -246,13 +223,15 @@ def _attn_item(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
         v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, 0, full_end, key_end, offs_m, HKV, hk, D,
         BLOCK_N,
-        QK_NVFP4, KE_BLOCK, CAUSAL, False, TWO_PASS, INTERPRET,
+        QK_NVFP4, KE_BLOCK, CAUSAL, False, TWO_PASS, INTERPRET, dbg_p_ptr, dbg_m_ptr, h, length,
+        DEBUG_P,
     )  # fmt: skip
     acc, l_i, m_i = _accumulate(
         acc, l_i, m_i, q, qfac, k8_ptr, k_exp_ptr, k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr,
         v_exp_ptr, n_tok, t_pad, v_t_start, doc_start, full_end, key_end, key_end, offs_m, HKV,
         hk, D,
-        BLOCK_N, QK_NVFP4, KE_BLOCK, CAUSAL, True, TWO_PASS, INTERPRET,
+        BLOCK_N, QK_NVFP4, KE_BLOCK, CAUSAL, True, TWO_PASS, INTERPRET, dbg_p_ptr, dbg_m_ptr, h,
+        length, DEBUG_P,
     )  # fmt: skip
     out = acc / l_i[:, None]
     flat = rows.to(tl.int64) * HQ + h
@@ -289,6 +268,8 @@ def attn_fwd_kernel(
     out_ptr,  # [T, HQ, D] bf16/fp16
     m_ptr,  # [T, HQ] f32 integer row reference
     lse_ptr,  # [T, HQ] f32 base-2 log-sum-exp
+    dbg_p_ptr,  # [HQ, T, T] f32 (DEBUG_P only): P̂ as quantized
+    dbg_m_ptr,  # [HQ, T, T] f32 (DEBUG_P only): the row reference it was quantized against
     qk_scale,  # softmax_scale * log2(e) (* 1/d after Hadamard)
     t_pad,
     n_tokens,
@@ -303,6 +284,7 @@ def attn_fwd_kernel(
     INTERPRET: tl.constexpr,
     PERSISTENT: tl.constexpr,
     KE_BLOCK: tl.constexpr,
+    DEBUG_P: tl.constexpr,
 ):
     """Work items ``w = item * HQ + head``; persistent programs take them by atomic ticket."""
     n_work = tl.load(count_ptr) * HQ
@@ -314,8 +296,9 @@ def attn_fwd_kernel(
         _attn_item(
             work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr,
-            item_doc_ptr, item_tile_ptr, out_ptr, m_ptr, lse_ptr, qk_scale, t_pad, n_tokens,
-            HQ, HKV, D, BLOCK_M, BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET, KE_BLOCK,
+            item_doc_ptr, item_tile_ptr, out_ptr, m_ptr, lse_ptr, dbg_p_ptr, dbg_m_ptr, qk_scale,
+            t_pad, n_tokens, HQ, HKV, D, BLOCK_M, BLOCK_N, CAUSAL, QK_NVFP4, TWO_PASS, INTERPRET,
+            KE_BLOCK, DEBUG_P,
         )  # fmt: skip
         if PERSISTENT:
             work = tl.atomic_add(ticket_ptr, 1)

@@ -1,6 +1,7 @@
-"""Fused Q/K/V quantization kernel: one launch writes every code, scale and layout.
+"""Fused quantization kernels: one launch writes every code, scale and layout of Q/K/V
+(forward), one those of dO (backward).
 
-Twin: ``flamia_serve.reference.quantize_qkv`` (itself built on ``numerics.scales``).
+Twins: ``flamia_serve.reference.quantize_qkv`` / ``quantize_do`` (built on ``numerics.scales``).
 """
 
 from __future__ import annotations
@@ -16,20 +17,24 @@ from flamia_serve.kernels._common import (
     to_e4m3,
     v_t_key,
 )
-from flamia_serve.kernels.schedule import V_T_ALIGN as _V_T_ALIGN
+from flamia_serve.numerics.formats import P_HAT_EXP as _P_HAT_EXP
+from flamia_serve.numerics.operands import V_T_ALIGN as _V_T_ALIGN
 
 V_T_ALIGN = tl.constexpr(_V_T_ALIGN)
+P_HAT_EXP = tl.constexpr(_P_HAT_EXP)
 
 
 @triton.jit
 def _quantize_qk_head(
     x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, exp_at, out4, out4_scale, out4_exp,
+    out_t, col, pad_ok, t_pad,
     n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr,
     QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    WRITE_T: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``),
-    and NVFP4 when asked; returns the exponents (int32)."""
+    the same codes in the column layout (``WRITE_T``: ``out_t`` ``[N_HEADS, D, t_pad]``,
+    padding columns zero), and NVFP4 when asked; returns the exponents (int32)."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -37,6 +42,9 @@ def _quantize_qk_head(
     row_off = tok * N_HEADS + h
     tl.store(out8 + row_off[:, None] * D + cols[None, :], codes, mask=row_ok[:, None])
     tl.store(out_exp + exp_at, e.to(out_exp.dtype.element_ty), mask=row_ok)
+    if WRITE_T:
+        t_ptrs = out_t + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
+        tl.store(t_ptrs, tl.trans(codes), mask=pad_ok[None, :])
     if QK_NVFP4:
         if HADAMARD:
             x = hadamard_rows(x, BLOCK, D, LOG2_D)
@@ -64,6 +72,15 @@ def _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows):
 
 
 @triton.jit
+def _padded_rows(block_len_ptr, slot, rows):
+    """Rows of block ``slot`` to store in a column layout: its tokens and the document's
+    padding up to the next 16-aligned column, which get zero codes (the values load as 0
+    there), so whole tiles read past a document's end stay finite."""
+    n_rows = tl.load(block_len_ptr + slot)
+    return rows < (n_rows + V_T_ALIGN - 1) // V_T_ALIGN * V_T_ALIGN
+
+
+@triton.jit
 def quantize_qkv_kernel(
     q_ptr,  # [T, HQ, D] bf16/fp16, strides (stride_qt, stride_qh, 1)
     k_ptr,  # [T, HKV, D]
@@ -78,6 +95,8 @@ def quantize_qkv_kernel(
     vt_ptr,  # [HKV, D, t_pad] e4m3: V codes, keys contiguous (K-major for P·V)
     v_exp_ptr,  # [HKV, t_pad] int16, in v_t's column layout
     kv_factor_ptr,  # [HKV, 3, t_pad] float32: 2^eK, eV, 2^-eV in v_t's column layout
+    qt_ptr,  # [HQ, D, t_pad] e4m3: Q codes in the column layout (WRITE_T)
+    kt_ptr,  # [HKV, D, t_pad] e4m3: K codes in the column layout (WRITE_T)
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4 only)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
     q4_exp_ptr,  # [HQ, T] int8
@@ -101,6 +120,7 @@ def quantize_qkv_kernel(
     QK_NVFP4: tl.constexpr,
     HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr,
+    WRITE_T: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
@@ -117,19 +137,21 @@ def quantize_qkv_kernel(
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
+        pad_ok = _padded_rows(block_len_ptr, slot, rows)
         _quantize_qk_head(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
-            q4_ptr, q4_scale_ptr, q4_exp_ptr, n_tokens,
-            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
+            q4_ptr, q4_scale_ptr, q4_exp_ptr, qt_ptr, col, pad_ok, t_pad, n_tokens,
+            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WRITE_T, INTERPRET,
         )  # fmt: skip
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
+        pad_ok = _padded_rows(block_len_ptr, slot, rows)
         e = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
-            k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
-            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
+            k4_ptr, k4_scale_ptr, k4_exp_ptr, kt_ptr, col, pad_ok, t_pad, n_tokens,
+            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WRITE_T, INTERPRET,
         )  # fmt: skip
         factor_at = kv_factor_ptr + h * 3 * t_pad + col  # (a token block's e is a scalar)
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
@@ -141,12 +163,70 @@ def quantize_qkv_kernel(
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         codes, e = fp8_rows(x, True, INTERPRET)
         vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
-        # a document's padding columns (up to its next 16-aligned start) get zero codes
-        # (``x`` loads as 0 there), so whole key tiles read past a document stay finite
-        n_rows = tl.load(block_len_ptr + slot)
-        pad_ok = rows < (n_rows + V_T_ALIGN - 1) // V_T_ALIGN * V_T_ALIGN
+        pad_ok = _padded_rows(block_len_ptr, slot, rows)
         tl.store(vt_ptrs, tl.trans(codes), mask=pad_ok[None, :])
         tl.store(v_exp_ptr + h * t_pad + col, e.to(v_exp_ptr.dtype.element_ty), mask=row_ok)
         factor_at = kv_factor_ptr + (h * 3 + 1) * t_pad + col
         tl.store(factor_at, e.to(tl.float32), mask=row_ok)
         tl.store(factor_at + t_pad, exp2i(-e), mask=row_ok)
+
+
+@triton.jit
+def quantize_do_kernel(
+    do_ptr,  # [T, HQ, D] bf16/fp16, strides (stride_dt, stride_dh, 1)
+    o_ptr,  # [T, HQ, D] bf16/fp16 (the forward's output), strides (stride_ot, stride_oh, 1)
+    m_ptr,  # [T, HQ] f32: the forward's integer row reference
+    lse_ptr,  # [T, HQ] f32: the forward's base-2 log-sum-exp
+    block_start_ptr,  # [NB] int32 (token-block table, as in quantize_qkv_kernel)
+    block_len_ptr,  # [NB] int32
+    block_v_t_ptr,  # [NB] int32
+    do8_ptr,  # [T, HQ, D] e4m3: dÔ codes
+    do_exp_ptr,  # [HQ, T] int16
+    gt_ptr,  # [HQ, D, t_pad] e4m3: Ĝ codes in the column layout
+    g_exp_ptr,  # [HQ, t_pad] int16, column layout
+    delta_ptr,  # [HQ, T] f32: rowsum(dÔ ∘ O)
+    f_ptr,  # [HQ, T] f32: f = 2^(M − 8 − lse)
+    stride_dt,
+    stride_dh,
+    stride_ot,
+    stride_oh,
+    t_pad,
+    n_tokens,
+    n_slots,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The backward's dO operands in one pass (twin: ``reference.quantize_do``): per item
+    (head, 32-token block) dÔ = E4M3 with a token-block exponent, ``D = rowsum(dÔ ∘ O)``
+    from the same dÔ, and Ĝ = E4M3 of ``f ∘ dO`` (token-block exponent) stored in the
+    column layout for the dV product. Persistent programs stride over the items."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    for item in tl.range(pid, HQ * n_slots, n_prog, num_stages=1):
+        h = item // n_slots
+        slot = item % n_slots
+        tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
+        pad_ok = _padded_rows(block_len_ptr, slot, rows)
+        mask2 = row_ok[:, None]
+        d_out = tl.load(do_ptr + tok[:, None] * stride_dt + h * stride_dh + cols[None, :],
+                        mask=mask2, other=0.0).to(tl.float32)  # fmt: skip
+        codes, e = fp8_rows(d_out, False, INTERPRET)
+        row_off = tok * HQ + h
+        tl.store(do8_ptr + row_off[:, None] * D + cols[None, :], codes, mask=mask2)
+        tl.store(do_exp_ptr + h * n_tokens + tok, e.to(do_exp_ptr.dtype.element_ty), mask=row_ok)
+        out = tl.load(o_ptr + tok[:, None] * stride_ot + h * stride_oh + cols[None, :],
+                      mask=mask2, other=0.0).to(tl.float32)  # fmt: skip
+        delta = tl.sum(codes.to(tl.float32) * exp2i(e)[:, None] * out, axis=1)
+        tl.store(delta_ptr + h * n_tokens + tok, delta, mask=row_ok)
+        m_row = tl.load(m_ptr + row_off, mask=row_ok, other=0.0)
+        lse_row = tl.load(lse_ptr + row_off, mask=row_ok, other=0.0)
+        f = tl.math.exp2(m_row - P_HAT_EXP - lse_row)
+        tl.store(f_ptr + h * n_tokens + tok, f, mask=row_ok)
+        g_codes, g_e = fp8_rows(d_out * f[:, None], False, INTERPRET)
+        gt_ptrs = gt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
+        tl.store(gt_ptrs, tl.trans(g_codes), mask=pad_ok[None, :])
+        tl.store(g_exp_ptr + h * t_pad + col, g_e.to(g_exp_ptr.dtype.element_ty), mask=row_ok)

@@ -1,0 +1,136 @@
+"""Launcher of the backward kernel (``attn_bwd_kernel``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flamia_serve.kernels._common import interpreted
+from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
+from flamia_serve.kernels.schedule import WorkList, build_key_work_list
+from flamia_serve.numerics import Recipe, resolve_recipe
+from flamia_serve.numerics.operands import KernelDO, KernelQKV
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tile shape and launch options of the backward kernel.
+
+    ``block_m`` queries per step must equal the recipe's token block (one dÔ/Ĝ/Q exponent
+    per step) and ``block_n`` keys per tile the width of ``recipe.dq_ds_block`` (one dS
+    exponent per step and tile in dQ = dS·K̂).
+    """
+
+    block_m: int = 32
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    maxnreg: int | None = None
+
+    def to_ints(self) -> list[int]:
+        """The config as ints (what the custom op carries)."""
+        return [self.block_m, self.block_n, self.num_warps, self.num_stages, self.maxnreg or 0]
+
+    @classmethod
+    def from_ints(cls, xs: list[int]) -> BwdConfig:
+        bm, bn, warps, stages, maxnreg = xs
+        return cls(bm, bn, warps, stages, maxnreg or None)
+
+
+def default_bwd_config(head_dim: int, device: torch.device) -> BwdConfig:
+    """One warpgroup at d=64, two above (the dK/dV accumulators, 64 x d each, then fit in
+    registers: local sm_90 compile, ``tests/kernels/sm90_compile.py -v``)."""
+    if device.type != "cuda":
+        return BwdConfig(num_warps=4, num_stages=1)
+    return BwdConfig(num_warps=4 if head_dim <= 64 else 8)
+
+
+def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
+    """The tile shape must match the recipe's scale blocks (``ValueError`` says which)."""
+    if cfg.block_m != recipe.token_block or recipe.ds_block[0] != cfg.block_m:
+        raise ValueError(
+            f"backward block_m ({cfg.block_m}) must equal the recipe's token block "
+            f"({recipe.token_block}) and ds_block rows ({recipe.ds_block[0]})"
+        )
+    if recipe.dq_ds_block != (cfg.block_m, cfg.block_n):
+        raise ValueError(
+            f"backward tile (block_m, block_n) = ({cfg.block_m}, {cfg.block_n}) must equal "
+            f"the recipe's dq_ds_block {recipe.dq_ds_block}"
+        )
+    if cfg.block_n % recipe.ds_block[1]:
+        raise ValueError(
+            f"backward block_n ({cfg.block_n}) must be a multiple of ds_block keys "
+            f"({recipe.ds_block[1]})"
+        )
+
+
+def attn_bwd(
+    qkv: KernelQKV,
+    qdo: KernelDO,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    heads_q: int,
+    causal: bool,
+    softmax_scale: float,
+    recipe: str | Recipe = "mxfp8",
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: BwdConfig | None = None,
+    work: WorkList | None = None,
+    debug_p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv, d])`` in ``out_dtype``.
+
+    Same contract as ``flamia_serve.reference.attention_backward`` (accumulation order
+    aside; dQ is summed with FP32 atomics, so it is not bitwise repeatable run to run).
+    ``qkv`` must carry the column-layout copies (``quantize_qkv(..., with_transposed=True)``),
+    ``qdo`` comes from ``quantize_do``, ``m_rows``/``lse_rows`` ``[T, Hq]`` float32 from the
+    forward. ``work``: a key-tile list from the plan (built here otherwise). ``debug_p``: a
+    float32 ``[Hq, T, T]`` buffer that receives every P̂ as rebuilt (small calls only).
+    """
+    rec = resolve_recipe(recipe)
+    if qkv.q_t is None or qkv.k_t is None:
+        raise ValueError("qkv lacks q_t/k_t: quantize with with_transposed=True for the backward")
+    total, heads_kv, d = qkv.k_codes.shape
+    dev = qkv.k_codes.device
+    cfg = config or default_bwd_config(d, dev)
+    check_bwd_config(cfg, rec)
+    if work is None or (work.block_m, work.block_n, work.causal, work.by_keys) != (
+        cfg.block_m, cfg.block_n, causal, True,
+    ):  # fmt: skip
+        work = build_key_work_list(
+            cu_seqlens, total, block_n=cfg.block_n, block_m=cfg.block_m, causal=causal
+        )
+    dq_acc = torch.zeros(total, heads_q, d, dtype=torch.float32, device=dev)
+    dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
+    dv = torch.empty_like(dk)
+    if total == 0:
+        return dq_acc.to(out_dtype), dk, dv
+    q4, k4 = qkv.q4, qkv.k4
+    nvfp4 = q4 is not None and k4 is not None
+    if nvfp4:
+        q4_args = (q4.codes, q4.block_scales, q4.exponents)
+        k4_args = (k4.codes, k4.block_scales, k4.exponents)
+    else:  # placeholders of the right dtypes, never read
+        q4_args = k4_args = (qkv.q_codes.view(torch.uint8), qkv.q_codes, qkv.q_exp)
+    grid = (work.num_slots * heads_kv,)
+    attn_bwd_kernel[grid](
+        qkv.q_codes, qkv.q_exp, qkv.q_t, qkv.k_codes, qkv.k_exp, qkv.k_t, *q4_args, *k4_args,
+        qkv.v_t, qkv.v_exp, qkv.doc_v_t_start,
+        qdo.do_codes, qdo.do_exp, qdo.g_t, qdo.g_exp, qdo.delta,
+        m_rows.contiguous(), lse_rows.contiguous(),
+        cu_seqlens, work.doc, work.tile, work.count,
+        dq_acc, dk, dv, debug_p if debug_p is not None else dq_acc,
+        softmax_scale * LOG2E * qkv.qk_rescale, softmax_scale, qkv.v_t.shape[-1], total,
+        HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        DK_KEYS=rec.ds_block[1], CAUSAL=bool(causal), QK_NVFP4=nvfp4,
+        DEBUG_P=debug_p is not None, INTERPRET=interpreted(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+    )  # fmt: skip
+    return dq_acc.to(out_dtype), dk, dv

@@ -1,0 +1,179 @@
+"""The operand contract: what quantization writes and the attention kernels (forward and
+backward) and the reference twin read. One home for the layouts, so ``kernels/`` and
+``reference/`` both import it and neither imports the other.
+
+Two layouts of the same codes and exponents:
+
+* reference layout (``QuantizedQKV``, ``QuantizedDO``): token-major ``[T, H, d]`` codes and
+  int8 exponents ``[T, H]``, the executable spec's view;
+* kernel layout (``KernelQKV``, ``KernelDO``): token-major codes for the operands that an
+  MMA contracts over the head dimension, plus *column-layout* copies ``[H, d, t_pad]`` for
+  the ones contracted over tokens (FP8 ``wgmma`` wants both operands K-major, and one
+  token-block quantization serves both orientations: DESIGN N2), with their exponents in
+  the same columns.
+
+Column layout: document ``b`` starts at column ``doc_v_t_start[b]`` (a multiple of
+``V_T_ALIGN``, so tiles load as 16-byte vectors); its token ``j`` sits at
+``doc_v_t_start[b] + v_t_position(j)`` (permuted inside 16-token groups, see
+``v_t_position``); columns outside documents hold zero codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flamia_serve.numerics.scales import FP8Tensor, NVFP4Tensor, token_documents
+
+#: each document starts at a multiple of this in the column layout (16-byte loads)
+V_T_ALIGN = 16
+#: kernel-side storage of the E4M3 operands' exponents
+EXPONENT_DTYPE = torch.int16
+
+
+def v_t_position(key):
+    """Column, inside its document's span of the column layout, of document-local token
+    ``key`` (int tensor, torch or Triton). Tokens are permuted inside each 16-token group
+    (token ``8a + 2b + c`` at ``4b + 2a + c``: order 0,1,8,9,2,3,10,11,4,5,12,13,6,7,14,15)
+    so that a Hopper FP8 ``wgmma`` accumulator fragment of ``Q̂·K̂ᵀ`` (columns ``2b + c`` and
+    ``8 + 2b + c`` per thread) is, byte for byte, the A fragment of ``P̂·V̂`` (4 consecutive
+    keys per register): P̂ stays in registers. 16-token groups, 32-token exponent blocks and
+    tiles keep their sets of tokens."""
+    k = key & 15
+    return (key - k) + (((k >> 1) & 3) << 2) + ((k >> 3) << 1) + (k & 1)
+
+
+def v_t_key(position):
+    """Inverse of ``v_t_position``: the document-local token stored at column ``position``."""
+    i = position & 15
+    return (position - i) + ((i >> 2) << 1) + (((i >> 1) & 1) << 3) + (i & 1)
+
+
+def v_t_length(total_tokens: int, num_docs: int) -> int:
+    """Columns of the column layout: every document padded to ``V_T_ALIGN``."""
+    return max(-(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN, V_T_ALIGN)
+
+
+def token_columns(
+    cu_seqlens: torch.Tensor, doc_v_t_start: torch.Tensor, total: int
+) -> torch.Tensor:
+    """int64 ``[T]``: the column of every packed token in the column layout."""
+    doc, pos = token_documents(cu_seqlens, total)
+    return doc_v_t_start.long()[doc] + v_t_position(pos)
+
+
+@dataclass(frozen=True)
+class QuantizedQKV:
+    """All quantized operands of one call, reference layout.
+
+    ``q8``/``k8``: E4M3 Q/K (token-block, or per-token with ``exact_causal``) — QKᵀ in the
+    MXFP8 recipe and dQ/dK products in both; ``q4``/``k4``: NVFP4 Q/K (mixed recipe, after
+    the optional Hadamard rotation); ``v8``: E4M3 V per key.
+    """
+
+    q8: FP8Tensor
+    k8: FP8Tensor
+    v8: FP8Tensor
+    q4: NVFP4Tensor | None = None
+    k4: NVFP4Tensor | None = None
+    #: exact factor restoring the scores after an unnormalized Hadamard rotation (1/d)
+    qk_rescale: float = 1.0
+
+
+@dataclass(frozen=True)
+class QuantizedDO:
+    """The backward's dO operands, reference layout (DESIGN N5, N6).
+
+    ``do8``: E4M3 dO with token-block exponents (dÔ: dP = dÔ·Vᵀ and ``delta``);
+    ``g8``: E4M3 of ``G = f ∘ dO`` with token-block exponents, ``f_i = 2^(M_i − 8 − lse_i)``
+    the forward's normaliser of row ``i`` (dV = P̂ᵀ·Ĝ with P̂ as the forward stored it);
+    ``delta``: ``rowsum(dÔ ∘ O)`` float32 ``[T, Hq]``.
+    """
+
+    do8: FP8Tensor
+    g8: FP8Tensor
+    delta: torch.Tensor
+
+
+@dataclass(frozen=True)
+class KernelQKV:
+    """What the quantization kernel writes (the attention kernels' operands), kernel layout.
+
+    ``q_codes`` ``[T, Hq, d]`` / ``k_codes`` ``[T, Hkv, d]`` E4M3, token-major; ``v_t``
+    ``[Hkv, d, t_pad]`` E4M3 V codes in the column layout (module docstring). Exponents are
+    int16: ``q_exp`` ``[T, Hq]`` (a view of a head-major ``[Hq, T]`` buffer); ``k_exp`` /
+    ``v_exp`` ``[Hkv, t_pad]`` in the column layout. ``kv_factors`` ``[Hkv, 3, t_pad]``
+    float32, same columns: ``2^eK``, ``eV`` and ``2^-eV`` exactly (the CuTe forward reads
+    floats instead of converting exponents in every thread). ``q4``/``k4``: NVFP4 (mixed
+    recipe only); ``qk_rescale`` = 1/d after the Hadamard option; ``k_exp_block``: keys
+    sharing one K exponent (document-local blocks; 1 = per token).
+
+    Written only when gradients are needed (``with_transposed``): ``q_t`` ``[Hq, d, t_pad]``
+    and ``k_t`` ``[Hkv, d, t_pad]``, the same E4M3 codes as ``q_codes``/``k_codes`` in the
+    column layout (the backward contracts dK = dSᵀ·Q̂ over queries and dQ = dS·K̂ over keys).
+    """
+
+    q_codes: torch.Tensor
+    q_exp: torch.Tensor
+    k_codes: torch.Tensor
+    k_exp: torch.Tensor
+    v_t: torch.Tensor
+    doc_v_t_start: torch.Tensor
+    cu_seqlens: torch.Tensor
+    v_exp: torch.Tensor
+    kv_factors: torch.Tensor
+    q4: NVFP4Tensor | None
+    k4: NVFP4Tensor | None
+    qk_rescale: float
+    k_exp_block: int = 1
+    q_t: torch.Tensor | None = None
+    k_t: torch.Tensor | None = None
+
+    def key_columns(self) -> torch.Tensor:
+        """int64 ``[T]``: the column of each token in the column layout."""
+        return token_columns(self.cu_seqlens, self.doc_v_t_start, self.k_codes.shape[0])
+
+    def to_reference(self) -> QuantizedQKV:
+        """The same operands in the reference layout (V token-major, int8 exponents)."""
+        column = self.key_columns()
+        v_codes = self.v_t[:, :, column].permute(2, 0, 1).contiguous()
+
+        def fp8(codes: torch.Tensor, exp: torch.Tensor) -> FP8Tensor:
+            return FP8Tensor(codes, exp.to(torch.int8).contiguous())
+
+        return QuantizedQKV(
+            fp8(self.q_codes, self.q_exp),
+            fp8(self.k_codes, self.k_exp[:, column].t()),
+            fp8(v_codes, self.v_exp[:, column].t()),
+            self.q4, self.k4, self.qk_rescale,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelDO:
+    """What the dO quantization kernel writes, kernel layout (twin: ``QuantizedDO``).
+
+    ``do_codes`` ``[T, Hq, d]`` E4M3 token-major, ``do_exp`` ``[T, Hq]`` int16 (view of a
+    head-major buffer); ``g_t`` ``[Hq, d, t_pad]`` E4M3 codes of ``G`` in the column layout,
+    ``g_exp`` ``[Hq, t_pad]`` int16 in the same columns; ``delta`` and ``row_factor`` (the
+    ``f`` that G was built with) ``[T, Hq]`` float32 (views of head-major buffers).
+    """
+
+    do_codes: torch.Tensor
+    do_exp: torch.Tensor
+    g_t: torch.Tensor
+    g_exp: torch.Tensor
+    delta: torch.Tensor
+    row_factor: torch.Tensor
+    doc_v_t_start: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    def to_reference(self) -> QuantizedDO:
+        column = token_columns(self.cu_seqlens, self.doc_v_t_start, self.do_codes.shape[0])
+        g_codes = self.g_t[:, :, column].permute(2, 0, 1).contiguous()
+        return QuantizedDO(
+            FP8Tensor(self.do_codes, self.do_exp.to(torch.int8).contiguous()),
+            FP8Tensor(g_codes, self.g_exp[:, column].t().to(torch.int8).contiguous()),
+            self.delta.contiguous(),
+        )

@@ -1,0 +1,180 @@
+"""transformers 5.x integration: ``attn_implementation="flamia"``.
+
+``register()`` adds ``"flamia"`` to transformers' ``AttentionInterface`` (and its mask
+interface, with the flash-attention rule: no dense mask, a 2-D padding mask only when
+there is padding). Model configs choose the numerics with three optional fields:
+
+* ``flamia_recipe`` — ``"mxfp8"`` (default), ``"mixed_nvfp4"``, ``"mixed_nvfp4_hadamard"``;
+* ``flamia_exact_causal`` — per-token Q/K exponents (default ``False``);
+* ``flamia_path`` — ``"auto"`` (kernels on CUDA, the reference twin elsewhere),
+  ``"kernel"`` or ``"reference"``.
+
+Documents: packed inputs (batch size 1) are read as transformers' varlen flash-attention
+path reads them: ``cu_seq_lens_q`` / ``max_length_q`` keyword arguments when the caller
+passes them (no host synchronisation), else document starts from ``position_ids`` (a
+position that does not follow its predecessor starts a document; one host read per
+microbatch, cached across layers). Without either, each batch row is one document; a 2-D
+padding mask is honoured by packing the unpadded tokens. Generation with a KV cache (query
+shorter than the keys) is not a training call: it raises (serve with the vLLM backend).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from flamia_serve.plan import VarlenPlan, plan_varlen
+from flamia_serve.train.module import flamia_attention, use_kernels
+
+NAME = "flamia"
+
+
+def register() -> None:
+    """Register ``attn_implementation="flamia"`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(NAME, flamia_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
+
+
+class _PlanCache:
+    """The last pack's plan, keyed by the identity of the tensor it came from (every layer
+    of one forward passes the same ``cu_seq_lens_q`` / ``position_ids`` object)."""
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref | None = None
+        self._version = -1
+        self._plan: VarlenPlan | None = None
+        self._cu: torch.Tensor | None = None
+
+    def get(self, source: torch.Tensor) -> tuple[torch.Tensor, VarlenPlan] | None:
+        if self._ref is not None and self._ref() is source and source._version == self._version:
+            return self._cu, self._plan
+        return None
+
+    def put(self, source: torch.Tensor, cu: torch.Tensor, plan: VarlenPlan) -> None:
+        self._ref, self._version = weakref.ref(source), source._version
+        self._cu, self._plan = cu, plan
+
+
+_CACHE = _PlanCache()
+
+
+def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` int32 of one packed row: a document starts where a position does not
+    follow its predecessor (reads the device once)."""
+    pos = position_ids.reshape(-1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    idx = starts.nonzero().flatten().to(torch.int32)
+    end = torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)
+    return torch.cat([idx, end])
+
+
+def _packed_plan(kwargs: dict, total: int) -> tuple[torch.Tensor, int, VarlenPlan | None] | None:
+    """(cu_seqlens, max_seqlen, plan) of a packed call, or None when it is not packed."""
+    cu = kwargs.get("cu_seq_lens_q")
+    position_ids = kwargs.get("position_ids")
+    source = cu if cu is not None else position_ids
+    if source is None:
+        return None
+    if not torch.compiler.is_compiling():
+        hit = _CACHE.get(source)
+        if hit is not None:
+            return hit[0], hit[1].max_seqlen, hit[1]
+    if cu is not None:
+        cu = cu.to(torch.int32)
+        max_len = kwargs.get("max_length_q")
+        max_len = int(max_len) if max_len is not None else int((cu[1:] - cu[:-1]).max())
+    else:
+        if position_ids.shape[0] != 1:  # one row per batch element: not a packed call
+            return None
+        cu = _documents_from_positions(position_ids)
+        if cu.numel() == 2:  # a single document: the batched path is the same call
+            return None
+        max_len = int((cu[1:] - cu[:-1]).max())
+    if torch.compiler.is_compiling():
+        return cu, max_len, None
+    plan = plan_varlen(cu, total, max_len)
+    _CACHE.put(source, cu, plan)
+    return cu, max_len, plan
+
+
+def _compute_dtype(query: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """BF16/FP16 operands: the value's dtype when it is one, else autocast's, else BF16 (under
+    autocast Llama hands over FP32 Q/K after RoPE)."""
+    if value.dtype in (torch.bfloat16, torch.float16):
+        return value.dtype
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if dtype in (torch.bfloat16, torch.float16):
+            return dtype
+    return torch.bfloat16
+
+
+def flamia_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query ``[B, Hq, S, d]``, key/value ``[B, Hkv, S, d]``
+    -> ``([B, S, Hq, d]`` in query's dtype, ``None)``."""
+    if dropout:
+        raise ValueError(
+            f"flamia attention has no dropout; set attention_dropout=0 (got {dropout})"
+        )
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError(
+            "flamia attention is a training attention (query and key lengths equal); for "
+            "generation with a KV cache serve with vLLM (--attention-backend flamia) or use "
+            'attn_implementation="sdpa"'
+        )
+    config = module.config
+    opts = dict(
+        causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
+        recipe=getattr(config, "flamia_recipe", "mxfp8"),
+        exact_causal=bool(getattr(config, "flamia_exact_causal", False)),
+        softmax_scale=scaling,
+        path=getattr(config, "flamia_path", "auto"),
+    )
+    dtype = _compute_dtype(query, value)
+    batch, _, seq, _ = query.shape
+    q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))  # [B, S, H, d]
+    packed = _packed_plan(kwargs, batch * seq) if batch == 1 else None
+    if packed is not None:
+        cu, max_len, plan = packed
+        if not use_kernels(q.device, opts["path"]):
+            plan = None
+        out = flamia_attention(q[0], k[0], v[0], cu, max_len, plan=plan, **opts)[None]
+    elif attention_mask is not None and attention_mask.dim() == 2 and not attention_mask.all():
+        out = _unpadded(q, k, v, attention_mask.bool(), opts)
+    else:
+        out = flamia_attention(q, k, v, **opts)
+    return out.to(query.dtype), None
+
+
+def _unpadded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+              opts: dict) -> torch.Tensor:  # fmt: skip
+    """Padded batch ``[B, S, ...]`` with ``valid`` ``[B, S]``: pack each row's tokens as one
+    document, attend, scatter back (padded positions get zeros)."""
+    batch, seq = valid.shape
+    idx = valid.flatten().nonzero().flatten()
+    lengths = valid.sum(1)
+    cu = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+    cu[1:] = lengths.cumsum(0)
+    packed = flamia_attention(
+        q.flatten(0, 1)[idx], k.flatten(0, 1)[idx], v.flatten(0, 1)[idx], cu,
+        max(int(lengths.max()), 1), **opts,
+    )  # fmt: skip
+    out = q.new_zeros(batch * seq, *q.shape[2:])
+    out = out.index_copy(0, idx, packed)
+    return out.view(q.shape)
