@@ -1,4 +1,5 @@
-"""Forward benchmark of causal varlen attention on the nine training workloads W1..W9.
+"""Training attention benchmark (forward, forward+backward, backward) of causal varlen
+attention on the nine training workloads W1..W9.
 
 Impls (each dropped with a printed reason when its package is missing):
 
@@ -15,12 +16,16 @@ Impls (each dropped with a printed reason when its package is missing):
 
 Forward rows time the eager call (as every baseline); ``flamia`` forward rows also carry
 ``graph_ms`` / ``graph_tflops``: the same call replayed from a CUDA graph, i.e. GPU time
-without the host side.
+without the host side. With ``--passes`` including ``fwd+bwd`` / ``bwd`` every impl with a
+backward also gets rows of forward + ``backward()`` (FLOPs 3.5x the forward's) and of the
+backward alone (``torch.autograd.grad`` on a retained graph, 2.5x): for flamia the backward
+includes its quantization launches (Q/K/V again, dO).
 
 Usage::
 
     python benchmarks/train_attention.py [--workloads W1,W4] [--impls fa4,flex-docmask]
-                                         [--quick] [--check] [--name NAME]
+                                         [--passes fwd,fwd+bwd,bwd] [--quick] [--check]
+                                         [--name NAME]
 """
 
 from __future__ import annotations
@@ -147,6 +152,15 @@ def _default_fwd_config(device: torch.device) -> dict[str, Any]:
     from flamia_serve.kernels.attn_fwd.ops import default_config
 
     return dataclasses.asdict(default_config(HEAD_DIM, device))
+
+
+def _default_bwd_config(device: torch.device) -> dict[str, Any]:
+    """The backward kernel's tiles (recorded in the JSON)."""
+    import dataclasses
+
+    from flamia_serve.kernels.attn_bwd.ops import default_bwd_config
+
+    return dataclasses.asdict(default_bwd_config(HEAD_DIM, device))
 
 
 def _load_flamia_quant() -> Builder:
@@ -439,6 +453,66 @@ def bench_workload(
     return rows
 
 
+BWD_FLOPS = {"fwd+bwd": 3.5, "bwd": 2.5}  # multiples of the forward's FLOPs (DESIGN §6)
+
+
+def _with_grad(args: tuple) -> tuple:
+    """Fresh leaves that require grad (prepped copies keep their layout)."""
+    return tuple(x.detach().requires_grad_() for x in args)
+
+
+def bench_backward(
+    wl: Workload, impls: list[Impl], device: torch.device, passes: list[str], warmup_ms: float,
+    rep_ms: float,
+) -> list[dict]:  # fmt: skip
+    """``fwd+bwd`` and ``bwd`` rows of every impl with a backward (inputs rotated)."""
+    cu = wl.cu_seqlens(device)
+    raw0 = make_inputs(wl, seed=0, device=device)
+    n_sets = min(num_input_sets(2 * tensor_bytes(raw0)), 8)
+    raw = [raw0] + [make_inputs(wl, seed=i, device=device) for i in range(1, n_sets)]
+    flops = wl.flops(HQ, HEAD_DIM)
+    rows = []
+    for impl in impls:
+        if impl.pass_ != "fwd" or not impl.applies(wl):
+            continue
+        try:
+            prep, run = impl.build(wl, cu, raw[0])
+            sets = [_with_grad(prep(*s)) for s in raw]
+            d_outs = [torch.randn_like(s[0]) for s in raw]
+
+            def fwd_bwd(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, run=run) -> None:
+                out = _first_tensor(run(q, k, v))
+                torch.autograd.backward(out, d_out.view_as(out))
+
+            fwd_bwd(*sets[0], d_outs[0])  # compile / autotune outside timing
+            torch.cuda.synchronize()
+            timings = {}
+            if "fwd+bwd" in passes:
+                args = [(*s, d) for s, d in zip(sets, d_outs, strict=True)]
+                timings["fwd+bwd"] = time_ms(Rotating(fwd_bwd, args), warmup_ms=warmup_ms,
+                                             rep_ms=rep_ms)  # fmt: skip
+            if "bwd" in passes:
+                outs = [_first_tensor(run(*s)) for s in sets]
+
+                def bwd(out: Tensor, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor) -> None:
+                    torch.autograd.grad(out, (q, k, v), d_out.view_as(out), retain_graph=True)
+
+                args = [(o, *s, d) for o, s, d in zip(outs, sets, d_outs, strict=True)]
+                timings["bwd"] = time_ms(Rotating(bwd, args), warmup_ms=warmup_ms, rep_ms=rep_ms)
+        except Exception as exc:  # a broken baseline must not stop the others
+            print(f"  [fail] {impl.name} backward: {_short(exc)}")
+            continue
+        finally:
+            sets = outs = args = None
+            torch.cuda.empty_cache()
+        for pass_, t in timings.items():
+            tflops = BWD_FLOPS[pass_] * flops / (t["ms"] * 1e-3) / 1e12
+            rows.append({"workload": wl.name, "pass": pass_, "impl": impl.name, **t,
+                         "tflops": tflops, "gbps": None})  # fmt: skip
+            print(f"  {impl.name:20s} {pass_:8s} {t['ms']:8.4f} ms  {tflops:7.1f} TFLOP/s")
+    return rows
+
+
 def add_quant_floor(rows: list[dict], copy_gbps: float) -> None:
     """``floor_ratio`` on quantization rows: time over bytes / measured copy bandwidth."""
     for r in rows:
@@ -447,7 +521,8 @@ def add_quant_floor(rows: list[dict], copy_gbps: float) -> None:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Set ``speedup_vs_best_baseline`` (best baseline ms / ms) on flamia forward rows."""
+    """Set ``speedup_vs_best_baseline`` (best baseline ms / ms, same workload and pass) on
+    flamia rows of the attention passes."""
     for r in rows:
         if not r["impl"].startswith("flamia"):
             continue
@@ -455,10 +530,10 @@ def add_speedups(rows: list[dict]) -> None:
             b["ms"]
             for b in rows
             if b["workload"] == r["workload"]
-            and b["pass"] == "fwd"
+            and b["pass"] == r["pass"]
             and not b["impl"].startswith("flamia")
         ]
-        ok = r["pass"] == "fwd" and bool(base)
+        ok = r["pass"] in ("fwd", "fwd+bwd", "bwd") and bool(base)
         r["speedup_vs_best_baseline"] = min(base) / r["ms"] if ok else None
 
 
@@ -476,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="e.g. W1,W4,W7")
     ap.add_argument("--impls", default=",".join(IMPLS), help=", ".join(IMPLS))
+    ap.add_argument("--passes", default="fwd", help="comma list of fwd, fwd+bwd, bwd")
     ap.add_argument("--quick", action="store_true", help="short timing (warm-up 10, rep 50 ms)")
     ap.add_argument("--check", action="store_true", help="cos-sim vs fp32 SDPA before timing")
     ap.add_argument("--name", default="train_attention", help="results file stem")
@@ -485,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     workloads = _csv(args.workloads, WORKLOADS, "workloads")
     names = _csv(args.impls, tuple(IMPLS), "impls")
+    passes = _csv(args.passes, ("fwd", "fwd+bwd", "bwd"), "passes")
     if not torch.cuda.is_available():
         raise SystemExit("train_attention needs a CUDA GPU")
     device = torch.device("cuda")
@@ -500,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_ms": warmup_ms,
         "rep_ms": rep_ms,
         "flamia_fwd_default": _default_fwd_config(device),
+        "flamia_bwd_default": _default_bwd_config(device),
+        "passes": passes,
     }
     rows: list[dict] = []
     with torch.no_grad():
@@ -509,7 +588,15 @@ def main(argv: list[str] | None = None) -> int:
         flex_only = set(_csv(args.flex_workloads, WORKLOADS, "workloads"))
         for name in workloads:
             chosen = [i for i in impls if i.name != "flex-docmask" or name in flex_only]
-            rows += bench_workload(training_workload(name), chosen, device, warmup_ms, rep_ms)
+            if "fwd" in passes:
+                rows += bench_workload(training_workload(name), chosen, device, warmup_ms, rep_ms)
+    grad_passes = [p for p in passes if p != "fwd"]
+    if grad_passes:
+        for name in workloads:
+            chosen = [i for i in impls if i.name != "flex-docmask" or name in flex_only]
+            rows += bench_backward(
+                training_workload(name), chosen, device, grad_passes, warmup_ms, rep_ms
+            )
     add_quant_floor(rows, copy_row["gbps"])
     rows.append(copy_row)
     add_speedups(rows)

@@ -222,6 +222,52 @@ def backward_probs(
     ]
 
 
+def _backward_documents(
+    d_out: torch.Tensor,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    qkv: QuantizedQKV,
+    cu_seqlens: torch.Tensor,
+    qdo: QuantizedDO,
+    *,
+    causal: bool,
+    softmax_scale: float,
+):
+    """Per document: ``(slice, probs, v_inv [Hq, 1, L], dS [Hq, L, L])`` (unquantized dS)."""
+    operands = _qk_operands(qkv)
+    heads_q = d_out.shape[1]
+    group = heads_q // qkv.v8.codes.shape[1]
+    do_q = qdo.do8.dequantize()
+    v_deq = qkv.v8.dequantize()
+    for sl in document_slices(cu_seqlens):
+        probs = _doc_probs(qkv, operands, sl, group, causal, softmax_scale)
+        f = torch.exp2(m_rows[sl].t() - P_HAT_EXP - lse_rows[sl].t())  # [Hq, L]
+        v_inv = exp2i(-probs.ev.int())[:, None, :]  # [Hq, 1, L]
+        dp = torch.einsum("ihd,jhd->hij", do_q[sl], _per_q_head(v_deq[sl], group))
+        p = probs.p_prime * 2.0**P_HAT_EXP * v_inv * f[..., None]
+        yield sl, probs, v_inv, p * (dp - qdo.delta[sl].t()[..., None])
+
+
+def backward_ds(
+    d_out: torch.Tensor,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    qkv: QuantizedQKV,
+    cu_seqlens: torch.Tensor,
+    recipe: Recipe,
+    *,
+    causal: bool,
+    softmax_scale: float,
+) -> list[torch.Tensor]:
+    """Unquantized dS per document, float32 ``[Hq, L, L]`` each (for ablations of N6)."""
+    qdo = quantize_do(d_out, out, m_rows, lse_rows, cu_seqlens, recipe)
+    docs = _backward_documents(d_out, out, m_rows, lse_rows, qkv, cu_seqlens, qdo, causal=causal,
+                               softmax_scale=softmax_scale)  # fmt: skip
+    return [ds for _sl, _probs, _v_inv, ds in docs]
+
+
 def attention_backward(
     d_out: torch.Tensor,
     out: torch.Tensor,
@@ -239,26 +285,20 @@ def attention_backward(
 
     ``qdo`` reuses quantized dO operands (default: ``quantize_do`` here).
     """
-    operands = _qk_operands(qkv)
     total, heads_q, d = d_out.shape
     heads_kv = qkv.v8.codes.shape[1]
     group = heads_q // heads_kv
     if qdo is None:
         qdo = quantize_do(d_out, out, m_rows, lse_rows, cu_seqlens, recipe)
-    do_q, g_q = qdo.do8.dequantize(), qdo.g8.dequantize()
+    g_q = qdo.g8.dequantize()
     q_codes, k_codes = qkv.q8.codes.float(), qkv.k8.codes.float()
-    v_deq = qkv.v8.dequantize()
     dq = torch.zeros(total, heads_q, d, dtype=torch.float32, device=d_out.device)
     dk_q = torch.zeros_like(dq)
     dv_q = torch.zeros_like(dq)
-    for sl in document_slices(cu_seqlens):
-        probs = _doc_probs(qkv, operands, sl, group, causal, softmax_scale)
-        f = torch.exp2(m_rows[sl].t() - P_HAT_EXP - lse_rows[sl].t())  # [Hq, L]
-        v_inv = exp2i(-probs.ev.int())[:, None, :]  # [Hq, 1, L]
+    docs = _backward_documents(d_out, out, m_rows, lse_rows, qkv, cu_seqlens, qdo, causal=causal,
+                               softmax_scale=softmax_scale)  # fmt: skip
+    for sl, probs, v_inv, ds in docs:
         dv_q[sl] = torch.einsum("hij,ihd->jhd", probs.p_hat, g_q[sl]) * v_inv.permute(2, 0, 1)
-        dp = torch.einsum("ihd,jhd->hij", do_q[sl], _per_q_head(v_deq[sl], group))
-        p = probs.p_prime * 2.0**P_HAT_EXP * v_inv * f[..., None]
-        ds = p * (dp - qdo.delta[sl].t()[..., None])
         eq = exp2i(qkv.q8.exponents[sl].int()).t()[..., None]  # [Hq, L, 1]
         ek = exp2i(_per_q_head(qkv.k8.exponents[sl], group).int()).t()[:, None, :]  # [Hq, 1, L]
         ds_k = _fold_quantize(ds, eq, recipe.ds_block)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call of the training-path checks and measurements (H200), results under $OUT.
+#   bash benchmarks/run_train_gpu.sh smoke,bench,numerics    # or tests,tune
+# Expects the fa4 bundle in /tmp/site (../shared/device/stage.sh fa4; README there).
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
+steps=",${1:-smoke,bench,numerics},"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+run() {  # run NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name exit $? ($(date +%T))"; tail -n 40 "$OUT/$name.log"
+}
+if [[ $steps == *,smoke,* ]]; then
+  run smoke 120 python - <<'PY'
+import torch
+from flamia_serve import flamia_attn_varlen
+from flamia_serve.probes import make_pack
+from flamia_serve.reference import attention
+for recipe in ("mxfp8", "mixed_nvfp4"):
+    q, k, v, cu, ms = make_pack((300, 1, 700, 47), 8, 2, 128, seed=1, device="cuda")
+    do = torch.randn_like(q)
+    res = []
+    for fn in (flamia_attn_varlen, attention):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o = fn(*leaves, cu, ms, recipe=recipe); o.backward(do)
+        res.append([o.detach(), *(x.grad for x in leaves)])
+    rel = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(*res)]
+    print(recipe, "kernel vs reference rel err O/dQ/dK/dV:", [f"{r:.2e}" for r in rel])
+PY
+fi
+if [[ $steps == *,bench,* ]]; then
+  run train_attention 400 python benchmarks/train_attention.py --quick --check \
+    --passes fwd,fwd+bwd,bwd --impls flamia-mxfp8,fa4,cudnn-sdpa,fa2-varlen,flex-docmask \
+    --flex-workloads W3
+fi
+if [[ $steps == *,numerics,* ]]; then
+  run bwd_numerics 150 python benchmarks/bwd_numerics.py
+fi
+if [[ $steps == *,tests,* ]]; then
+  run pytest_bwd 300 python -m pytest -q -x tests/kernels/test_attn_bwd.py tests/kernels/test_gpu_bwd.py
+fi
+if [[ $steps == *,tune,* ]]; then
+  run tune_bwd 240 python benchmarks/tune_bwd.py --workloads W3
+fi
+ls -la "$OUT"
