@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call of the training-path checks and measurements (H200), results under $OUT.
-#   bash benchmarks/run_train_gpu.sh smoke,bench,numerics    # or tests,tune
+#   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune
 # Expects the fa4 bundle in /tmp/site (../shared/device/stage.sh fa4; README there).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
-steps=",${1:-smoke,bench,numerics},"
+steps=",${1:-smoke,bench,host,numerics},"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
@@ -34,6 +34,9 @@ if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \
     --passes fwd,fwd+bwd,bwd --impls flamia-mxfp8,fa4,cudnn-sdpa,fa2-varlen,flex-docmask \
     --flex-workloads W3
+fi
+if [[ $steps == *,host,* ]]; then
+  run host_time 90 python benchmarks/host_time.py
 fi
 if [[ $steps == *,numerics,* ]]; then
   run bwd_numerics 150 python benchmarks/bwd_numerics.py
