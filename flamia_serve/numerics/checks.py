@@ -115,3 +115,31 @@ def check_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
     if not scale > 0 or scale == float("inf"):
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
     return scale
+
+
+def check_device(device: object, name: str = "device") -> torch.device:
+    """A ``torch.device`` that exists here, from a ``torch.device`` or a string such as
+    ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
+
+    Raises ``TypeError``/``ValueError`` naming ``name`` for another type, an unknown
+    spelling, a device type other than cpu/cuda, CUDA on a torch that sees no CUDA GPU, or a
+    CUDA index past the last device.
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name} {device!r}: unknown device (use cpu or cuda)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"{name} {str(dev)!r}: not supported (use cpu or cuda)")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{name} {str(dev)!r}: this torch ({torch.__version__}) sees no CUDA GPU; use cpu"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{name} {str(dev)!r}: only {count} CUDA device(s), cuda:0..{count - 1}")
+    return dev

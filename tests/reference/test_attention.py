@@ -7,7 +7,9 @@ import torch
 
 from flamia_serve.probes import (
     attention_fn,
+    cross_document_grad_leakage,
     cross_document_leakage,
+    future_grad_leakage,
     future_leakage,
     make_pack,
 )
@@ -80,11 +82,38 @@ def test_other_documents_never_leak(recipe: str, exact: bool) -> None:
         assert cross_document_leakage(fn, q, k, v, cu, ms, doc) == 0.0
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "mixed_nvfp4", "mixed_nvfp4_hadamard"])
+@pytest.mark.parametrize("exact", [False, True])
+def test_dq_of_blocks_before_the_cut_never_leaks(recipe: str, exact: bool) -> None:
+    """dQ rows of the 32-token blocks that end by t do not change when q, k, v and dO after
+    t change; rows of t's own block may (dO and dS share block exponents) — and do."""
+    q, k, v, cu, ms = make_pack((45, 97, 70), 4, 2, 64, seed=1)
+    d_out = make_pack((45, 97, 70), 4, 1, 64, seed=9)[0]
+    fn = attention_fn(recipe, exact)
+    for t in (31, 40, 63, 95):
+        assert future_grad_leakage(fn, q, k, v, d_out, cu, ms, 1, t) == 0.0, t
+    # watching every row <= t (block=1) sees the within-block dependence: not vacuous
+    assert future_grad_leakage(fn, q, k, v, d_out, cu, ms, 1, 40, block=1) > 0
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mixed_nvfp4"])
+@pytest.mark.parametrize("exact", [False, True])
+def test_other_documents_never_leak_into_gradients(recipe: str, exact: bool) -> None:
+    q, k, v, cu, ms = make_pack((45, 97, 1, 70), 4, 2, 64, seed=2)
+    d_out = make_pack((45, 97, 1, 70), 4, 1, 64, seed=8)[0]
+    fn = attention_fn(recipe, exact)
+    for doc in range(4):
+        assert cross_document_grad_leakage(fn, q, k, v, d_out, cu, ms, doc) == 0.0, doc
+
+
 def test_per_tensor_fp8_leaks() -> None:
     q, k, v, cu, ms = make_pack((45, 97, 70), 4, 2, 64, seed=1)
     fn = attention_fn(None, False)
     assert future_leakage(fn, q, k, v, cu, ms, 1, 5) > 0
     assert cross_document_leakage(fn, q, k, v, cu, ms, 1) > 0
+    d_out = make_pack((45, 97, 70), 4, 1, 64, seed=9)[0]
+    assert future_grad_leakage(fn, q, k, v, d_out, cu, ms, 1, 40) > 0
+    assert cross_document_grad_leakage(fn, q, k, v, d_out, cu, ms, 1) > 0
     ref = attention_float64(q, k, v, cu, ms)
     assert _cos(per_tensor_fp8_attention(q, k, v, cu, ms), ref) > 0.99
 
