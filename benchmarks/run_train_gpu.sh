@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call of the training-path checks and measurements (H200), results under $OUT.
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune
-# Expects the fa4 bundle in /tmp/site (../shared/device/stage.sh fa4; README there).
+# Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
+# fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
+export PYTHONPATH=${FLAMIA_SITE:-/tmp/site_fa4}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 steps=",${1:-smoke,bench,host,numerics},"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 run() {  # run NAME SECONDS CMD...
