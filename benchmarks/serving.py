@@ -14,9 +14,11 @@ import torch
 from benchmarks.common import graph_time
 from flamia_serve.kernels.paged import leading_decodes, paged_attention, write_kv_cache
 from flamia_serve.numerics.exp2 import EXP_MODES
-from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat, region_view
+from flamia_serve.numerics.kv_pages import KVPageFormat, region_view
 
 HQ, HKV, HEAD_DIM, PAGE = 32, 8, 128, 16
+#: cache formats the kernel benchmarks measure (the vLLM-only ones are in vllm_throughput.py)
+BENCH_DTYPES = ("bf16", "fp8", "nvfp4")
 
 
 @dataclass
@@ -40,7 +42,7 @@ class ServingBatch:
     def kv_bytes(self, dtype: str) -> int:
         """Bytes of K and V read for the batch's tokens in a cache format."""
         slot = {"fi-fp8": HEAD_DIM, **{d: KVPageFormat(d, HEAD_DIM).slot_bytes
-                                        for d in KV_CACHE_DTYPES}}[dtype]  # fmt: skip
+                                        for d in BENCH_DTYPES}}[dtype]  # fmt: skip
         return 2 * sum(self.seq_lens_list) * HKV * slot
 
 
@@ -62,7 +64,7 @@ def make_serving_batch(q_lens: list[int], seq_lens: list[int], device: torch.dev
     qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
     batch = ServingBatch(q, q_lens, seq_lens, table,
                          torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl, kv)
-    for dtype in KV_CACHE_DTYPES:
+    for dtype in BENCH_DTYPES:
         fmt = KVPageFormat(dtype, HEAD_DIM)
         cache = torch.zeros(fmt.cache_shape(total_pages, PAGE, HKV), dtype=torch.uint8,
                             device=device)  # fmt: skip
@@ -81,7 +83,7 @@ def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
     """``flamia-<cache>-<exp mode>`` -> (cache dtype, call) with no host synchronisation."""
     num_decodes = leading_decodes(batch.query_start_loc)
     impls = {}
-    for dtype in KV_CACHE_DTYPES:
+    for dtype in BENCH_DTYPES:
         fmt = KVPageFormat(dtype, HEAD_DIM)
         for mode in modes:
             def call(fmt=fmt, mode=mode, cache=batch.caches[dtype]) -> torch.Tensor:

@@ -15,11 +15,14 @@ from flamia_serve.numerics.kv_pages import KVCacheDtype, KVPageFormat
 @dataclass
 class PagedKVCache:
     """A uint8 cache ``[num_blocks, 2, Hkv, page_size * slot_bytes]`` (``numerics.kv_pages``)
-    plus its format. ``hadamard`` rotates K at write time and Q at attention time."""
+    plus its format. ``hadamard`` rotates K at write time and Q at attention time;
+    ``k_scale``/``v_scale`` are the static scales of the ``fp8_static`` format."""
 
     data: torch.Tensor
     fmt: KVPageFormat
     hadamard: bool = False
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @classmethod
     def allocate(
@@ -32,6 +35,8 @@ class PagedKVCache:
         *,
         device: torch.device | str = "cuda",
         hadamard: bool = False,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> PagedKVCache:
         """A zeroed cache (page sizes 16, 32 and 64 are the tested ones)."""
         if page_size < 1 or num_blocks < 1 or heads_kv < 1:
@@ -39,10 +44,10 @@ class PagedKVCache:
                 f"num_blocks, page_size and heads_kv must be positive, got {num_blocks}, "
                 f"{page_size}, {heads_kv}"
             )
-        fmt = KVPageFormat(dtype, head_dim)
+        fmt = KVPageFormat(dtype, head_dim)  # type: ignore[arg-type]
         data = torch.zeros(fmt.cache_shape(num_blocks, page_size, heads_kv), dtype=torch.uint8,
                            device=device)  # fmt: skip
-        return cls(data, fmt, hadamard)
+        return cls(data, fmt, hadamard, k_scale, v_scale)
 
     @property
     def page_size(self) -> int:
@@ -54,7 +59,8 @@ class PagedKVCache:
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Quantize new ``key``/``value`` ``[N, Hkv, d]`` into their slots (−1 = skip)."""
-        write_kv_cache(self.data, key, value, slot_mapping, self.fmt, hadamard=self.hadamard)
+        write_kv_cache(self.data, key, value, slot_mapping, self.fmt, hadamard=self.hadamard,
+                       k_scale=self.k_scale, v_scale=self.v_scale)  # fmt: skip
 
     def attention(
         self,
@@ -72,5 +78,6 @@ class PagedKVCache:
         return paged_attention(
             q, self.data, self.fmt, block_table, seq_lens, query_start_loc,
             softmax_scale=softmax_scale, window=window, exp_mode=exp_mode,
-            hadamard=self.hadamard, **launch,  # type: ignore[arg-type]
+            hadamard=self.hadamard, k_scale=self.k_scale, v_scale=self.v_scale,
+            **launch,  # type: ignore[arg-type]
         )  # fmt: skip

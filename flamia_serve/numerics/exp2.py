@@ -4,7 +4,7 @@ A serving kernel turns ``t = y − M <= 0`` (base-2 logit minus the integer row 
 into a quantized probability ``P̂`` for the ``P·V`` product and a normaliser term:
 
 * ``P`` format: E4M3 holding ``2^(t + P_HAT_EXP)`` (FP8 and NVFP4 caches, as training N5)
-  or BF16 holding ``2^t`` (BF16 cache).
+  or the 16-bit type holding ``2^t`` (BF16 / FP16 caches).
 * ``exact`` — ``p = 2^t``; P̂ = RNE(p) in the P format; normaliser term ``p`` (unquantized,
   as N3).
 * ``schraudolph`` — ``p`` = float32 whose bits are ``trunc((t + 127)·2^23) − C``: the
@@ -47,6 +47,7 @@ class PFormat:
 
 P_E4M3 = PFormat(3, 7, P_HAT_EXP, torch.float8_e4m3fn)
 P_BF16 = PFormat(7, 127, 0, torch.bfloat16)
+P_FP16 = PFormat(10, 15, 0, torch.float16)
 
 
 def check_exp_mode(exp_mode: object) -> ExpMode:

@@ -3,25 +3,33 @@
 A cache is one uint8 tensor ``[num_blocks, 2, Hkv, page_size * slot_bytes]`` (index 1: 0 = K,
 1 = V). Each ``(block, K|V, head)`` *region* holds ``page_size`` token slots: first all codes
 (``[page_size, code_bytes]``, token-major), then all scales (``[page_size, scale_bytes]``).
-Total bytes equal vLLM 0.26's page budgets (``notes/vllm.md``):
+Total bytes equal vLLM 0.26's page budgets (``notes/vllm.md``). Formats
+(:class:`KVCacheFormat`):
 
-* ``bf16``  — BF16 values, ``2d`` bytes per token-head, no scale;
+* ``bf16`` / ``fp16`` — 16-bit values, ``2d`` bytes per token-head, no scale (vLLM ``auto``
+  for a BF16 / FP16 model, ``bfloat16``, ``float16``);
 * ``fp8``   — E4M3 codes + one int32 power-of-two exponent per token-head (``d + 4`` bytes,
   vLLM ``fp8_per_token_head``): ``e = ceil(log2(amax / 448))`` over the token-head (N1, N3);
+* ``fp8_static`` — E4M3 codes of ``x / s`` (saturated at ±448) with one static float scale
+  ``s`` per layer for K and one for V, kept outside the cache (``d`` bytes, vLLM ``fp8`` /
+  ``fp8_e4m3`` with the layer's ``k_scale`` / ``v_scale``); a constant scale is causally safe;
 * ``nvfp4`` — packed E2M1 codes (low nibble = even element) + one E4M3 scale per 16
   elements (``d/2 + d/16`` bytes, vLLM ``nvfp4``); no room for a second level, so the E4M3
   scale carries the whole per-key scale and saturates at 448 (|x| up to 2688 is exact-range).
 
-Every entry depends on its own token only, so appending never rewrites older bytes.
+Every entry depends on its own token (and, for ``fp8_static``, a per-layer constant) only, so
+appending never rewrites older bytes and prefix caches stay valid.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from flamia_serve.numerics.formats import E4M3_MAX
 from flamia_serve.numerics.scales import (
     NVFP4_GROUP,
     Granularity,
@@ -30,39 +38,125 @@ from flamia_serve.numerics.scales import (
     quantize_nvfp4,
 )
 
-KVCacheDtype = Literal["bf16", "fp8", "nvfp4"]
-KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("bf16", "fp8", "nvfp4")
-#: vLLM ``--kv-cache-dtype`` names of the same budgets
-VLLM_KV_CACHE_DTYPES: dict[str, KVCacheDtype] = {
-    "auto": "bf16",
-    "bfloat16": "bf16",
-    "fp8_per_token_head": "fp8",
-    "nvfp4": "nvfp4",
+
+class KVCacheFormat(str, enum.Enum):
+    """Cache formats. ``kernel_id`` is the ``KV_FMT`` constexpr the Triton kernels branch on
+    (0–2 keep their historical values)."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+    NVFP4 = "nvfp4"
+    FP16 = "fp16"
+    FP8_STATIC = "fp8_static"
+
+    @property
+    def kernel_id(self) -> int:
+        return _KERNEL_IDS[self]
+
+    @property
+    def is_16bit(self) -> bool:
+        return self in (KVCacheFormat.BF16, KVCacheFormat.FP16)
+
+    @property
+    def value_dtype(self) -> torch.dtype | None:
+        """torch dtype of the stored values of a 16-bit format (None otherwise)."""
+        return {KVCacheFormat.BF16: torch.bfloat16, KVCacheFormat.FP16: torch.float16}.get(self)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_KERNEL_IDS = {
+    KVCacheFormat.BF16: 0,
+    KVCacheFormat.FP8: 1,
+    KVCacheFormat.NVFP4: 2,
+    KVCacheFormat.FP16: 3,
+    KVCacheFormat.FP8_STATIC: 4,
 }
+
+KVCacheDtype = Literal["bf16", "fp16", "fp8", "fp8_static", "nvfp4"] | KVCacheFormat
+KV_CACHE_DTYPES: tuple[str, ...] = tuple(f.value for f in KVCacheFormat)
+
+#: vLLM ``--kv-cache-dtype`` values served, and the format each selects (``auto`` follows the
+#: model dtype, see :func:`format_for_vllm`)
+VLLM_KV_CACHE_DTYPES: dict[str, KVCacheFormat | None] = {
+    "auto": None,
+    "bfloat16": KVCacheFormat.BF16,
+    "float16": KVCacheFormat.FP16,
+    "fp8_per_token_head": KVCacheFormat.FP8,
+    "nvfp4": KVCacheFormat.NVFP4,
+    "fp8": KVCacheFormat.FP8_STATIC,
+    "fp8_e4m3": KVCacheFormat.FP8_STATIC,
+}
+
+
+def format_for_vllm(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheFormat:
+    """The cache format for a vLLM ``--kv-cache-dtype`` and the model's dtype (BF16/FP16)."""
+    if kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not served by FLAMIA; supported: "
+            f"{', '.join(VLLM_KV_CACHE_DTYPES)}"
+        )
+    fmt = VLLM_KV_CACHE_DTYPES[kv_cache_dtype]
+    if fmt is not None:
+        return fmt
+    if model_dtype == torch.bfloat16:
+        return KVCacheFormat.BF16
+    if model_dtype == torch.float16:
+        return KVCacheFormat.FP16
+    raise ValueError(f"kv_cache_dtype 'auto' needs a bfloat16 or float16 model, got {model_dtype}")
+
+
+@dataclass(frozen=True)
+class PageStrides:
+    """How kernels index a cache of one format: element types of the code and scale views
+    and strides in elements of those types (one definition for kernels and references).
+
+    ``region_codes`` / ``region_scales``: elements per ``(block, K|V, head)`` region;
+    ``scale_base``: first scale of a region; ``code_row`` / ``scale_row``: per token slot.
+    """
+
+    code_dtype: torch.dtype
+    scale_dtype: torch.dtype
+    page_size: int
+    region_codes: int
+    region_scales: int
+    scale_base: int
+    code_row: int
+    scale_row: int
 
 
 @dataclass(frozen=True)
 class KVPageFormat:
-    """Bytes of one token-head slot for a cache dtype and head dim."""
+    """Bytes of one token-head slot for a cache format and head dim (``dtype`` accepts the
+    format's string value and is stored as :class:`KVCacheFormat`)."""
 
-    dtype: KVCacheDtype
+    dtype: KVCacheFormat
     head_dim: int
 
     def __post_init__(self) -> None:
-        if self.dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}")
+        try:
+            fmt = KVCacheFormat(self.dtype)
+        except ValueError:
+            raise ValueError(
+                f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}"
+            ) from None
+        object.__setattr__(self, "dtype", fmt)
         if self.head_dim < NVFP4_GROUP or self.head_dim % NVFP4_GROUP:
             raise ValueError(f"head_dim must be a multiple of {NVFP4_GROUP}, got {self.head_dim}")
 
     @property
     def code_bytes(self) -> int:
-        return {"bf16": 2 * self.head_dim, "fp8": self.head_dim, "nvfp4": self.head_dim // 2}[
-            self.dtype
-        ]
+        d = self.head_dim
+        if self.dtype.is_16bit:
+            return 2 * d
+        return d // 2 if self.dtype is KVCacheFormat.NVFP4 else d
 
     @property
     def scale_bytes(self) -> int:
-        return {"bf16": 0, "fp8": 4, "nvfp4": self.head_dim // NVFP4_GROUP}[self.dtype]
+        return {KVCacheFormat.FP8: 4, KVCacheFormat.NVFP4: self.head_dim // NVFP4_GROUP}.get(
+            self.dtype, 0
+        )
 
     @property
     def slot_bytes(self) -> int:
@@ -74,6 +168,20 @@ class KVPageFormat:
 
     def cache_shape(self, num_blocks: int, page_size: int, heads_kv: int) -> tuple[int, ...]:
         return (num_blocks, 2, heads_kv, self.region_bytes(page_size))
+
+    def strides(self, page_size: int) -> PageStrides:
+        """Element strides of the code and scale views of a cache with ``page_size`` slots."""
+        d, region = self.head_dim, self.region_bytes(page_size)
+        if self.dtype.is_16bit:
+            return PageStrides(self.dtype.value_dtype, torch.uint8, page_size,  # type: ignore[arg-type]
+                               region // 2, region, 0, d, 0)  # fmt: skip
+        if self.dtype is KVCacheFormat.FP8:
+            return PageStrides(torch.uint8, torch.int32, page_size, region, region // 4,
+                               page_size * d // 4, d, 1)  # fmt: skip
+        if self.dtype is KVCacheFormat.FP8_STATIC:
+            return PageStrides(torch.uint8, torch.uint8, page_size, region, region, 0, d, 0)
+        return PageStrides(torch.uint8, torch.uint8, page_size, region, region,
+                           page_size * d // 2, d // 2, d // NVFP4_GROUP)  # fmt: skip
 
     def page_size_of(self, cache: torch.Tensor) -> int:
         """Page size of a cache tensor of this format (checks its shape and dtype)."""
@@ -90,19 +198,35 @@ class KVPageFormat:
         return cache.shape[-1] // self.slot_bytes
 
 
-def encode_slots(x: torch.Tensor, fmt: KVPageFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def static_inverse(scale: float) -> float:
+    """``1 / scale`` rounded to float32: the factor ``fp8_static`` writes multiply by (the
+    kernels receive it as a float32 argument)."""
+    if not scale > 0:
+        raise ValueError(f"a static fp8 scale must be positive, got {scale}")
+    return float(torch.tensor(1.0 / scale, dtype=torch.float32))
+
+
+def encode_slots(
+    x: torch.Tensor, fmt: KVPageFormat, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[N, H, d]`` per token-head: (codes ``[N, H, code_bytes]``, scales
-    ``[N, H, scale_bytes]``), both uint8 — the bytes a slot holds."""
+    ``[N, H, scale_bytes]``), both uint8 — the bytes a slot holds. ``scale``: the static
+    scale of ``fp8_static`` (ignored by the other formats)."""
     n, h, d = x.shape
     if d != fmt.head_dim:
         raise ValueError(f"head dim {d} does not match the cache format's {fmt.head_dim}")
-    if fmt.dtype == "bf16":
-        codes = x.to(torch.bfloat16).contiguous().view(torch.uint8)
-        return codes, torch.empty(n, h, 0, dtype=torch.uint8, device=x.device)
-    if fmt.dtype == "fp8":
+    none = torch.empty(n, h, 0, dtype=torch.uint8, device=x.device)
+    if fmt.dtype.is_16bit:
+        codes = x.to(fmt.dtype.value_dtype).contiguous().view(torch.uint8)  # type: ignore[arg-type]
+        return codes, none
+    if fmt.dtype is KVCacheFormat.FP8:
         q = quantize_fp8(x, None, Granularity.TOKEN)
         scales = q.exponents.to(torch.int32).contiguous().view(torch.uint8).view(n, h, 4)
         return q.codes.view(torch.uint8), scales
+    if fmt.dtype is KVCacheFormat.FP8_STATIC:
+        inv = torch.tensor(static_inverse(scale), dtype=torch.float32, device=x.device)
+        y = (x.float() * inv).clamp(-E4M3_MAX, E4M3_MAX)
+        return y.to(torch.float8_e4m3fn).view(torch.uint8), none
     q4 = quantize_nvfp4(x, second_level=False)
     return q4.codes, q4.block_scales.view(torch.uint8)
 
@@ -110,21 +234,24 @@ def encode_slots(x: torch.Tensor, fmt: KVPageFormat) -> tuple[torch.Tensor, torc
 @dataclass(frozen=True)
 class DecodedSlots:
     """Dequantized cache entries ``[N, H, d]`` float32 and, for ``fp8``, the exponents
-    ``[N, H]`` int32 (``values`` then holds the E4M3 codes without their ``2**e``)."""
+    ``[N, H]`` int32 (``values`` then holds the E4M3 codes without their ``2**e``). For
+    ``fp8_static`` ``values`` are the E4M3 codes without the static scale."""
 
     values: torch.Tensor
     exponents: torch.Tensor | None
 
 
 def decode_slots(codes: torch.Tensor, scales: torch.Tensor, fmt: KVPageFormat) -> DecodedSlots:
-    """Inverse of :func:`encode_slots` (exact)."""
+    """Inverse of :func:`encode_slots` (exact; ``fp8_static`` leaves the scale out)."""
     n, h, _ = codes.shape
     d = fmt.head_dim
-    if fmt.dtype == "bf16":
-        return DecodedSlots(codes.contiguous().view(torch.bfloat16).float(), None)
-    if fmt.dtype == "fp8":
+    if fmt.dtype.is_16bit:
+        return DecodedSlots(codes.contiguous().view(fmt.dtype.value_dtype).float(), None)  # type: ignore[arg-type]
+    if fmt.dtype is KVCacheFormat.FP8:
         exps = scales.contiguous().view(torch.int32).view(n, h)
         return DecodedSlots(codes.contiguous().view(torch.float8_e4m3fn).float(), exps)
+    if fmt.dtype is KVCacheFormat.FP8_STATIC:
+        return DecodedSlots(codes.contiguous().view(torch.float8_e4m3fn).float(), None)
     zero = torch.zeros(n, h, dtype=torch.int8, device=codes.device)
     q4 = NVFP4Tensor(codes, scales.contiguous().view(torch.float8_e4m3fn), zero)
     return DecodedSlots(q4.dequantize(second_level=False).view(n, h, d), None)

@@ -7,15 +7,18 @@ sees keys ``j <= pos`` (and ``j > pos − window`` with a sliding window). With
 ``c = softmax_scale · log2(e)`` (times the exact ``1/d`` after the Hadamard option, which
 rotates Q here and K at write time by the unnormalized transform):
 
-* ``bf16`` — ``x = (bf16(Q)·K) c``, no V exponent;
+* ``bf16`` / ``fp16`` — ``x = (bf16(Q)·K) c`` (``fp16(Q)``), no V exponent;
 * ``fp8`` — Q quantized per token (E4M3, ``eQ``, as ``exact_causal`` training):
   ``x = (Q̂·K̂) 2^(eQ + eK) c``, and V's exponent is folded into P (N3): ``y = x + eV``;
+* ``fp8_static`` — Q as for ``fp8``, K̂/V̂ the stored codes and ``s_K``/``s_V`` the layer's
+  static scales: ``x = (Q̂·K̂) 2^eQ s_K c``, no V exponent, and O is multiplied by ``s_V``;
 * ``nvfp4`` — Q scaled per token by ``2^-eQ`` into FP16 (``eQ = ceil(log2(amax/2^15))``):
   ``x = (Q̃·K̃) 2^eQ c`` with K̃, Ṽ the exact dequantized NVFP4 entries.
 
 Then ``M = ceil(max_j y)``; ``(P̂, p) = numerics.exp2.probabilities(y − M, exp_mode, P)``
-with P = E4M3·2^8 (fp8, nvfp4) or BF16 (bf16); ``l = Σ p·2^(−eV)``;
-``O = Σ P̂·V / (2^shift · l)`` — the training forward's numerics for the fp8 cache.
+with P = E4M3·2^8 (fp8, fp8_static, nvfp4) or the 16-bit type (bf16, fp16);
+``l = Σ p·2^(−eV)``; ``O = Σ P̂·V / (2^shift · l)`` (times ``s_V`` for fp8_static) — the
+training forward's numerics for the fp8 cache.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import math
 import torch
 
 from flamia_serve.numerics import exp2i, hadamard_transform, pow2_exponent_ceil, quantize_fp8
-from flamia_serve.numerics.exp2 import P_BF16, P_E4M3, ExpMode, PFormat, probabilities
+from flamia_serve.numerics.exp2 import P_BF16, P_E4M3, P_FP16, ExpMode, PFormat, probabilities
 from flamia_serve.numerics.kv_pages import (
     DecodedSlots,
+    KVCacheFormat,
     KVPageFormat,
     decode_slots,
     encode_slots,
@@ -48,10 +52,12 @@ def write_kv_cache(
     fmt: KVPageFormat,
     *,
     hadamard: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Quantize ``key``/``value`` ``[N, Hkv, d]`` into ``cache`` at ``slot_mapping`` ``[N]``
     (``block * page_size + offset``; −1 = skip), in place. K is rotated first with
-    ``hadamard``."""
+    ``hadamard``; ``k_scale``/``v_scale`` are ``fp8_static``'s static scales."""
     page = fmt.page_size_of(cache)
     codes, scales = region_view(cache, fmt)
     keep = slot_mapping >= 0
@@ -60,8 +66,8 @@ def write_kv_cache(
     k, v = key[keep], value[keep]
     if hadamard:
         k = hadamard_transform(k)
-    for half, x in ((0, k), (1, v)):
-        c, s = encode_slots(x, fmt)
+    for half, x, static in ((0, k, k_scale), (1, v, v_scale)):
+        c, s = encode_slots(x, fmt, static)
         codes[blk, half, :, off] = c
         scales[blk, half, :, off] = s
 
@@ -80,20 +86,23 @@ def gather_kv(
 
 
 def p_format(fmt: KVPageFormat) -> PFormat:
-    """P̂'s format for a cache dtype: BF16 for the BF16 cache, E4M3·2^8 otherwise."""
-    return P_BF16 if fmt.dtype == "bf16" else P_E4M3
+    """P̂'s format for a cache dtype: the 16-bit type for 16-bit caches, E4M3·2^8 otherwise."""
+    return {KVCacheFormat.BF16: P_BF16, KVCacheFormat.FP16: P_FP16}.get(fmt.dtype, P_E4M3)
 
 
 def _scores(
     q: torch.Tensor, k: DecodedSlots, fmt: KVPageFormat, scale: float
 ) -> torch.Tensor:
     """Base-2 logits ``[H, n, L]`` (``q`` float32 ``[n, H, d]``, ``k`` per query head)."""
-    if fmt.dtype == "bf16":
-        return torch.einsum("ihd,jhd->hij", q.to(torch.bfloat16).float(), k.values) * scale
-    if fmt.dtype == "fp8":
+    if fmt.dtype.is_16bit:
+        q16 = q.to(fmt.dtype.value_dtype).float()  # type: ignore[arg-type]
+        return torch.einsum("ihd,jhd->hij", q16, k.values) * scale
+    if fmt.dtype in (KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC):
         q8 = quantize_fp8(q, None, Granularity.TOKEN)
         dots = torch.einsum("ihd,jhd->hij", q8.codes.float(), k.values)
         row = exp2i(q8.exponents.int()).t()[:, :, None]
+        if k.exponents is None:  # fp8_static: its K scale is folded into ``scale``
+            return dots * row * scale
         col = exp2i(k.exponents).t()[:, None, :]
         return dots * row * col * scale
     eq = pow2_exponent_ceil(q.abs().amax(dim=-1), Q_FP16_MAX).int()  # [n, H]
@@ -119,13 +128,19 @@ def paged_attention(
     window: int | None = None,
     exp_mode: ExpMode = "exact",
     hadamard: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[T, Hq, d]`` over the paged cache (module docstring), ``[T, Hq,
-    d]`` in ``q.dtype``."""
+    d]`` in ``q.dtype``. ``k_scale``/``v_scale``: ``fp8_static``'s static scales."""
     total, heads_q, d = q.shape
     group = heads_q // cache.shape[2]
     pfmt = p_format(fmt)
+    static = fmt.dtype is KVCacheFormat.FP8_STATIC
     scale = softmax_scale * LOG2E * (1.0 / d if hadamard else 1.0)
+    if static:
+        scale *= k_scale
+    out_scale = v_scale if static else 1.0
     out = torch.zeros(total, heads_q, d, dtype=torch.float32, device=q.device)
     starts = query_start_loc.tolist()
     for s, length in enumerate(seq_lens.tolist()):
@@ -151,5 +166,5 @@ def paged_attention(
         p_hat, p = probabilities(y - m, exp_mode, pfmt)
         l_row = (p * exp2i(-ev.int())[:, None, :]).sum(-1)  # [H, n]
         pv = torch.einsum("hij,jhd->ihd", p_hat, v.values)
-        out[a:b] = pv / (l_row.t()[..., None] * 2.0**pfmt.shift)
+        out[a:b] = pv / (l_row.t()[..., None] * 2.0**pfmt.shift) * out_scale
     return out.to(q.dtype)

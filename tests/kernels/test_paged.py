@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from flamia_serve.kernels import paged as kernels
 from flamia_serve.kvcache import PagedKVCache
+from flamia_serve.numerics.kv_pages import KVPageFormat
 from flamia_serve.reference import attention as training_attention
 from flamia_serve.reference import paged as ref
 from tests.kernels.paged_cases import PagedBatch, make_batch
@@ -249,11 +252,107 @@ def test_write_rejects_slots_outside_the_cache(device: str) -> None:
         kernels.write_kv_cache(b.cache.clone(), b.key, b.value, slots, b.fmt)
 
 
+@pytest.mark.parametrize(("dtype", "exp_mode"), [("fp16", "exact"), ("fp16", "mitchell"),
+                                               ("fp8_static", "exact"),
+                                               ("fp8_static", "schraudolph")])  # fmt: skip
+def test_fp16_and_static_fp8_formats(dtype: str, exp_mode: str, device: str) -> None:
+    """FP16 cache (vLLM ``auto`` for FP16 models) and E4M3 with static per-layer scales
+    (vLLM ``fp8``): writes bit-exact, attention within the reference budget. Non-1.0
+    scales; K values beyond 448·k_scale saturate."""
+    scales = {"k_scale": 0.37, "v_scale": 2.5} if dtype == "fp8_static" else {}
+    b = make_batch([1, 1, 9, 40], [50, 3, 20, 0], dtype=dtype, device=device, seed=7)
+    if dtype == "fp16":
+        b.q, b.key, b.value = b.q.half(), b.key.half(), b.value.half()
+    b.key[3, 1, :4] = 900.0  # > 448 * 0.37: saturates to ±448 codes
+    expected_cache = b.cache.clone()
+    ref.write_kv_cache(expected_cache, b.key, b.value, b.slot_mapping, b.fmt, **scales)
+    cache = PagedKVCache(b.cache.clone(), b.fmt, **scales)
+    cache.write(b.key, b.value, b.slot_mapping)
+    assert torch.equal(cache.data, expected_cache)
+    expected = ref.paged_attention(b.q, expected_cache, b.fmt, b.block_table, b.seq_lens,
+                                   b.query_start_loc, softmax_scale=0.125, exp_mode=exp_mode,
+                                   **scales)  # fmt: skip
+    out = cache.attention(b.q, b.block_table, b.seq_lens, b.query_start_loc,
+                          softmax_scale=0.125, exp_mode=exp_mode, num_splits=2)  # fmt: skip
+    assert out.dtype == b.q.dtype
+    _assert_close(out, expected)
+    if dtype == "fp8_static":  # the scales matter: a unit-scale cache decodes differently
+        unit = ref.paged_attention(b.q, expected_cache, b.fmt, b.block_table, b.seq_lens,
+                                   b.query_start_loc, softmax_scale=0.125)  # fmt: skip
+        assert (unit.float() - expected.float()).abs().max() > 0.1
+
+
+def test_plan_splits_mixed_batches() -> None:
+    """Leading sequences with <= 1 new token are decodes (a 0-token padding row too); the
+    first longer one starts the prefill part; grids and partial rows follow."""
+    f = KVPageFormat("nvfp4", 64)
+
+    def plan(qsl: list[int], **kw: object) -> kernels.PagedPlan:
+        return kernels.plan_paged(f, 8, 2, torch.tensor(qsl, dtype=torch.int32), 4000,
+                                  device="cpu", **kw)  # type: ignore[arg-type]  # fmt: skip
+
+    p = plan([0, 1, 2, 2, 3, 12, 52, 53])
+    assert (p.num_seqs, p.num_decodes, p.num_decode_tokens, p.num_tokens) == (7, 4, 3, 53)
+    block_q = p.prefill.block_m // p.group_p2
+    assert p.prefill_programs == -(-(53 - 3) // block_q) + 3
+    assert p.num_splits > 1 and p.workspace_rows == p.num_splits * 3
+    decodes = plan([0, 1, 2, 3])
+    assert (decodes.num_decodes, decodes.prefill_programs) == (3, 0)
+    prefills = plan([0, 5, 6, 7])  # a prefill first: no decodes at all
+    assert (prefills.num_decodes, prefills.num_decode_tokens) == (0, 0)
+    assert plan([0, 1, 2, 3], max_decodes=1).num_decodes == 1
+    assert plan([0, 1, 2], num_splits=1).workspace_rows == 0
+    padded = plan([0, 1, 2, 9], num_tokens=16)  # rows past the last sequence are padding
+    assert padded.num_tokens == 16
+    with pytest.raises(ValueError, match="num_splits"):
+        plan([0, 1], num_splits=3)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.plan_paged(f, 6, 4, torch.tensor([0, 1]), 10, device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_planned_fast_path_equals_validating_path(dtype: str, device: str) -> None:
+    """One plan + a reused workspace reproduce the validating launcher bit for bit; padded
+    rows (slot −1, past the last sequence) are neither written to the cache nor attended."""
+    b = make_batch([1, 1, 7, 20], [40, 9, 30, 0], dtype=dtype, device=device, seed=11)
+    pad = 5
+    key = torch.cat([b.key, torch.randn_like(b.key[:pad])])
+    value = torch.cat([b.value, torch.randn_like(b.value[:pad])])
+    slots = torch.cat([b.slot_mapping, torch.full((pad,), -1, device=device,
+                                                  dtype=b.slot_mapping.dtype)])  # fmt: skip
+    cache = b.cache.clone()
+    kernels.run_write_kv_cache(cache, key, value, slots, b.fmt, key.shape[0])
+    assert torch.equal(cache, _written(b))
+    expected = kernels.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
+                                       b.query_start_loc, num_splits=4)  # fmt: skip
+    total = b.q.shape[0]
+    q = torch.cat([b.q, torch.randn_like(b.q[:pad])])
+    out = torch.full_like(q, 7.0)
+    plan = kernels.plan_paged(b.fmt, q.shape[1], b.cache.shape[2], b.query_start_loc.cpu(),
+                              int(b.seq_lens.max()), num_tokens=total, device=device,
+                              num_splits=4)  # fmt: skip
+    ws = kernels.PagedWorkspace.allocate(plan.workspace_rows, q.shape[1], 64, device)
+    for _ in range(2):  # the same plan and workspace serve every layer
+        kernels.run_paged_attention(q, cache, b.block_table, b.seq_lens, b.query_start_loc,
+                                    plan, out, qk_scale=64**-0.5 * math.log2(math.e),
+                                    workspace=ws)  # fmt: skip
+    assert torch.equal(out[:total], expected)
+    assert (out[total:] == 7.0).all()
+    # the validating entry point without host reads (counts given) plans the same launch
+    quiet = kernels.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
+                                    b.query_start_loc, num_splits=4, validate=False,
+                                    num_decodes=2, max_seq_len=int(b.seq_lens.max()))  # fmt: skip
+    assert torch.equal(quiet, expected)
+
+
 def test_cache_allocate_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="page_size"):
         PagedKVCache.allocate(4, 0, 2, 64, "fp8", device="cpu")
     with pytest.raises(ValueError, match="kv cache dtype"):
         PagedKVCache.allocate(4, 16, 2, 64, "int4", device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="static fp8 scale"):
+        PagedKVCache.allocate(4, 16, 2, 64, "fp8_static", device="cpu", k_scale=0.0).write(
+            torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), torch.zeros(1, dtype=torch.long))
     cache = PagedKVCache.allocate(4, 32, 2, 64, "nvfp4", device="cpu")
     assert cache.page_size == 32 and cache.heads_kv == 2
     assert cache.data.shape == (4, 2, 2, 32 * (32 + 4))

@@ -1,19 +1,36 @@
-"""Serving kernels over the paged KV cache (cache write, paged attention)."""
+"""Serving kernels over the paged KV cache (cache write, paged attention): validating entry
+points, and plan + run launchers for callers that plan once per batch (the vLLM backend)."""
 
 from flamia_serve.kernels.paged.ops import (
     PagedConfig,
     PagedLayout,
+    PagedPlan,
+    PagedWorkspace,
     decode_splits,
+    default_configs,
     leading_decodes,
+    max_workspace_rows,
     paged_attention,
+    plan_paged,
+    plan_paged_counts,
+    run_paged_attention,
+    run_write_kv_cache,
     write_kv_cache,
 )
 
 __all__ = [
     "PagedConfig",
     "PagedLayout",
+    "PagedPlan",
+    "PagedWorkspace",
     "decode_splits",
+    "default_configs",
     "leading_decodes",
+    "max_workspace_rows",
     "paged_attention",
+    "plan_paged",
+    "plan_paged_counts",
+    "run_paged_attention",
+    "run_write_kv_cache",
     "write_kv_cache",
 ]

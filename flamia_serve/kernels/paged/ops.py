@@ -1,8 +1,17 @@
 """Launchers of the serving kernels: cache write and paged attention (decode + prefill).
 
-``paged_attention`` is the one entry point for mixed batches: sequences whose single new
-token is a decode (a leading run, as vLLM orders them) go to the split-K decode launch, the
-rest to the prefill/extend launch of the same kernel.
+Two layers, as FlashInfer's ``plan()`` / ``run()`` and vLLM's ``build()`` / ``forward()``:
+
+* :func:`plan_paged` — everything decided on the host once per batch (decode / prefill
+  split, split-K count, tile configs, grid sizes) from host-side batch facts;
+* :func:`run_paged_attention` / :func:`run_write_kv_cache` — launch with a plan; they read
+  nothing from the GPU and check nothing (CUDA-graph safe: the vLLM backend's hot path).
+
+:func:`paged_attention` and :func:`write_kv_cache` are the validating entry points for direct
+users: they check arguments (index values on the host unless ``validate=False``), plan from
+the tensors and run. Sequences whose single new token is a decode (a leading run, as vLLM
+orders them) go to the split-K decode launch, the rest to the prefill/extend launch of the
+same kernel.
 """
 
 from __future__ import annotations
@@ -22,15 +31,16 @@ from flamia_serve.kernels.paged.triton import (
 from flamia_serve.numerics import hadamard_transform
 from flamia_serve.numerics.checks import INPUT_DTYPES, check_softmax_scale, check_tensor
 from flamia_serve.numerics.exp2 import EXP_MODES, ExpMode, check_exp_mode
-from flamia_serve.numerics.kv_pages import KVPageFormat
+from flamia_serve.numerics.kv_pages import KVCacheFormat, KVPageFormat, static_inverse
 
-_FMT_ID = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 _INDEX_DTYPES = (torch.int32,)
+MAX_DECODE_SPLITS = 64
 
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """Element strides of a cache tensor as the kernels see it (codes and scales views)."""
+    """A cache tensor as the kernels see it: typed code and scale views plus the element
+    strides of ``KVPageFormat.strides`` (``numerics.kv_pages`` is the one definition)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -43,16 +53,10 @@ class PagedLayout:
 
     @staticmethod
     def of(cache: torch.Tensor, fmt: KVPageFormat) -> PagedLayout:
-        page = fmt.page_size_of(cache)
-        region = fmt.region_bytes(page)
-        d = fmt.head_dim
-        if fmt.dtype == "bf16":
-            codes = cache.view(torch.bfloat16)
-            return PagedLayout(codes, cache, page, region // 2, region, 0, d, 0)
-        if fmt.dtype == "fp8":
-            return PagedLayout(cache, cache.view(torch.int32), page, region, region // 4,
-                               page * d // 4, d, 1)  # fmt: skip
-        return PagedLayout(cache, cache, page, region, region, page * d // 2, d // 2, d // 16)
+        st = fmt.strides(fmt.page_size_of(cache))
+        return PagedLayout(cache.view(st.code_dtype), cache.view(st.scale_dtype), st.page_size,
+                           st.region_codes, st.region_scales, st.scale_base, st.code_row,
+                           st.scale_row)  # fmt: skip
 
     def kernel_args(self) -> dict[str, int]:
         return {
@@ -63,6 +67,303 @@ class PagedLayout:
             "CODE_ROW": self.code_row,
             "SCALE_ROW": self.scale_row,
         }
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Tile shape of one launch: ``block_m`` rows (query tokens × GQA group), ``block_n``
+    keys per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedConfig, PagedConfig]:
+    """(decode, prefill) configs, measured on the H200 (``benchmarks/tune_paged.py``,
+    ``benchmarks/results/tune_paged*.json``): decodes from quantized caches gain from long key
+    tiles (per-tile latency dominates), 16-bit decodes from short pipelined ones."""
+    decode_m = max(16, group_p2)
+    if interpreted():
+        return PagedConfig(decode_m, 16, 4, 1), PagedConfig(max(32, group_p2), 16, 4, 1)
+    if d >= 256:
+        return PagedConfig(decode_m, 32, 4, 2), PagedConfig(max(64, group_p2), 32, 4, 2)
+    if fmt.is_16bit:
+        return PagedConfig(decode_m, 64, 4, 2), PagedConfig(max(64, group_p2), 64, 4, 2)
+    if fmt in (KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC):
+        prefill = PagedConfig(max(128, group_p2), 64, 8, 3)
+    else:
+        prefill = PagedConfig(max(64, group_p2), 64, 4, 2)
+    return PagedConfig(decode_m, 128, 4, 2), prefill
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def decode_splits(num_decodes: int, heads_kv: int, max_seq_len: int, block_n: int,
+                  device: torch.device, waves: int = 2) -> int:  # fmt: skip
+    """Key-range splits of a decode launch: enough programs for ``waves`` programs per SM,
+    each split at least four key tiles long; a power of two up to ``MAX_DECODE_SPLITS``."""
+    if num_decodes == 0:
+        return 1
+    want = math.ceil(waves * _num_sms(device) / (num_decodes * heads_kv))
+    by_length = max(1, math.ceil(max_seq_len / (4 * block_n)))
+    return min(MAX_DECODE_SPLITS, triton.next_power_of_2(max(1, min(want, by_length))))
+
+
+def leading_decodes(query_start_loc: torch.Tensor) -> int:
+    """Number of leading sequences with at most one new token (host read when on the GPU):
+    the decodes of a batch ordered decodes first, as vLLM orders them."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
+    not_decode = (q_lens > 1).nonzero()
+    return int(not_decode[0]) if not_decode.numel() else q_lens.numel()
+
+
+def _splits_for(fmt: KVPageFormat, heads_kv: int, num_decodes: int, max_seq_len: int,
+                cfg: PagedConfig, device: torch.device) -> int:  # fmt: skip
+    # quantized caches: eight programs per SM hide the per-tile latency (tune_paged)
+    waves = 2 if fmt.dtype.is_16bit else 8
+    return decode_splits(num_decodes, heads_kv, max_seq_len, cfg.block_n, device, waves)
+
+
+def max_workspace_rows(fmt: KVPageFormat, heads_q: int, heads_kv: int, max_decodes: int,
+                       max_seq_len: int, device: torch.device | str) -> int:  # fmt: skip
+    """The most split-K partial rows (tokens × splits) a default plan of up to ``max_decodes``
+    decodes over at most ``max_seq_len`` keys needs: the size of a workspace that serves
+    every batch (and every CUDA graph) of an engine."""
+    group_p2 = triton.next_power_of_2(heads_q // heads_kv)
+    cfg = default_configs(group_p2, fmt.head_dim, fmt.dtype)[0]
+    dev = torch.device(device)
+    rows = 0
+    for n in range(1, max_decodes + 1):
+        splits = _splits_for(fmt, heads_kv, n, max_seq_len, cfg, dev)
+        if splits > 1:
+            rows = max(rows, splits * n)
+    return rows
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """Host-side launch plan of one batch, shared by every layer (no GPU reads at launch).
+
+    ``num_decodes`` leading sequences (at most one new token each, ``num_decode_tokens`` of
+    them) run as split-K decodes with ``num_splits`` key ranges; the other ``num_seqs −
+    num_decodes`` sequences run as causal prefill/extend on ``prefill_programs`` query
+    blocks (an upper bound is safe: extra programs exit).
+    """
+
+    fmt: KVPageFormat
+    heads_q: int
+    heads_kv: int
+    num_seqs: int
+    num_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_splits: int
+    decode: PagedConfig
+    prefill: PagedConfig
+    prefill_programs: int
+
+    @property
+    def group_p2(self) -> int:
+        return triton.next_power_of_2(self.heads_q // self.heads_kv)
+
+    @property
+    def workspace_rows(self) -> int:
+        """Rows (token × split) of split-K partials this plan needs (0: no split)."""
+        return self.num_splits * self.num_decode_tokens if self.num_splits > 1 else 0
+
+
+def plan_paged(
+    fmt: KVPageFormat,
+    heads_q: int,
+    heads_kv: int,
+    query_start_loc_host: torch.Tensor,
+    max_seq_len: int,
+    *,
+    num_tokens: int | None = None,
+    device: torch.device | str = "cuda",
+    num_splits: int | None = None,
+    decode_config: PagedConfig | None = None,
+    prefill_config: PagedConfig | None = None,
+    max_decodes: int | None = None,
+) -> PagedPlan:
+    """Plan one batch from host data: ``query_start_loc_host`` ``[B+1]`` (a CPU tensor),
+    ``max_seq_len`` (an upper bound on ``seq_lens``, sizes the split-K), ``num_tokens`` (rows
+    of ``q``; default ``query_start_loc_host[-1]``). ``num_splits`` forces the decode split
+    count (a power of two); ``*_config`` override the measured tile configs; ``max_decodes``
+    caps the decode run (the rest goes to the prefill launch)."""
+    qsl = query_start_loc_host.tolist()
+    batch = len(qsl) - 1
+    total = int(qsl[-1]) if num_tokens is None else num_tokens
+    limit = batch if max_decodes is None else min(batch, max_decodes)
+    num_decodes = 0
+    while num_decodes < limit and qsl[num_decodes + 1] - qsl[num_decodes] <= 1:
+        num_decodes += 1
+    return plan_paged_counts(fmt, heads_q, heads_kv, num_seqs=batch, num_tokens=total,
+                             num_decodes=num_decodes,
+                             num_decode_tokens=int(qsl[num_decodes]) if batch else 0,
+                             max_seq_len=max_seq_len, device=device, num_splits=num_splits,
+                             decode_config=decode_config,
+                             prefill_config=prefill_config)  # fmt: skip
+
+
+def plan_paged_counts(
+    fmt: KVPageFormat,
+    heads_q: int,
+    heads_kv: int,
+    *,
+    num_seqs: int,
+    num_tokens: int,
+    num_decodes: int,
+    num_decode_tokens: int,
+    max_seq_len: int,
+    device: torch.device | str = "cuda",
+    num_splits: int | None = None,
+    decode_config: PagedConfig | None = None,
+    prefill_config: PagedConfig | None = None,
+) -> PagedPlan:
+    """:func:`plan_paged` from batch counts the caller already knows (no tensor at all):
+    the first ``num_decodes`` of ``num_seqs`` sequences are decodes holding the first
+    ``num_decode_tokens`` of ``num_tokens`` query rows."""
+    if heads_q % heads_kv:
+        raise ValueError(f"q heads ({heads_q}) must be a multiple of the cache's Hkv ({heads_kv})")
+    if not 0 <= num_decodes <= num_seqs or not 0 <= num_decode_tokens <= num_tokens:
+        raise ValueError(
+            f"inconsistent batch counts: {num_decodes} decodes of {num_seqs} sequences, "
+            f"{num_decode_tokens} decode tokens of {num_tokens}"
+        )
+    group_p2 = triton.next_power_of_2(heads_q // heads_kv)
+    default_decode, default_prefill = default_configs(group_p2, fmt.head_dim, fmt.dtype)
+    decode_cfg = decode_config or default_decode
+    prefill_cfg = prefill_config or default_prefill
+    for cfg in (decode_cfg, prefill_cfg):
+        if cfg.block_m % group_p2 or cfg.block_m < 16:
+            raise ValueError(f"block_m must be >= 16 and a multiple of the GQA group, got {cfg}")
+    splits = num_splits or _splits_for(fmt, heads_kv, num_decodes, max_seq_len, decode_cfg,
+                                       torch.device(device))  # fmt: skip
+    if splits < 1 or splits & (splits - 1) or splits > MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be a power of two <= {MAX_DECODE_SPLITS}, got {splits}")
+    rest = num_seqs - num_decodes
+    block_q = prefill_cfg.block_m // group_p2
+    prefill = triton.cdiv(max(num_tokens - num_decode_tokens, 0), block_q) + rest if rest else 0
+    return PagedPlan(fmt, heads_q, heads_kv, num_seqs, num_tokens, num_decodes,
+                     num_decode_tokens, splits, decode_cfg, prefill_cfg, prefill)  # fmt: skip
+
+
+@dataclass
+class PagedWorkspace:
+    """Split-K partials (float32 ``O`` and ``(M, l)``) reused across layers and steps —
+    preallocated so CUDA-graph replays see fixed addresses. ``rows`` = tokens × splits."""
+
+    part_o: torch.Tensor
+    part_ml: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, heads_q: int, head_dim: int,
+                 device: torch.device | str) -> PagedWorkspace:  # fmt: skip
+        rows = max(rows, 1)
+        return cls(torch.empty(rows * heads_q * head_dim, dtype=torch.float32, device=device),
+                   torch.empty(rows * heads_q * 2, dtype=torch.float32, device=device))  # fmt: skip
+
+    def fits(self, plan: PagedPlan) -> bool:
+        rows = plan.workspace_rows
+        return self.part_ml.numel() >= rows * plan.heads_q * 2
+
+
+def run_write_kv_cache(
+    cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fmt: KVPageFormat,
+    num_tokens: int,
+    *,
+    hadamard: bool = False,
+    k_inv_scale: float = 1.0,
+    v_inv_scale: float = 1.0,
+) -> None:
+    """Launch the cache write for the first ``num_tokens`` rows (no checks, no host reads;
+    ``*_inv_scale`` = ``static_inverse`` of ``fp8_static``'s scales)."""
+    if num_tokens == 0:
+        return
+    layout = PagedLayout.of(cache, fmt)
+    heads_kv, d = key.shape[1], key.shape[2]
+    write_kv_cache_kernel[(num_tokens,)](
+        key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1), slot_mapping,
+        layout.codes, layout.scales, k_inv_scale, v_inv_scale,
+        HKV=heads_kv, HKV_P2=triton.next_power_of_2(heads_kv), D=d, LOG2_D=int(math.log2(d)),
+        KV_FMT=fmt.dtype.kernel_id, HADAMARD=hadamard, INTERPRET=interpreted(),
+        num_warps=4, **layout.kernel_args(),
+    )  # fmt: skip
+
+
+def run_paged_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    plan: PagedPlan,
+    out: torch.Tensor,
+    *,
+    qk_scale: float,
+    window: int | None = None,
+    exp_mode: ExpMode = "exact",
+    v_scale: float = 1.0,
+    workspace: PagedWorkspace | None = None,
+) -> torch.Tensor:
+    """Launch paged attention with a plan (no checks, no host reads). ``qk_scale`` is the
+    base-2 logit scale (``softmax_scale · log2 e``, times the static K scale for
+    ``fp8_static``, over ``d`` after a Hadamard rotation of ``q``). ``q``/``out`` have at
+    least ``plan.num_tokens`` rows."""
+    fmt = plan.fmt
+    if plan.num_seqs == 0 or plan.num_tokens == 0:
+        return out
+    layout = PagedLayout.of(cache, fmt)
+    heads_q, heads_kv, d = plan.heads_q, plan.heads_kv, fmt.head_dim
+    common = dict(
+        HKV=heads_kv, GROUP=heads_q // heads_kv, GROUP_P2=plan.group_p2, D=d,
+        HAS_WINDOW=window is not None, KV_FMT=fmt.dtype.kernel_id,
+        EXP_MODE=EXP_MODES.index(exp_mode), INTERPRET=interpreted(), **layout.kernel_args(),
+    )  # fmt: skip
+    args = (q, q.stride(0), q.stride(1), layout.codes, layout.scales, block_table,
+            block_table.stride(0), seq_lens, query_start_loc)  # fmt: skip
+    win = window or 0
+    num_decodes, splits = plan.num_decodes, plan.num_splits
+    if num_decodes:
+        part_o = part_ml = out
+        rows = plan.num_decode_tokens
+        if splits > 1:
+            if workspace is None or not workspace.fits(plan):
+                workspace = PagedWorkspace.allocate(plan.workspace_rows, heads_q, d, q.device)
+            part_o, part_ml = workspace.part_o, workspace.part_ml
+        cfg = plan.decode
+        paged_attention_kernel[(num_decodes, heads_kv, splits)](
+            *args, out, out.stride(0), out.stride(1), part_o, part_ml, rows,
+            0, num_decodes, qk_scale, win, v_scale,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, DECODE=True,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+        if splits > 1 and rows:
+            combine_splits_kernel[(rows, heads_q)](
+                part_o, part_ml, out, out.stride(0), out.stride(1), rows, heads_q,
+                NUM_SPLITS=splits, D=d, INTERPRET=interpreted(), num_warps=4,
+            )  # fmt: skip
+    rest = plan.num_seqs - num_decodes
+    if rest and plan.prefill_programs:
+        cfg = plan.prefill
+        paged_attention_kernel[(plan.prefill_programs, heads_kv, 1)](
+            *args, out, out.stride(0), out.stride(1), out, out, 0,
+            num_decodes, rest, qk_scale, win, v_scale,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=1, DECODE=False,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+    return out
 
 
 def _check_cache(cache: object, fmt: KVPageFormat, device: torch.device) -> int:
@@ -77,6 +378,12 @@ def _check_cache(cache: object, fmt: KVPageFormat, device: torch.device) -> int:
     return fmt.page_size_of(cache)
 
 
+def _static_inverses(fmt: KVPageFormat, k_scale: float, v_scale: float) -> tuple[float, float]:
+    if fmt.dtype is not KVCacheFormat.FP8_STATIC:
+        return 1.0, 1.0
+    return static_inverse(k_scale), static_inverse(v_scale)
+
+
 def write_kv_cache(
     cache: torch.Tensor,
     key: torch.Tensor,
@@ -85,13 +392,15 @@ def write_kv_cache(
     fmt: KVPageFormat,
     *,
     hadamard: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     validate: bool = True,
 ) -> None:
     """Quantize ``key``/``value`` ``[N, Hkv, d]`` (bf16/fp16/fp32) into ``cache`` at
     ``slot_mapping`` ``[N]`` (int32/int64, ``block * page_size + offset``, −1 = skip), in
     place — twin: ``reference.paged.write_kv_cache``. Only the addressed slots change.
-    ``validate`` checks on the host that every slot is −1 or inside the cache (off for
-    CUDA-graph capture)."""
+    ``k_scale``/``v_scale``: ``fp8_static``'s static scales. ``validate`` checks on the host
+    that every slot is −1 or inside the cache (off for CUDA-graph capture)."""
     check_tensor(key, "key", ndim=3, dtypes=(*INPUT_DTYPES, torch.float32))
     check_tensor(value, "value", ndim=3, dtypes=(*INPUT_DTYPES, torch.float32))
     check_tensor(slot_mapping, "slot_mapping", ndim=1, dtypes=(torch.int32, torch.int64))
@@ -110,6 +419,7 @@ def write_kv_cache(
         raise ValueError("key and value must be contiguous in the head dim")
     if hadamard and d & (d - 1):
         raise ValueError(f"hadamard needs a power-of-two head dim, got {d}")
+    k_inv, v_inv = _static_inverses(fmt, k_scale, v_scale)
     if n == 0:
         return
     if validate:
@@ -120,66 +430,8 @@ def write_kv_cache(
                 f"slot_mapping holds slots outside [-1, {cache.shape[0] * page}) "
                 f"(num_blocks {cache.shape[0]} x page_size {page})"
             )
-    layout = PagedLayout.of(cache, fmt)
-    write_kv_cache_kernel[(n,)](
-        key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1), slot_mapping,
-        layout.codes, layout.scales,
-        HKV=heads_kv, HKV_P2=triton.next_power_of_2(heads_kv), D=d, LOG2_D=int(math.log2(d)),
-        KV_FMT=_FMT_ID[fmt.dtype], HADAMARD=hadamard, INTERPRET=interpreted(),
-        num_warps=4, **layout.kernel_args(),
-    )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PagedConfig:
-    """Tile shape of one launch: ``block_m`` rows (query tokens × GQA group), ``block_n``
-    keys per step."""
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def _configs(group_p2: int, d: int, dtype: str) -> tuple[PagedConfig, PagedConfig]:
-    """(decode, prefill) configs, measured on the H200 (``benchmarks/tune_paged.py``,
-    ``benchmarks/results/tune_paged*.json``): decodes from quantized caches gain from long key
-    tiles (per-tile latency dominates), BF16 decodes from short pipelined ones."""
-    decode_m = max(16, group_p2)
-    if interpreted():
-        return PagedConfig(decode_m, 16, 4, 1), PagedConfig(max(32, group_p2), 16, 4, 1)
-    if d >= 256:
-        return PagedConfig(decode_m, 32, 4, 2), PagedConfig(max(64, group_p2), 32, 4, 2)
-    if dtype == "bf16":
-        return PagedConfig(decode_m, 64, 4, 2), PagedConfig(max(64, group_p2), 64, 4, 2)
-    prefill = PagedConfig(max(128, group_p2), 64, 8, 3) if dtype == "fp8" else PagedConfig(
-        max(64, group_p2), 64, 4, 2)
-    return PagedConfig(decode_m, 128, 4, 2), prefill
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
-def decode_splits(num_decodes: int, heads_kv: int, max_seq_len: int, block_n: int,
-                  device: torch.device, waves: int = 2) -> int:  # fmt: skip
-    """Key-range splits of a decode launch: enough programs for ``waves`` programs per SM,
-    each split at least four key tiles long; a power of two up to 64."""
-    if num_decodes == 0:
-        return 1
-    want = math.ceil(waves * _num_sms(device) / (num_decodes * heads_kv))
-    by_length = max(1, math.ceil(max_seq_len / (4 * block_n)))
-    return min(64, triton.next_power_of_2(max(1, min(want, by_length))))
-
-
-def leading_decodes(query_start_loc: torch.Tensor) -> int:
-    """Number of leading sequences with exactly one new token (host read): the decodes of a
-    batch ordered decodes first, as vLLM orders them."""
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
-    not_decode = (q_lens != 1).nonzero()
-    return int(not_decode[0]) if not_decode.numel() else q_lens.numel()
+    run_write_kv_cache(cache, key, value, slot_mapping, fmt, n, hadamard=hadamard,
+                       k_inv_scale=k_inv, v_inv_scale=v_inv)  # fmt: skip
 
 
 def _check_paged_inputs(
@@ -250,6 +502,8 @@ def paged_attention(
     window: int | None = None,
     exp_mode: ExpMode = "exact",
     hadamard: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     num_decodes: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
@@ -262,11 +516,15 @@ def paged_attention(
     written) — twin: ``reference.paged.paged_attention``.
 
     ``block_table`` ``[B, pages]`` int32, ``seq_lens`` ``[B]`` int32 (cached tokens incl. the
-    new ones), ``query_start_loc`` ``[B+1]`` int32. ``num_decodes``: the leading sequences
-    with one query token (found on the host when None); ``max_seq_len`` sizes the split-K of
-    decodes (host-read when None). ``validate`` checks index values on the host (off for
-    CUDA-graph capture). ``*_config`` override the measured tile configs.
-    Returns ``out`` (``[T, Hq, d]``, q's dtype).
+    new ones), ``query_start_loc`` ``[B+1]`` int32. ``k_scale``/``v_scale``: ``fp8_static``'s
+    static scales. ``num_decodes``: how many leading sequences to run as decodes (found on
+    the host when None); ``max_seq_len`` sizes the split-K of decodes (host-read when None).
+    ``validate`` checks index values on the host; with ``validate=False`` and both
+    ``num_decodes`` and ``max_seq_len`` given nothing is read from the GPU (CUDA-graph safe)
+    and each of the ``num_decodes`` sequences must have exactly one new token.
+    ``*_config`` override the measured tile configs. Returns ``out`` (``[T, Hq,
+    d]``, q's dtype). The per-batch plan is rebuilt on every call: callers that run many
+    layers per batch use :func:`plan_paged` + :func:`run_paged_attention`.
     """
     _check_paged_inputs(q, cache, fmt, block_table, seq_lens, query_start_loc, validate)
     exp_mode = check_exp_mode(exp_mode)
@@ -276,6 +534,7 @@ def paged_attention(
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if hadamard and d & (d - 1):
         raise ValueError(f"hadamard needs a power-of-two head dim, got {d}")
+    _static_inverses(fmt, k_scale, v_scale)  # rejects non-positive scales
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -287,62 +546,26 @@ def paged_attention(
     if hadamard:
         q = hadamard_transform(q)
         qk_scale /= d
-    if num_decodes is None:
-        num_decodes = leading_decodes(query_start_loc[: batch + 1])
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
-    layout = PagedLayout.of(cache, fmt)
-    heads_kv = cache.shape[2]
-    group = heads_q // heads_kv
-    group_p2 = triton.next_power_of_2(group)
-    default_decode, default_prefill = _configs(group_p2, d, fmt.dtype)
-    decode_cfg = decode_config or default_decode
-    prefill_cfg = prefill_config or default_prefill
-    for cfg in (decode_cfg, prefill_cfg):
-        if cfg.block_m % group_p2 or cfg.block_m < 16:
-            raise ValueError(f"block_m must be >= 16 and a multiple of the GQA group, got {cfg}")
-    common = dict(
-        HKV=heads_kv, GROUP=group, GROUP_P2=group_p2, D=d, HAS_WINDOW=window is not None,
-        KV_FMT=_FMT_ID[fmt.dtype], EXP_MODE=EXP_MODES.index(exp_mode), INTERPRET=interpreted(),
-        **layout.kernel_args(),
-    )  # fmt: skip
-    args = (q, q.stride(0), q.stride(1), layout.codes, layout.scales, block_table,
-            block_table.stride(0), seq_lens, query_start_loc)  # fmt: skip
-    win = window or 0
-    if num_decodes:
-        # quantized caches: eight programs per SM hide the per-tile latency (tune_paged)
-        waves = 2 if fmt.dtype == "bf16" else 8
-        splits = num_splits or decode_splits(num_decodes, heads_kv, max_seq_len,
-                                             decode_cfg.block_n, q.device, waves)  # fmt: skip
-        if splits & (splits - 1):
-            raise ValueError(f"num_splits must be a power of two, got {splits}")
-        part_o = part_ml = out
-        if splits > 1:
-            part_o = torch.empty(splits, num_decodes, heads_q, d, dtype=torch.float32,
-                                 device=q.device)  # fmt: skip
-            part_ml = torch.empty(splits, num_decodes, heads_q, 2, dtype=torch.float32,
-                                  device=q.device)  # fmt: skip
-        paged_attention_kernel[(num_decodes, heads_kv, splits)](
-            *args, out, out.stride(0), out.stride(1), part_o, part_ml, num_decodes,
-            0, num_decodes, qk_scale, win,
-            BLOCK_M=decode_cfg.block_m, BLOCK_N=decode_cfg.block_n, NUM_SPLITS=splits,
-            DECODE=True, num_warps=decode_cfg.num_warps, num_stages=decode_cfg.num_stages,
-            **common,
-        )  # fmt: skip
-        if splits > 1:
-            combine_splits_kernel[(num_decodes, heads_q)](
-                part_o, part_ml, out, out.stride(0), out.stride(1), num_decodes, heads_q,
-                NUM_SPLITS=splits, D=d, INTERPRET=interpreted(), num_warps=4,
-            )  # fmt: skip
-    rest = batch - num_decodes
-    if rest:
-        block_q = prefill_cfg.block_m // group_p2
-        grid = (triton.cdiv(total - num_decodes, block_q) + rest, heads_kv, 1)
-        paged_attention_kernel[grid](
-            *args, out, out.stride(0), out.stride(1), out, out, 0,
-            num_decodes, rest, qk_scale, win,
-            BLOCK_M=prefill_cfg.block_m, BLOCK_N=prefill_cfg.block_n, NUM_SPLITS=1,
-            DECODE=False, num_warps=prefill_cfg.num_warps, num_stages=prefill_cfg.num_stages,
-            **common,
-        )  # fmt: skip
-    return out
+    static = fmt.dtype is KVCacheFormat.FP8_STATIC
+    if static:
+        qk_scale *= k_scale
+    plan_args = dict(device=q.device, num_splits=num_splits, decode_config=decode_config,
+                     prefill_config=prefill_config)  # fmt: skip
+    if not validate and num_decodes is not None and max_seq_len is not None:
+        # no host reads: the caller vouches that the first num_decodes sequences have one
+        # new token each
+        plan = plan_paged_counts(fmt, heads_q, cache.shape[2], num_seqs=batch, num_tokens=total,
+                                 num_decodes=num_decodes, num_decode_tokens=num_decodes,
+                                 max_seq_len=max_seq_len, **plan_args)  # type: ignore[arg-type]  # fmt: skip
+    else:
+        qsl_host = query_start_loc[: batch + 1].cpu()
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        plan = plan_paged(fmt, heads_q, cache.shape[2], qsl_host, max_seq_len, num_tokens=total,
+                          max_decodes=num_decodes, **plan_args)  # type: ignore[arg-type]  # fmt: skip
+        if num_decodes is not None and num_decodes != plan.num_decodes:
+            raise ValueError(f"num_decodes={num_decodes} exceeds the {plan.num_decodes} leading "
+                             "sequences with at most one new token")  # fmt: skip
+    return run_paged_attention(q, cache, block_table, seq_lens, query_start_loc, plan, out,
+                               qk_scale=qk_scale, window=window, exp_mode=exp_mode,
+                               v_scale=v_scale if static else 1.0)  # fmt: skip

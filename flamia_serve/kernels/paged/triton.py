@@ -1,7 +1,8 @@
 """Serving kernels over the paged KV cache: cache write, paged attention, split combine.
 
 Twins: ``flamia_serve.reference.paged`` (``write_kv_cache``, ``paged_attention``). Byte
-layout: ``numerics.kv_pages``. Cache formats (``KV_FMT``): 0 = bf16, 1 = fp8, 2 = nvfp4.
+layout: ``numerics.kv_pages``. Cache formats (``KV_FMT`` = ``KVCacheFormat.kernel_id``):
+0 = bf16, 1 = fp8 (per token-head exponent), 2 = nvfp4, 3 = fp16, 4 = fp8_static.
 Exponential modes (``EXP_MODE``): 0 = exact, 1 = schraudolph, 2 = mitchell
 (``numerics.exp2``).
 """
@@ -27,6 +28,8 @@ from flamia_serve.numerics.formats import P_HAT_EXP
 BF16: tl.constexpr = tl.constexpr(0)
 FP8: tl.constexpr = tl.constexpr(1)
 NVFP4: tl.constexpr = tl.constexpr(2)
+FP16: tl.constexpr = tl.constexpr(3)
+FP8_STATIC: tl.constexpr = tl.constexpr(4)
 EXACT: tl.constexpr = tl.constexpr(0)
 SCHRAUDOLPH: tl.constexpr = tl.constexpr(1)
 MITCHELL: tl.constexpr = tl.constexpr(2)
@@ -47,14 +50,14 @@ NO_MAX: tl.constexpr = tl.constexpr(-1073741824.0)  # running-max sentinel (-2**
 @triton.jit
 def write_kv_cache_kernel(
     key_ptr, value_ptr, stride_kt, stride_kh, stride_vt, stride_vh, slot_ptr,
-    codes_ptr, scales_ptr,
+    codes_ptr, scales_ptr, k_inv_scale, v_inv_scale,
     HKV: tl.constexpr, HKV_P2: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
     PAGE: tl.constexpr, REGION_CODES: tl.constexpr, REGION_SCALES: tl.constexpr,
     SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
     KV_FMT: tl.constexpr, HADAMARD: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One new token per program: quantize its K and V heads into slot ``slot_mapping[t]``
-    (skipped when −1)."""
+    (skipped when −1). ``*_inv_scale``: 1 / the static scale (``fp8_static`` only)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -80,6 +83,16 @@ def write_kv_cache_kernel(
             tl.store(
                 code_row[:, None] + cols[None, :], to_bf16(x, INTERPRET), mask=head_ok[:, None]
             )
+        elif KV_FMT == FP16:
+            tl.store(code_row[:, None] + cols[None, :], x.to(tl.float16), mask=head_ok[:, None])
+        elif KV_FMT == FP8_STATIC:
+            if half == 0:
+                y = x * k_inv_scale
+            else:
+                y = x * v_inv_scale
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            codes = to_e4m3(y, INTERPRET).to(tl.uint8, bitcast=True)
+            tl.store(code_row[:, None] + cols[None, :], codes, mask=head_ok[:, None])
         elif KV_FMT == FP8:
             codes, e = fp8_rows(x, True, INTERPRET)
             tl.store(
@@ -191,6 +204,13 @@ def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
             code = tl.where(code >= 128, code, 0)
             l_term = (code << 16).to(tl.float32, bitcast=True)
             p_op = code.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        elif KV_FMT == FP16:
+            # FP16 code (E + 15) << 10 | m; its FP32 bits are (code + 112·2^10) << 13
+            f = tl.maximum(t, -256.0) * 1024.0 + RNE_MAGIC
+            code = f.to(tl.int32, bitcast=True) - (MAGIC_BITS - 15 * 1024)
+            code = tl.where(code >= 1024, code, 0)
+            l_term = tl.where(code > 0, (code + 112 * 1024) << 13, 0).to(tl.float32, bitcast=True)
+            p_op = code.to(tl.int16).to(tl.float16, bitcast=True)
         else:
             f = tl.maximum(t + P_SHIFT, -256.0) * 8.0 + RNE_MAGIC
             code = f.to(tl.int32, bitcast=True) - (MAGIC_BITS - 56)
@@ -208,6 +228,8 @@ def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
         l_term = p
         if KV_FMT == BF16:
             p_op = to_bf16(p, INTERPRET)
+        elif KV_FMT == FP16:
+            p_op = p.to(tl.float16)
         else:
             p_op = to_e4m3(p * P_SCALE, INTERPRET).to(tl.float16)
     if KV_FMT == FP8:
@@ -220,7 +242,7 @@ def paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     codes_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
     out_ptr, stride_ot, stride_oh, part_o_ptr, part_ml_ptr, part_tokens,
-    seq_begin, num_seqs, qk_scale, window,
+    seq_begin, num_seqs, qk_scale, window, v_scale,
     HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, REGION_CODES: tl.constexpr, REGION_SCALES: tl.constexpr,
     SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
@@ -235,8 +257,9 @@ def paged_attention_kernel(
     ``DECODE``: one query token per sequence, program ``i`` = sequence ``seq_begin + i``.
     Otherwise query blocks are numbered per sequence (``(qsl[s] − qsl[seq_begin]) //
     BLOCK_Q + (s − seq_begin)`` starts sequence ``s``) and found by binary search.
-    ``NUM_SPLITS > 1`` splits the key range; partial (O, M, l) go to ``part_*`` for
-    ``combine_splits_kernel``.
+    ``NUM_SPLITS > 1`` splits the key range; partial (O, M, l) go to ``part_*`` (rows =
+    the token's index, ``part_tokens`` rows per split) for ``combine_splits_kernel``.
+    ``qk_scale`` includes ``fp8_static``'s K scale; ``v_scale`` multiplies O (1 otherwise).
     """
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
@@ -276,7 +299,9 @@ def paged_attention_kernel(
     row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
     if KV_FMT == BF16:
         q_op = to_bf16(q, INTERPRET)
-    elif KV_FMT == FP8:
+    elif KV_FMT == FP16:
+        q_op = q.to(tl.float16)
+    elif KV_FMT == FP8 or KV_FMT == FP8_STATIC:
         q_op, eq = fp8_rows(q, True, INTERPRET)
         q_op = q_op.to(tl.float16)  # exact; K codes are widened too (see the loop)
         row_scale = row_scale * exp2i(eq)
@@ -325,7 +350,7 @@ def paged_attention_kernel(
             k_even, k_odd = _nvfp4_halves(kb, ks, BLOCK_N, D, INTERPRET)
             s = _dot(q_even, tl.trans(k_even), INTERPRET)
             s += _dot(q_odd, tl.trans(k_odd), INTERPRET)
-        elif KV_FMT == FP8:
+        elif KV_FMT == FP8 or KV_FMT == FP8_STATIC:
             # widened to FP16 in registers (exact) before the MMA, like the NVFP4 path
             k = tl.load(k_codes[:, None] + cols[None, :], mask=n_ok[:, None], other=0)
             s = _dot(q_op, tl.trans(_e4m3_to_f16(k, INTERPRET)), INTERPRET)
@@ -357,13 +382,15 @@ def paged_attention_kernel(
             acc_odd = acc_odd * alpha[:, None] + _dot(p_op, v_odd, INTERPRET)
         else:
             v = tl.load(v_codes[:, None] + cols[None, :], mask=n_ok[:, None], other=0)
-            if KV_FMT == FP8:
+            if KV_FMT == FP8 or KV_FMT == FP8_STATIC:
                 v = _e4m3_to_f16(v, INTERPRET)
             acc = acc * alpha[:, None] + _dot(p_op, v, INTERPRET)
 
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
-    if KV_FMT != BF16:
+    if KV_FMT != BF16 and KV_FMT != FP16:
         inv_l = inv_l / P_SCALE
+    if KV_FMT == FP8_STATIC:
+        inv_l = inv_l * v_scale
     tokens = (q_start + tok).to(tl.int64)
     if NUM_SPLITS == 1:
         o_row = out_ptr + tokens * stride_ot + head * stride_oh
