@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from benchmarks.common import write_results
 from flamia_serve import flamia_attn_varlen
 from flamia_serve.attention import debug_p_hat
-from flamia_serve.numerics import RECIPES, quantize_blocks_2d
+from flamia_serve.numerics import RECIPES, exp2i, quantize_blocks_2d
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import attention, attention_float64
 from flamia_serve.reference.quantized import backward_ds, quantize_qkv
@@ -85,9 +85,8 @@ def ds_blocks(q, k, v, cu, ms, d_out, exact) -> list[dict]:
             length = ds.shape[-1]
             sl = slice(start, start + length)
             start += length
-            eq = torch.ldexp(torch.ones(()), qkv.q8.exponents[sl].int()).t()[..., None].to(ds)
-            ek = torch.ldexp(torch.ones(()), qkv.k8.exponents[sl].int()).t()[:, None, :]
-            ek = ek.repeat_interleave(HQ // HKV, dim=0).to(ds)
+            eq = exp2i(qkv.q8.exponents[sl]).t()[..., None]
+            ek = exp2i(qkv.k8.exponents[sl]).t()[:, None, :].repeat_interleave(HQ // HKV, dim=0)
             live = ds != 0
             nonzero += int(live.sum())
             for which, x, block in (("dK", ds * eq, dk_block), ("dQ", ds * ek, dq_block)):

@@ -130,7 +130,8 @@ def bwd_variants(verbose: bool = False) -> None:
     for d, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
         for causal, nvfp4 in ((True, False), (False, False), (True, True)):
             consts = dict(HQ=32, HKV=8, D=d, BLOCK_M=32, BLOCK_N=64, DK_KEYS=32, CAUSAL=causal,
-                          QK_NVFP4=nvfp4, DEBUG_P=False, INTERPRET=False)  # fmt: skip
+                          QK_NVFP4=nvfp4, DEBUG_P=False, WITH_DQ=True,
+                          INTERPRET=False)  # fmt: skip
             k = _compile(attn_bwd_kernel, ptrs, consts, warps)
             extra = f" {resource_usage(k)}" if verbose else ""
             print(f"attn_bwd d={d} warps={warps} causal={causal} nvfp4={nvfp4}: ok{extra}")

@@ -42,11 +42,12 @@ class BwdConfig:
 
 
 def default_bwd_config(head_dim: int, device: torch.device) -> BwdConfig:
-    """One warpgroup at d=64, two above (the dK/dV accumulators, 64 x d each, then fit in
-    registers: local sm_90 compile, ``tests/kernels/sm90_compile.py -v``)."""
+    """One warpgroup up to d=128, two at d=256 (its 64x256 dK/dV accumulators). H200,
+    T=8192 causal, d=128: 4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``)
+    although 4 warps spill a little (``tests/kernels/sm90_compile.py -v``)."""
     if device.type != "cuda":
         return BwdConfig(num_warps=4, num_stages=1)
-    return BwdConfig(num_warps=4 if head_dim <= 64 else 8)
+    return BwdConfig(num_warps=4 if head_dim <= 128 else 8)
 
 
 def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
@@ -83,6 +84,7 @@ def attn_bwd(
     config: BwdConfig | None = None,
     work: WorkList | None = None,
     debug_p: torch.Tensor | None = None,
+    with_dq: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv, d])`` in ``out_dtype``.
 
@@ -92,6 +94,7 @@ def attn_bwd(
     ``qdo`` comes from ``quantize_do``, ``m_rows``/``lse_rows`` ``[T, Hq]`` float32 from the
     forward. ``work``: a key-tile list from the plan (built here otherwise). ``debug_p``: a
     float32 ``[Hq, T, T]`` buffer that receives every P̂ as rebuilt (small calls only).
+    ``with_dq=False`` skips dQ (returned as zeros; profiling only).
     """
     rec = resolve_recipe(recipe)
     if qkv.q_t is None or qkv.k_t is None:
@@ -129,7 +132,7 @@ def attn_bwd(
         softmax_scale * LOG2E * qkv.qk_rescale, softmax_scale, qkv.v_t.shape[-1], total,
         HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DK_KEYS=rec.ds_block[1], CAUSAL=bool(causal), QK_NVFP4=nvfp4,
-        DEBUG_P=debug_p is not None, INTERPRET=interpreted(),
+        DEBUG_P=debug_p is not None, WITH_DQ=with_dq, INTERPRET=interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip

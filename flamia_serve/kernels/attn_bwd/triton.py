@@ -70,7 +70,7 @@ def _bwd_steps(
     qk_scale, softmax_scale, t_pad, n_tok,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DK_KEYS: tl.constexpr, MASK: tl.constexpr, QK_NVFP4: tl.constexpr,
-    DEBUG_P: tl.constexpr, INTERPRET: tl.constexpr,
+    DEBUG_P: tl.constexpr, WITH_DQ: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Query steps ``[lo, hi)`` of head ``h`` against one key tile (module docstring)."""
     r = tl.arange(0, BLOCK_M)
@@ -120,16 +120,24 @@ def _bwd_steps(
         ek = _block_exponents(tl.max(tl.abs(dsk), axis=1), BLOCK_N, DK_KEYS)
         dsk8 = to_e4m3(dsk * exp2i(-ek)[:, None], INTERPRET)
         dk_acc += tl.dot(dsk8, q_t) * exp2i(ek)[:, None]
-        # dQ: dS ∘ 2^eK, one exponent for the step x the tile
-        dsq = ds * k8fac[:, None]
-        eb = pow2_exponent_ceil(tl.max(tl.max(tl.abs(dsq), axis=1), axis=0), E4M3_EXP, E4M3_MANT)
-        dsq8 = to_e4m3(dsq * exp2i(-eb), INTERPRET)
-        # dQᵀ = K̂ᵀ·dŜᵀ: keys on the MMA's K, the head dim on its M (a 32-row step is too
-        # short for a warpgroup MMA's M of 64)
-        dq_t = tl.dot(kt_tile, dsq8) * (exp2i(eb) * softmax_scale)
-        tl.atomic_add(dq_ptr + flat[None, :] * D + cols[:, None], dq_t, mask=q_ok[None, :],
-                      sem="relaxed")  # fmt: skip
+        if WITH_DQ:  # dQ: dS ∘ 2^eK, one exponent for the step x the tile
+            _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, D, INTERPRET)
     return dk_acc, dv_acc
+
+
+@triton.jit
+def _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, D: tl.constexpr,
+                   INTERPRET: tl.constexpr):  # fmt: skip
+    """dQ += (E4M3(dS ∘ 2^eK)·K̂)·2^e of one step, one exponent per step x tile, FP32 atomics."""
+    cols = tl.arange(0, D)
+    dsq = ds * k8fac[:, None]
+    eb = pow2_exponent_ceil(tl.max(tl.max(tl.abs(dsq), axis=1), axis=0), E4M3_EXP, E4M3_MANT)
+    dsq8 = to_e4m3(dsq * exp2i(-eb), INTERPRET)
+    # dQᵀ = K̂ᵀ·dŜᵀ: keys on the MMA's K, the head dim on its M (a 32-row step is too short
+    # for a warpgroup MMA's M of 64)
+    dq_t = tl.dot(kt_tile, dsq8) * (exp2i(eb) * softmax_scale)
+    tl.atomic_add(dq_ptr + flat[None, :] * D + cols[:, None], dq_t, mask=q_ok[None, :],
+                  sem="relaxed")  # fmt: skip
 
 
 @triton.jit
@@ -177,9 +185,11 @@ def attn_bwd_kernel(
     CAUSAL: tl.constexpr,
     QK_NVFP4: tl.constexpr,
     DEBUG_P: tl.constexpr,
+    WITH_DQ: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Program ``w = item * HKV + kv_head``; see the module docstring."""
+    """Program ``w = item * HKV + kv_head``; see the module docstring. ``WITH_DQ=False``
+    leaves dQ out (profiling)."""
     work = tl.program_id(0)
     if work >= tl.load(count_ptr) * HKV:
         return
@@ -224,7 +234,7 @@ def attn_bwd_kernel(
                 q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
                 do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
                 qk_scale, softmax_scale, t_pad, n_tokens,
-                HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, True, QK_NVFP4, DEBUG_P, INTERPRET,
+                HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, True, QK_NVFP4, DEBUG_P, WITH_DQ, INTERPRET,
             )  # fmt: skip
             lo = diag_end
         else:
@@ -235,7 +245,7 @@ def attn_bwd_kernel(
             q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
             do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
             qk_scale, softmax_scale, t_pad, n_tokens,
-            HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, False, QK_NVFP4, DEBUG_P, INTERPRET,
+            HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, False, QK_NVFP4, DEBUG_P, WITH_DQ, INTERPRET,
         )  # fmt: skip
     cols = tl.arange(0, D)
     out_at = ((doc_start + kj).to(tl.int64) * HKV + hk)[:, None] * D + cols[None, :]
