@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of the training-path checks and measurements (H200), results under $OUT.
-#   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune
+#   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -33,7 +33,7 @@ PY
 fi
 if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \
-    --passes fwd,fwd+bwd,bwd --impls flamia-mxfp8,fa4,cudnn-sdpa,fa2-varlen,flex-docmask \
+    --passes fwd,fwd+bwd,bwd --impls "${FLAMIA_IMPLS:-flamia-mxfp8,fa4,cudnn-sdpa,fa2-varlen,flex-docmask}" \
     --flex-workloads W3
 fi
 if [[ $steps == *,host,* ]]; then
@@ -43,7 +43,13 @@ if [[ $steps == *,numerics,* ]]; then
   run bwd_numerics 150 python benchmarks/bwd_numerics.py
 fi
 if [[ $steps == *,tests,* ]]; then
-  run pytest_bwd 300 python -m pytest -q -x tests/kernels/test_attn_bwd.py tests/kernels/test_gpu_bwd.py
+  run pytest_bwd 300 python -m pytest -q tests/kernels/test_attn_bwd.py \
+    tests/kernels/test_gpu_bwd.py tests/test_nonfinite.py tests/test_readme.py
+fi
+if [[ $steps == *,pretrain,* ]]; then  # three attention choices, same seed and data
+  stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+  run pretrain 560 python -m flamia_serve.train.pretrain --source "$stdlib" \
+    --attention bf16 mxfp8 mixed_nvfp4 --micro-batches 2 --no-progress --json "$OUT/pretrain.json"
 fi
 if [[ $steps == *,tune,* ]]; then
   run tune_bwd 240 python benchmarks/tune_bwd.py --workloads W3
