@@ -55,9 +55,12 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
     The hardware cast (GPU) is exact RNE. Triton's CPU interpreter rounds wrongly (ties away,
     a mantissa carry is lost: 7.875 -> 4, and -0 becomes +0), so with INTERPRET the code is
     built from bits: round |x| to its E4M3 quantum 2^(max(E, -6) - 3) with the magic-number
-    RNE add, then assemble sign, exponent field and mantissa.
+    RNE add, then assemble sign, exponent field and mantissa. Both saturate ±Inf to ±448
+    (the GPU's ``satfinite`` cast) and keep NaN (0x7F).
     """
     if INTERPRET:
+        nan = x != x
+        x = tl.where(nan, 0.0, tl.minimum(tl.maximum(x, -448.0), 448.0))  # ±Inf -> ±448
         e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         shift = tl.maximum(e, -6) - 3
         mag = ((tl.abs(x) * exp2i(-shift) + 12582912.0) - 12582912.0) * exp2i(shift)
@@ -66,6 +69,7 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
         normal = ((e_mag + 7) << 3) | ((mag_bits >> 20) & 7)
         sub = (mag * 512.0).to(tl.int32)  # subnormal: multiples of 2^-9 below 2^-6
         code = tl.where(e_mag >= -6, normal, sub) | tl.where(x < 0, 128, 0)
+        code = tl.where(nan, 0x7F, code)
         return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     return x.to(tl.float8e4nv)
 

@@ -62,8 +62,10 @@ def exp2i(e: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even cast to ``float8_e4m3fn``; |x| must already be <= 448."""
-    return x.float().to(torch.float8_e4m3fn)
+    """Round-to-nearest-even cast to ``float8_e4m3fn`` of |x| <= 448; ±Inf saturates to ±448
+    and NaN stays NaN on every device (torch's own cast of Inf differs between CPU and CUDA;
+    the GPU kernels' cast saturates)."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def e4m3_ceil(y: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ Two layouts of the same codes and exponents:
 Column layout: document ``b`` starts at column ``doc_v_t_start[b]`` (a multiple of
 ``V_T_ALIGN``, so tiles load as 16-byte vectors); its token ``j`` sits at
 ``doc_v_t_start[b] + v_t_position(j)`` (permuted inside 16-token groups, see
-``v_t_position``); columns outside documents hold zero codes.
+``v_t_position``); columns outside documents hold zero codes, ``COLUMN_SLACK`` of them
+after the last one.
 """
 
 from __future__ import annotations
@@ -50,9 +51,16 @@ def v_t_key(position):
     return (position - i) + ((i >> 2) << 1) + (((i >> 1) & 1) << 3) + (i & 1)
 
 
+#: zero columns after the last document: a whole key tile loaded at a document's start
+#: stays inside the array
+COLUMN_SLACK = 64
+
+
 def v_t_length(total_tokens: int, num_docs: int) -> int:
-    """Columns of the column layout: every document padded to ``V_T_ALIGN``."""
-    return max(-(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN, V_T_ALIGN)
+    """Columns of the column layout: every document padded to ``V_T_ALIGN``, then
+    ``COLUMN_SLACK`` zero columns."""
+    docs = -(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN
+    return docs + COLUMN_SLACK
 
 
 def token_columns(

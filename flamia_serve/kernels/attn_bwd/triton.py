@@ -17,10 +17,14 @@ the GQA group. Per step, with keys as rows:
   the tile's keys has one scale), computed transposed and added to an FP32 buffer with
   atomics.
 
+Column-layout tiles that run past their document (the key tile's V̂/K̂, the last query
+step's Q̂/Ĝ) read zeros there: the next document's codes must not enter an MMA even with
+zero weight (0·NaN is NaN), and the arrays end ``COLUMN_SLACK`` columns after the last
+document.
+
 Validity rides on per-row/per-column vectors, not per-element masks: keys past the
 document get ``eV = −inf`` (P̂ = 0) and zero V factors, queries past it ``M = +inf`` and
-``f = 0``; only the causal diagonal compares positions. Column-layout operands (``q_t``,
-``k_t``, ``v_t``, ``g_t``) load unmasked: their padding holds zero codes.
+``f = 0``; only the causal diagonal compares positions.
 """
 
 from __future__ import annotations
@@ -44,13 +48,28 @@ P_HAT_EXP = tl.constexpr(_P_HAT_EXP)
 
 
 @triton.jit
-def _column_tile(t_ptr, h, col0, t_pad, D: tl.constexpr, WIDTH: tl.constexpr):
+def _column_tile(t_ptr, h, col0, t_pad, ok, D: tl.constexpr, WIDTH: tl.constexpr,
+                 MASKED: tl.constexpr):  # fmt: skip
     """``[WIDTH, D]`` view (K-major) of columns ``col0 ..`` of head ``h`` of a column-layout
-    array ``[H, D, t_pad]`` (loaded as ``[D, WIDTH]``, contiguous along the tokens)."""
+    array ``[H, D, t_pad]`` (loaded as ``[D, WIDTH]``, contiguous along the tokens).
+    ``MASKED``: columns whose token is not ``ok`` read as 0 — tiles that run past their
+    document must not read the next one (0·NaN would carry its NaN over) or past the array."""
     cols = tl.arange(0, D)
     rows = (h * D + cols[:, None]).to(tl.int64) * t_pad
     ptrs = t_ptr + rows + col0 + tl.arange(0, WIDTH)[None, :]
+    if MASKED:
+        return tl.trans(tl.load(ptrs, mask=ok[None, :], other=0.0))
     return tl.trans(tl.load(ptrs))
+
+
+@triton.jit
+def _key_tile(t_ptr, h, col0, t_pad, ok, D: tl.constexpr, WIDTH: tl.constexpr):
+    """``_column_tile`` of the key tile: loaded whole (the arrays carry ``COLUMN_SLACK``
+    zero columns, so the load stays inside them), then other documents' columns zeroed."""
+    cols = tl.arange(0, D)
+    rows = (h * D + cols[:, None]).to(tl.int64) * t_pad
+    tile = tl.load(t_ptr + rows + col0 + tl.arange(0, WIDTH)[None, :])
+    return tl.trans(tl.where(ok[None, :], tile, 0.0))
 
 
 @triton.jit
@@ -69,10 +88,14 @@ def _bwd_steps(
     do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
     qk_scale, softmax_scale, t_pad, n_tok,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DK_KEYS: tl.constexpr, MASK: tl.constexpr, QK_NVFP4: tl.constexpr,
-    DEBUG_P: tl.constexpr, WITH_DQ: tl.constexpr, INTERPRET: tl.constexpr,
+    DK_KEYS: tl.constexpr, DIAGONAL: tl.constexpr, TAIL: tl.constexpr,
+    QK_NVFP4: tl.constexpr, DEBUG_P: tl.constexpr, WITH_DQ: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Query steps ``[lo, hi)`` of head ``h`` against one key tile (module docstring)."""
+    """Query steps ``[lo, hi)`` of head ``h`` against one key tile (module docstring).
+    ``DIAGONAL``: compare positions (causal diagonal); ``TAIL``: mask the column-layout
+    loads (a step may run past the document; a separate unmasked loop for the full steps
+    measured more register spills in a local sm_90 compile)."""
     r = tl.arange(0, BLOCK_M)
     perm = v_t_key(r)  # query rows in the column layout's order, as the K tile's keys
     cols = tl.arange(0, D)
@@ -99,12 +122,12 @@ def _bwd_steps(
         e_do = tl.load(do_exp_ptr + h * n_tok + doc_start + i0).to(tl.int32)
         e_g = tl.load(g_exp_ptr + h * t_pad + v_t_start + i0).to(tl.int32)
         d_o = tl.load(do8_ptr + flat[:, None] * D + cols[None, :], mask=q_ok[:, None], other=0.0)
-        q_t = _column_tile(qt_ptr, h, v_t_start + i0, t_pad, D, BLOCK_M)
-        g_t = _column_tile(gt_ptr, h, v_t_start + i0, t_pad, D, BLOCK_M)
+        q_t = _column_tile(qt_ptr, h, v_t_start + i0, t_pad, q_ok, D, BLOCK_M, TAIL)
+        g_t = _column_tile(gt_ptr, h, v_t_start + i0, t_pad, q_ok, D, BLOCK_M, TAIL)
 
         s = tl.dot(k_tile, tl.trans(q))
         y = s * kfac[:, None] * qfac[None, :] + ev_add[:, None]
-        if MASK:  # the causal diagonal
+        if DIAGONAL:
             y = tl.where(qi[None, :] >= kj[:, None], y, float("-inf"))
         p8 = tl.math.exp2(y - (m_row[None, :] - P_HAT_EXP))
         p_hat = to_e4m3(p8, INTERPRET)
@@ -220,23 +243,25 @@ def attn_bwd_kernel(
     ev_add = tl.where(key_ok, ev.to(tl.float32), float("-inf"))
     v_inv = tl.where(key_ok, exp2i(-ev), 0.0)
     v_fac = tl.where(key_ok, exp2i(ev), 0.0)
-    v_tile = _column_tile(vt_ptr, hk, v_t_start + key0, t_pad, D, BLOCK_N)
-    kt_tile = tl.trans(_column_tile(kt_ptr, hk, v_t_start + key0, t_pad, D, BLOCK_N))  # [D, BN]
+    # loaded once per program: masked, so a tile past its document reads zeros
+    v_tile = _key_tile(vt_ptr, hk, v_t_start + key0, t_pad, key_ok, D, BLOCK_N)
+    kt_tile = _key_tile(kt_ptr, hk, v_t_start + key0, t_pad, key_ok, D, BLOCK_N)
+    kt_tile = tl.trans(kt_tile)  # [D, BN]
     dk_acc = tl.zeros([BLOCK_N, D], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, D], tl.float32)
     for g in range(HQ // HKV):
         h = hk * (HQ // HKV) + g
-        if CAUSAL:
-            diag_end = tl.minimum(key0 + BLOCK_N, length)
+        if CAUSAL:  # the diagonal
+            lo = tl.minimum(key0 + BLOCK_N, length)
             dk_acc, dv_acc = _bwd_steps(
-                dk_acc, dv_acc, key0, diag_end, k_tile, v_tile, kt_tile, kfac, k8fac, ev_add,
+                dk_acc, dv_acc, key0, lo, k_tile, v_tile, kt_tile, kfac, k8fac, ev_add,
                 v_inv, v_fac, kj, h, doc_start, length, v_t_start,
                 q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
                 do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
                 qk_scale, softmax_scale, t_pad, n_tokens,
-                HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, True, QK_NVFP4, DEBUG_P, WITH_DQ, INTERPRET,
+                HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, True, True, QK_NVFP4, DEBUG_P, WITH_DQ,
+                INTERPRET,
             )  # fmt: skip
-            lo = diag_end
         else:
             lo = 0
         dk_acc, dv_acc = _bwd_steps(
@@ -245,7 +270,8 @@ def attn_bwd_kernel(
             q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
             do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
             qk_scale, softmax_scale, t_pad, n_tokens,
-            HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, False, QK_NVFP4, DEBUG_P, WITH_DQ, INTERPRET,
+            HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, False, True, QK_NVFP4, DEBUG_P, WITH_DQ,
+            INTERPRET,
         )  # fmt: skip
     cols = tl.arange(0, D)
     out_at = ((doc_start + kj).to(tl.int64) * HKV + hk)[:, None] * D + cols[None, :]
