@@ -129,6 +129,7 @@ class TrainConfig:
     eval_fraction: float
     exact_causal: bool
     seed: int
+    flamia_path: str = "auto"
 
 
 def _need_train_extra() -> None:
@@ -143,8 +144,12 @@ def _need_train_extra() -> None:
         raise SetupError(f"pretraining needs transformers>=5, found {transformers.__version__}")
 
 
-def attention_setup(attention: str, exact_causal: bool) -> tuple[str, dict]:
-    """(transformers ``attn_implementation``, extra config attributes) for a choice."""
+def attention_setup(
+    attention: str, exact_causal: bool, flamia_path: str = "auto"
+) -> tuple[str, dict]:
+    """(transformers ``attn_implementation``, extra config attributes) for a choice;
+    ``flamia_path``: ``auto`` (kernels on CUDA), ``kernel`` or ``reference`` (the PyTorch
+    twin, same numerics: tells a kernel bug from a numerics effect)."""
     if attention == "bf16":
         return "sdpa", {}
     if attention not in FLAMIA_RECIPES:
@@ -155,7 +160,8 @@ def attention_setup(attention: str, exact_causal: bool) -> tuple[str, dict]:
         raise SetupError(f"attention {attention!r} needs flamia_serve.train.hf (the FLAMIA "
                            f"transformers integration), which does not import: {e}") from None
     register()
-    return "flamia", {"flamia_recipe": attention, "flamia_exact_causal": exact_causal}
+    return "flamia", {"flamia_recipe": attention, "flamia_exact_causal": exact_causal,
+                      "flamia_path": flamia_path}  # fmt: skip
 
 
 def build_model(cfg: TrainConfig, attention: str, vocab_size: int):
@@ -163,7 +169,7 @@ def build_model(cfg: TrainConfig, attention: str, vocab_size: int):
     weights for every attention choice), FP32 parameters, no KV cache."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    impl, extra = attention_setup(attention, cfg.exact_causal)
+    impl, extra = attention_setup(attention, cfg.exact_causal, cfg.flamia_path)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
@@ -434,7 +440,7 @@ def pretrain(cfg: TrainConfig, attentions: Sequence[str], *, device: str | torch
     if len(set(attentions)) != len(attentions):
         raise ValueError(f"attentions: repeated choice in {list(attentions)}")
     for a in attentions:  # fail before the first run, not after it
-        attention_setup(a, cfg.exact_causal)
+        attention_setup(a, cfg.exact_causal, cfg.flamia_path)
     device = torch.device(device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -473,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention choice(s); several run one after another, same seed/data")
     p.add_argument("--model-size", choices=sorted(PRESETS), default="small",
                    help="preset: tiny (CPU smoke), small (~63M, the H200 run), base (~130M)")
+    p.add_argument("--flamia-path", choices=("auto", "kernel", "reference"), default="auto",
+                   help="FLAMIA: GPU kernels (auto on CUDA) or the PyTorch twin (same numerics)")
     p.add_argument("--exact-causal", action="store_true",
                    help="FLAMIA: per-token Q/K exponents (no dependence on later tokens)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: preset)")
@@ -517,7 +525,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr=pick("lr"), min_lr_ratio=args.min_lr_ratio, warmup=pick("warmup"),
         weight_decay=args.weight_decay, clip=args.clip, eval_every=pick("eval_every"),
         eval_batches=pick("eval_batches"), eval_fraction=args.eval_fraction,
-        exact_causal=args.exact_causal, seed=args.seed)
+        exact_causal=args.exact_causal, seed=args.seed, flamia_path=args.flamia_path)
     for name in ("steps", "seq_len", "micro_batches", "eval_every", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, "

@@ -151,3 +151,21 @@ def test_token_block_must_fill_v_t_key_groups(device) -> None:
     recipe = dataclasses.replace(resolve_recipe("mxfp8"), token_block=8)
     with pytest.raises(ValueError, match="token_block 8: must be a multiple of 16"):
         quantize_qkv(q, k, v, cu, recipe=recipe)
+
+
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d", "recipe", "exact"),
+    CASES,
+    ids=[f"T{sum(c[0])}-HQ{c[1]}-H{c[2]}-D{c[3]}-{c[4]}{'-exact' if c[5] else ''}" for c in CASES],
+)
+def test_column_copies_bit_exact(lens, hq, hkv, d, recipe, exact, device) -> None:
+    """``q_t``/``k_t`` (the backward's column-layout copies) hold exactly the token-major
+    codes at ``key_columns``, zeros in every other column (document padding, slack)."""
+    q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=6, device=device)
+    qkv = quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact, with_transposed=True)
+    column = qkv.key_columns()
+    for name, t, codes in (("q_t", qkv.q_t, qkv.q_codes), ("k_t", qkv.k_t, qkv.k_codes)):
+        assert _same(t[:, :, column].permute(2, 0, 1), codes), name
+        rest = torch.ones(t.shape[-1], dtype=torch.bool, device=t.device)
+        rest[column] = False
+        assert not bool(t[:, :, rest].view(torch.uint8).any()), name
