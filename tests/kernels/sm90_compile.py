@@ -40,7 +40,7 @@ def _compile(
         sig[name] = ptrs.get(name) or ("constexpr" if name in consts else "i32")
         if name in ptrs or name == "t_pad":
             attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in ("qk_scale", "softmax_scale"):
+    for name in ("qk_scale", "softmax_scale", "k_inv_scale", "v_inv_scale", "v_scale"):
         if name in sig:
             sig[name] = "fp32"
     source = ASTSource(kernel, sig, consts, attrs)
