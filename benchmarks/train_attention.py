@@ -286,6 +286,10 @@ def _load_flex() -> Builder:
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, knob):
             setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), 64))
+    # the bwd-only rows replay one graph (retain_graph=True), which donated buffers forbid
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     if "fn" not in _FLEX:
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX["fn"]

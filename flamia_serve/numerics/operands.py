@@ -142,6 +142,17 @@ class KernelQKV:
         """int64 ``[T]``: the column of each token in the column layout."""
         return token_columns(self.cu_seqlens, self.doc_v_t_start, self.k_codes.shape[0])
 
+    def nvfp4_kernel_args(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(codes, block scales, exponents) of Q and of K for a kernel's NVFP4 pointers:
+        the NVFP4 operands, or placeholders of the right dtypes (never read) without them."""
+        if self.q4 is not None and self.k4 is not None:
+            return (
+                (self.q4.codes, self.q4.block_scales, self.q4.exponents),
+                (self.k4.codes, self.k4.block_scales, self.k4.exponents),
+            )
+        placeholder = (self.q_codes.view(torch.uint8), self.q_codes, self.q_exp)
+        return placeholder, placeholder
+
     def to_reference(self) -> QuantizedQKV:
         """The same operands in the reference layout (V token-major, int8 exponents)."""
         column = self.key_columns()

@@ -114,13 +114,8 @@ def attn_bwd(
     dv = torch.empty_like(dk)
     if total == 0:
         return dq_acc.to(out_dtype), dk, dv
-    q4, k4 = qkv.q4, qkv.k4
-    nvfp4 = q4 is not None and k4 is not None
-    if nvfp4:
-        q4_args = (q4.codes, q4.block_scales, q4.exponents)
-        k4_args = (k4.codes, k4.block_scales, k4.exponents)
-    else:  # placeholders of the right dtypes, never read
-        q4_args = k4_args = (qkv.q_codes.view(torch.uint8), qkv.q_codes, qkv.q_exp)
+    nvfp4 = qkv.q4 is not None and qkv.k4 is not None
+    q4_args, k4_args = qkv.nvfp4_kernel_args()
     grid = (work.num_slots * heads_kv,)
     attn_bwd_kernel[grid](
         qkv.q_codes, qkv.q_exp, qkv.q_t, qkv.k_codes, qkv.k_exp, qkv.k_t, *q4_args, *k4_args,

@@ -185,13 +185,8 @@ def attn_fwd(
             num_stages=cfg.num_stages, overlap=cfg.overlap, ticket=cfg.persistent,
         )  # fmt: skip
         return out, m_rows, lse_rows
-    q4, k4 = qkv.q4, qkv.k4
-    nvfp4 = q4 is not None and k4 is not None
-    if nvfp4:
-        q4_args = (q4.codes, q4.block_scales, q4.exponents)
-        k4_args = (k4.codes, k4.block_scales, k4.exponents)
-    else:  # placeholders of the right dtypes, never read
-        q4_args = k4_args = (qkv.q_codes.view(torch.uint8), qkv.q_codes, qkv.q_exp)
+    nvfp4 = qkv.q4 is not None and qkv.k4 is not None
+    q4_args, k4_args = qkv.nvfp4_kernel_args()
     # K exponents shared by aligned key blocks are read once per block (scalar loads)
     ke_block = qkv.k_exp_block if not nvfp4 and cfg.block_n % qkv.k_exp_block == 0 else 1
     if debug_p is not None and cfg.kernel != "triton":
