@@ -3,7 +3,6 @@ kernels (CUDA) or the reference twin (anywhere else), and ``FlamiaAttention``, i
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
@@ -19,15 +18,14 @@ PATHS: tuple[str, ...] = ("auto", "kernel", "reference")
 
 
 def use_kernels(device: torch.device, path: Path = "auto") -> bool:
-    """``auto``: the kernels on CUDA tensors (and on CPU under ``TRITON_INTERPRET=1``), the
-    reference twin otherwise; ``kernel`` / ``reference`` force one (``ValueError`` names
-    the choices)."""
+    """``auto``: the kernels on CUDA tensors, the reference twin (same numerics) elsewhere;
+    ``kernel`` / ``reference`` force one (``kernel`` on a CPU needs Triton's interpreter,
+    ``TRITON_INTERPRET=1``: tests). ``ValueError`` names the choices."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if path != "auto":
         return path == "kernel"
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return device.type == "cuda" or interpreting
+    return device.type == "cuda"
 
 
 def flamia_attention(
