@@ -204,7 +204,15 @@ def _probe(args: argparse.Namespace) -> int:
     from flamia_serve.probes import probe
 
     if args.impl == "kernel":
+        import os
+
         from flamia_serve import flamia_attn_varlen as impl
+
+        if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise UsageError(
+                "--impl kernel runs the GPU kernels: use --device cuda, or set "
+                "TRITON_INTERPRET=1 to interpret them on the CPU (slow)"
+            )
     else:
         from flamia_serve.reference import attention as impl
     start = time.perf_counter()
@@ -212,7 +220,7 @@ def _probe(args: argparse.Namespace) -> int:
     try:
         result = probe(seed=args.seed, device=device, impl=impl, backward=not args.forward_only)
     except NotImplementedError as err:
-        raise UsageError(f"--impl {args.impl}: {err} (try --forward-only)") from None
+        raise UsageError(f"--impl {args.impl}: {err}") from None
     elapsed = time.perf_counter() - start
     if json_path is not None:
         payload = {"device": device, "seed": args.seed, "torch": torch.__version__, **result}
