@@ -191,17 +191,21 @@ def test_impl_kernel(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
 
     def probe(**kwargs: object) -> dict:
         calls.append(kwargs)
-        if kwargs["backward"]:
-            raise NotImplementedError("flamia_attn_varlen has no backward kernel yet")
-        return _fake_result(False)
+        return _fake_result(bool(kwargs["backward"]))
 
     monkeypatch.setattr("flamia_serve.probes.probe", probe)
-    code, out, err = _run(["probe", "--impl", "kernel", "--json", ""], capsys)
-    _assert_one_line_error(code, out, err, "--impl kernel", "no backward", "--forward-only")
-    code, out, _ = _run(["probe", "--impl", "kernel", "--json", "", "--forward-only"], capsys)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels interpreted on the CPU
+    code, out, _ = _run(["probe", "--impl", "kernel", "--device", "cpu", "--json", ""], capsys)
     assert code == 0 and calls[-1]["impl"] is flamia_serve.flamia_attn_varlen
-    code, _, _ = _run(["probe", "--json", "", "--forward-only"], capsys)
+    assert calls[-1]["backward"] is True
+    code, out, _ = _run(["probe", "--json", "", "--forward-only"], capsys)
     assert code == 0 and calls[-1]["impl"] is flamia_serve.reference.attention
+    assert calls[-1]["backward"] is False
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter: refused
+    n = len(calls)
+    code, out, err = _run(["probe", "--impl", "kernel", "--device", "cpu", "--json", ""], capsys)
+    _assert_one_line_error(code, out, err, "--impl kernel", "--device cuda", "TRITON_INTERPRET")
+    assert len(calls) == n
 
 
 def test_probe_output_has_legend_shapes_and_fits_80_columns(capsys, fake_probe) -> None:
