@@ -42,21 +42,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from flamia_serve.backend.demo import SMALL_LLAMA as DEMO_LLAMA
+from flamia_serve.backend.demo import randomize_weights, write_model_config
+
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
-    "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 2,
-    "head_dim": 128, "num_hidden_layers": 6, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-}  # fmt: skip
+# the demo's model with 4k positions
+SMALL_LLAMA = {**DEMO_LLAMA, "max_position_embeddings": 4096}
 WEIGHT_STD = 0.02
-
-
-def write_model(path: Path, config: dict) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def write_entry_point(site: Path) -> Path:
@@ -70,22 +62,6 @@ def write_entry_point(site: Path) -> Path:
     (info / "entry_points.txt").write_text(
         "[vllm.general_plugins]\nflamia = flamia_serve.backend:register\n")
     return site
-
-
-def randomize_weights(model: object, seed: int, std: float) -> int:
-    """Run on the worker's model: replace the dummy weights by N(0, std) (norms = 1)."""
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    count = 0
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):  # type: ignore[attr-defined]
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
-            count += p.numel()
-    return count
 
 
 class Engines:
@@ -208,7 +184,7 @@ def preemptions(llm) -> float | None:
 
 
 def run_engines(parts: set[str], results: dict, save) -> None:
-    model = write_model(Path(tempfile.mkdtemp()) / "small-llama", SMALL_LLAMA)
+    model = write_model_config(Path(tempfile.mkdtemp()) / "small-llama", SMALL_LLAMA)
     eng = Engines(model)
     results["engines"] = eng.results["engines"]
     shared = prompts_shared_prefix(8)
@@ -295,7 +271,7 @@ def run_engines(parts: set[str], results: dict, save) -> None:
 def run_serve(results: dict, save, kv_cache_dtype: str = "nvfp4") -> None:
     """``vllm serve`` in a subprocess, one completion on 127.0.0.1."""
     tmp = Path(tempfile.mkdtemp())
-    model = write_model(tmp / "small-llama", SMALL_LLAMA)
+    model = write_model_config(tmp / "small-llama", SMALL_LLAMA)
     site = write_entry_point(tmp / "ep")
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

@@ -71,14 +71,13 @@ def run_one(impl: str, args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import flamia_serve.backend
+    from flamia_serve.backend.demo import write_model_config
 
     flamia_serve.backend.register()
     from vllm import LLM, SamplingParams
 
     backend, kv_dtype = CONFIGS[impl]
-    model = Path(tempfile.mkdtemp()) / "llama3-8b-shape"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(LLAMA3_8B))
+    model = write_model_config(Path(tempfile.mkdtemp()) / "llama3-8b-shape", LLAMA3_8B)
     t0 = time.time()
     settings = dict(attention_backend=backend, kv_cache_dtype=kv_dtype, load_format="dummy",
                     skip_tokenizer_init=True, seed=0, max_model_len=args.max_model_len,

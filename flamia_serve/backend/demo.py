@@ -45,16 +45,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _randomize(model: object, seed: int, std: float = 0.02) -> None:
+def write_model_config(path: Path, config: dict) -> Path:
+    """A model directory holding only ``config.json`` (vLLM loads it with dummy weights)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def randomize_weights(model: object, seed: int, std: float = 0.02) -> int:
+    """Run on the worker's model (``LLM.apply_model``): replace the near-zero dummy weights
+    by N(0, std), norms by 1; returns the number of parameters."""
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    count = 0
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):  # type: ignore[attr-defined]
             if "norm" in name:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=gen)
+            count += p.numel()
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,16 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     generated = args.model is None
     model = args.model
     if generated:
-        model = Path(tempfile.mkdtemp()) / "flamia-demo-llama"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps(SMALL_LLAMA))
+        model = write_model_config(Path(tempfile.mkdtemp()) / "flamia-demo-llama", SMALL_LLAMA)
     t0 = time.time()
     llm = LLM(model=str(model), attention_backend="FLAMIA", kv_cache_dtype=args.kv_cache_dtype,
               load_format="dummy" if generated else "auto", skip_tokenizer_init=generated,
               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
               max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)  # fmt: skip
     if generated:
-        llm.apply_model(functools.partial(_randomize, seed=args.seed))
+        llm.apply_model(functools.partial(randomize_weights, seed=args.seed))
         llm.reset_prefix_cache()
     cache = llm.llm_engine.vllm_config.cache_config
     kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
