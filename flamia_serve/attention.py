@@ -8,6 +8,7 @@ same numerics is ``flamia_serve.reference.attention``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -202,7 +203,7 @@ def debug_p_hat(
     fwd_p, fwd_m = dense.clone(), dense.clone()
     cfg = default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
                          kernel="triton")  # fmt: skip
-    cfg = FwdConfig(**{**cfg.__dict__, "two_pass": two_pass})
+    cfg = dataclasses.replace(cfg, two_pass=two_pass)
     out, m_rows, lse_rows = attn_fwd(
         qkv, cu_seqlens, heads_q=heads_q, causal=causal, softmax_scale=scale, out_dtype=q.dtype,
         config=cfg, debug_p=(fwd_p, fwd_m),
