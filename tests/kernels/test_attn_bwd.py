@@ -232,3 +232,30 @@ def test_transformers_llama_flamia_matches_reference_path(device) -> None:
     assert float((loss_k - loss_r).abs()) <= 1e-3 * float(loss_r.abs())
     for name, g in grads_k.items():
         assert _rel(g, grads_r[name]) <= 3e-2, name
+
+
+def test_training_entry_point_errors() -> None:
+    """Bad choices of the training entry points fail by name before any work."""
+    from types import SimpleNamespace
+
+    from flamia_serve.train import FlamiaAttention, flamia_attention
+    from flamia_serve.train.hf import flamia_attention_forward
+
+    with pytest.raises(ValueError, match="path must be one of"):
+        FlamiaAttention(path="gpu")
+    q, k, v, cu, _ms = make_pack((20, 12), 2, 1, 64)
+    with pytest.raises(ValueError, match="max_seqlen is required"):
+        flamia_attention(q, k, v, cu)
+    with pytest.raises(ValueError, match=r"q must be \[B, S, Hq, d\]"):
+        flamia_attention(q, k, v)
+    module = SimpleNamespace(config=SimpleNamespace(), is_causal=True)
+    query = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    key = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no dropout"):
+        flamia_attention_forward(module, query, key, key, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        flamia_attention_forward(module, query[:, :, :1], key, key, None)
+    big = torch.zeros(2049, 2, 64, dtype=torch.bfloat16)
+    cu_big = torch.tensor([0, 2049], dtype=torch.int32)
+    with pytest.raises(ValueError, match="T must be <= 2048"):
+        debug_p_hat(big, big[:, :1], big[:, :1], cu_big)
