@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import types
 
+import torch
 import triton
 import triton.language as tl
 
@@ -23,6 +24,12 @@ def _jit_int_rule(fn: types.FunctionType) -> triton.JITFunction:
 
 #: ``operands.v_t_key`` inside kernels: the token stored at a column of the column layout
 v_t_key = _jit_int_rule(operands.v_t_key)
+
+
+def round_debug_p_(buffer: torch.Tensor) -> None:
+    """Round a kernel's debug buffer of ``P'·2^8`` (float32) to P̂ = E4M3 in place: the same
+    round-to-nearest-even cast the kernels' ``to_e4m3`` performs (values <= 2^8)."""
+    buffer.copy_(buffer.to(torch.float8_e4m3fn).float())
 
 
 def interpreted() -> bool:
@@ -72,6 +79,17 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
         code = tl.where(nan, 0x7F, code)
         return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def e4m3_value(x):
+    """float32 value of ``E4M3(x)`` (round to nearest even) for ``0 <= x <= 448``, from
+    float and integer operations only (no FP8 conversion, which Triton 3.6 mis-lays out on
+    sm_90 when the result is widened back): normals keep 3 mantissa bits, values below
+    2^-6 round to multiples of 2^-9 (the subnormals)."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    return tl.where(x < 0.015625, (x + 24576.0) - 24576.0, normal)
 
 
 @triton.jit

@@ -10,12 +10,13 @@ when causal), with ``c = softmax_scale * log2(e)``:
   so a kernel with integer running maxima differs only in E4M3's subnormal range);
 * ``P'_ij = 2^(y_ij − M_i)`` in (0, 1]; ``P̂ = E4M3(P' 2^8)`` (N5; ``P_HAT_EXP``: the shift
   keeps P̂ <= 448 and pushes E4M3's subnormal range below 2^-14 of the row max);
-  ``l_i = Σ_j P'_ij 2^(−eV_j)`` (unquantized, as DESIGN N3); ``O_i = Σ_j P̂_ij V̂_j / (2^8 l_i)``.
-  (A normaliser from the quantized P̂ would make O a convex combination of V̂ rows — a row
-  dominated by one key would not carry that key's E4M3 rounding of P, up to 6% — but on
-  the H200 with Triton 3.6 reading the E4M3 P̂ back to FP32 next to its use in ``wgmma``
-  returned zeros; kept for later);
-  row statistics: ``M`` and ``lse = M + log2(l)`` = log2 Σ_j 2^x_ij, float32 ``[T, Hq]``.
+  ``l_i = Σ_j P̂_ij 2^(−eV_j − 8)`` (the quantized P̂ itself, N3); ``O_i = Σ_j P̂_ij V̂_j /
+  (2^8 l_i)`` is then a convex combination of V̂ rows, and the backward's dS rows sum to
+  zero (an unquantized l left each row a bias of up to P's E4M3 rounding, 6%, which the
+  mean key direction amplified into Q/K gradients that drifted from BF16 as training
+  sharpened attention: ``benchmarks/results/grad_fidelity_bf16.json``);
+  row statistics: ``M`` and ``lse = M + log2(l)`` (log2 Σ_j 2^x_ij up to P̂'s rounding),
+  float32 ``[T, Hq]``.
 
 Backward (N5, N6; ``attention_backward``, twin of the backward kernels):
 
@@ -25,8 +26,8 @@ Backward (N5, N6; ``attention_backward``, twin of the backward kernels):
 * P̂ is rebuilt from the stored codes exactly as above; ``dV_j = 2^(−eV_j) Σ_i P̂_ij Ĝ_i``
   (P̂·V̂ of the forward, transposed; folding ``f`` into G keeps every scale of this product
   constant along its contraction over 32-query blocks);
-* ``dP = dÔ·V̂ᵀ``; ``dS = P ∘ (dP − D)`` with the unquantized ``P_ij = p8_ij 2^(−eV_j) f_i``,
-  ``p8 = 2^(y − M + 8)`` the value P̂ rounds (equal to ``2^(x − lse)``; straight-through);
+* ``dP = dÔ·V̂ᵀ``; ``dS = P ∘ (dP − D)`` with ``P_ij = P̂_ij 2^(−eV_j) f_i`` (the forward's
+  quantized, normalized probabilities: each row sums to 1; straight-through);
 * ``dK = scale · Σ_i Ŝᴷ_ij Q̂_i`` with ``Ŝᴷ`` = dS ∘ 2^(eQ_i) quantized to E4M3 with one
   exponent per ``recipe.ds_block`` (32 queries × 32 keys, document-local): the paper's dS
   blocks (bit-identical to quantizing dS and scaling by Q's token-block exponent);
@@ -107,7 +108,6 @@ class _DocProbs:
     mask: torch.Tensor  # [L, L] bool, key allowed
     x: torch.Tensor  # [Hq, L, L] base-2 logits, -inf where masked
     p_hat: torch.Tensor  # [Hq, L, L] E4M3 P̂ = E4M3(2^(y − M + 8)) as float32, 0 where masked
-    p_prime: torch.Tensor  # [Hq, L, L] P' = 2^(y − M) float32, 0 where masked
     m: torch.Tensor  # [Hq, L] integer row reference
     ev: torch.Tensor  # [Hq, L] V exponents per key (float)
 
@@ -139,9 +139,8 @@ def _doc_probs(
     evf = ev.float().t()  # [Hq, L]
     y = x + evf[:, None, :]
     m = torch.ceil(y.amax(dim=-1))
-    p_prime = torch.exp2(y - m[..., None])
     p_hat = torch.exp2(y - (m[..., None] - P_HAT_EXP)).to(torch.float8_e4m3fn).float()
-    return _DocProbs(mask, x, p_hat, p_prime, m, evf)
+    return _DocProbs(mask, x, p_hat, m, evf)
 
 
 def attention_forward(
@@ -167,7 +166,8 @@ def attention_forward(
     for sl in document_slices(cu_seqlens):
         vc = _per_q_head(qkv.v8.codes[sl].float(), group)
         probs = _doc_probs(qkv, operands, sl, group, causal, softmax_scale)
-        l_row = (probs.p_prime * exp2i(-probs.ev.int())[:, None, :]).sum(-1)  # [Hq, L]
+        # l sums P̂ itself (N3), in units of 2^-8: O is a convex combination of V̂ rows
+        l_row = (probs.p_hat * exp2i(-probs.ev.int())[:, None, :]).sum(-1) / 2.0**P_HAT_EXP
         pv = torch.einsum("hij,jhd->ihd", probs.p_hat, vc)
         o = pv / (l_row.t()[..., None] * 2.0**P_HAT_EXP)
         out[sl] = o
@@ -245,7 +245,7 @@ def _backward_documents(
         f = torch.exp2(m_rows[sl].t() - P_HAT_EXP - lse_rows[sl].t())  # [Hq, L]
         v_inv = exp2i(-probs.ev.int())[:, None, :]  # [Hq, 1, L]
         dp = torch.einsum("ihd,jhd->hij", do_q[sl], _per_q_head(v_deq[sl], group))
-        p = probs.p_prime * 2.0**P_HAT_EXP * v_inv * f[..., None]
+        p = probs.p_hat * v_inv * f[..., None]  # P̂ normalized: each row sums to 1
         yield sl, probs, v_inv, p * (dp - qdo.delta[sl].t()[..., None])
 
 

@@ -69,16 +69,14 @@ def quant_variants() -> None:
         "q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "block_start_ptr": I32,
         "block_len_ptr": I32, "block_v_t_ptr": I32, "q8_ptr": FP8, "q_exp_ptr": I16,
         "k8_ptr": FP8, "k_exp_ptr": I16,
-        "vt_ptr": FP8, "v_exp_ptr": I16, "kv_factor_ptr": F32, "qt_ptr": FP8, "kt_ptr": FP8,
-        "q4_ptr": U8,
+        "vt_ptr": FP8, "v_exp_ptr": I16, "kv_factor_ptr": F32, "q4_ptr": U8,
         "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
         "k4_exp_ptr": I8,
     }  # fmt: skip
     for d in (64, 128, 256):
         for exact, nvfp4, had in ((False, False, False), (True, True, False), (False, True, True)):
             consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
-                          HADAMARD=had, LOG2_D=d.bit_length() - 1, WRITE_T=not exact,
-                          INTERPRET=False)  # fmt: skip
+                          HADAMARD=had, LOG2_D=d.bit_length() - 1, INTERPRET=False)  # fmt: skip
             _compile(quantize_qkv_kernel, ptrs, consts, 4)
             print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had}: ok")
 

@@ -234,7 +234,7 @@ def test_transformers_llama_flamia_matches_reference_path(device) -> None:
         assert _rel(g, grads_r[name]) <= 3e-2, name
 
 
-def test_training_entry_point_errors() -> None:
+def test_training_entry_point_errors(device) -> None:
     """Bad choices of the training entry points fail by name before any work."""
     from types import SimpleNamespace
 
@@ -255,7 +255,7 @@ def test_training_entry_point_errors() -> None:
         flamia_attention_forward(module, query, key, key, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="KV cache"):
         flamia_attention_forward(module, query[:, :, :1], key, key, None)
-    big = torch.zeros(2049, 2, 64, dtype=torch.bfloat16)
-    cu_big = torch.tensor([0, 2049], dtype=torch.int32)
+    big = torch.zeros(2049, 2, 64, dtype=torch.bfloat16, device=device)
+    cu_big = torch.tensor([0, 2049], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="T must be <= 2048"):
         debug_p_hat(big, big[:, :1], big[:, :1], cu_big)

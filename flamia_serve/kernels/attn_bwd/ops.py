@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import interpreted
+from flamia_serve.kernels._common import interpreted, round_debug_p_
 from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
 from flamia_serve.kernels.schedule import WorkList, build_key_work_list
 from flamia_serve.numerics import Recipe, resolve_recipe
@@ -131,4 +131,6 @@ def attn_bwd(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip
+    if debug_p is not None:
+        round_debug_p_(debug_p)
     return dq_acc.to(out_dtype), dk, dv

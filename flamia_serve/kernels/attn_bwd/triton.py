@@ -11,7 +11,8 @@ the GQA group. Per step, with keys as rows:
 * ``dV += (P̂ᵀ·Ĝ)·2^eG``: Ĝ carries the forward's ``1/(2^8 l)`` per query, so the step's
   exponent is the only scale along the contraction (promotion to FP32 once per step);
 * ``dPᵀ = V̂·dÔᵀ`` scaled by ``2^eV`` (rows) and ``2^eO`` (the step); ``dSᵀ = P ∘ (dP − D)``
-  with ``P = p8·2^−eV·f`` (``f = 2^(M − 8 − lse)``);
+  with ``P = P̂·2^−eV·f`` (``f = 2^(M − 8 − lse)``; the forward's l sums P̂, so every row
+  of P sums to 1 and every row of dS to 0);
 * ``dK += (E4M3(dSᵀ ∘ 2^eQ)·Q̂)·2^e``: one exponent per 32 keys × the step's 32 queries;
 * ``dQ += (E4M3(dS ∘ 2^eK)·K̂)·2^e`` with one exponent per step × tile (its contraction over
   the tile's keys has one scale), computed transposed and added to an FP32 buffer with
@@ -35,6 +36,7 @@ import triton.language as tl
 from flamia_serve.kernels._common import (
     E4M3_EXP,
     E4M3_MANT,
+    e4m3_value,
     exp2i,
     pow2_exponent_ceil,
     to_e4m3,
@@ -127,13 +129,14 @@ def _bwd_steps(
             y = tl.where(qi[None, :] >= kj[:, None], y, float("-inf"))
         p8 = tl.math.exp2(y - (m_row[None, :] - P_HAT_EXP))
         p_hat = to_e4m3(p8, INTERPRET)
-        if DEBUG_P:  # P̂ as rebuilt here, at [h, query, key] of a dense [HQ, T, T] buffer
+        if DEBUG_P:  # P'·2^8 as rebuilt here (the launcher rounds it to P̂; see the
+            # forward's _store_debug_p), at [h, query, key] of a dense [HQ, T, T] buffer
             at = (h * n_tok + rows[None, :]).to(tl.int64) * n_tok + doc_start + kj[:, None]
             ok = q_ok[None, :] & (kj[:, None] < length)
-            tl.store(dbg_ptr + at, p_hat.to(tl.float32), mask=ok)
+            tl.store(dbg_ptr + at, p8, mask=ok)
         dv_acc += tl.dot(p_hat, g_t) * exp2i(e_g)
         dp = tl.dot(v_tile, tl.trans(d_o)) * (v_fac[:, None] * exp2i(e_do))
-        ds = p8 * v_inv[:, None] * f[None, :] * (dp - delta[None, :])
+        ds = e4m3_value(p8) * v_inv[:, None] * f[None, :] * (dp - delta[None, :])
         # dK: dS ∘ 2^eQ, one exponent per DK_KEYS keys x the step
         dsk = ds * exp2i(eq8)[None, :]
         ek = _block_exponents(tl.max(tl.abs(dsk), axis=1), BLOCK_N, DK_KEYS)

@@ -578,7 +578,7 @@ class FlamiaFwdSm90:
             for r in cutlass.range_constexpr(n_rows):
                 p = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
                 s_mn[r, j] = p
-                l_tile[r, j % 2] += p * v_inv
+                l_tile[r, j % 2] += _e4m3_value(p) * v_inv  # l sums P̂ itself (N3)
         for r in cutlass.range_constexpr(n_rows):
             ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + (l_tile[r, 0] + l_tile[r, 1])
 
@@ -653,6 +653,16 @@ def _factor_offset(j: int) -> int:
 def _pow2(e: Int32) -> Float32:
     """float32 ``2**e`` for int32 ``e`` in [-126, 127], built from the exponent field."""
     return Int32((e + 127) << 23).bitcast(Float32)
+
+
+@cute.jit
+def _e4m3_value(x: Float32) -> Float32:
+    """float32 value of ``E4M3(x)`` (round to nearest even) for ``0 <= x <= 448`` from
+    integer and float operations (twin of ``kernels._common.e4m3_value``)."""
+    bits = x.bitcast(Int32)
+    normal = Int32((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).bitcast(Float32)
+    subnormal = (x + Float32(24576.0)) - Float32(24576.0)
+    return subnormal if x < Float32(0.015625) else normal
 
 
 _COMPILED: dict[tuple, object] = {}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import interpreted
+from flamia_serve.kernels._common import interpreted, round_debug_p_
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
 from flamia_serve.kernels.schedule import WorkList, build_work_list
 from flamia_serve.numerics.operands import KernelQKV
@@ -206,4 +206,6 @@ def attn_fwd(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip
+    if debug_p is not None:
+        round_debug_p_(dbg_p)
     return out, m_rows, lse_rows

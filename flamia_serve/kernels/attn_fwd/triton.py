@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import exp2i, to_e4m3, v_t_key
+from flamia_serve.kernels._common import e4m3_value, exp2i, to_e4m3, v_t_key
 from flamia_serve.kernels.attn_tiles import load_qk_tile
 from flamia_serve.numerics import P_HAT_EXP as _P_HAT_EXP
 
@@ -105,17 +105,20 @@ def _row_max_pass(
 
 @triton.jit
 def _store_debug_p(
-    dbg_p_ptr, dbg_m_ptr, p_hat, m_i, h, doc_start, offs_m, length, key0, key_end, n_tok,
+    dbg_p_ptr, dbg_m_ptr, p8, m_i, h, doc_start, offs_m, length, key0, key_end, n_tok,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Debug hook: P̂ of one tile (float32) and the integer row reference it was quantized
-    against, at ``[h, query, key]`` of dense ``[H, T, T]`` buffers (small calls only)."""
+    """Debug hook: ``P'·2^8`` of one tile (float32, the value P̂ = E4M3 of it is rounded
+    from) and the integer row reference it was computed against, at ``[h, query, key]`` of
+    dense ``[H, T, T]`` buffers (small calls only). The E4M3 rounding is left to the caller:
+    Triton 3.6 on sm_90 scrambles bytes when it widens these FP8 tiles back to FP32 for a
+    store (not when they feed the MMA)."""
     offs_n = key0 + v_t_key(tl.arange(0, BLOCK_N))
     ok = (offs_m[:, None] < length) & (offs_n[None, :] < key_end)
     rows = (h * n_tok + doc_start + offs_m).to(tl.int64)
     at = rows[:, None] * n_tok + doc_start + offs_n[None, :]
-    tl.store(dbg_p_ptr + at, p_hat.to(tl.float32), mask=ok)
-    tl.store(dbg_m_ptr + at, m_i[:, None] + tl.zeros_like(p_hat.to(tl.float32)), mask=ok)
+    tl.store(dbg_p_ptr + at, p8, mask=ok)
+    tl.store(dbg_m_ptr + at, m_i[:, None] + tl.zeros_like(p8), mask=ok)
 
 
 @triton.jit
@@ -144,11 +147,13 @@ def _accumulate(
             m_i = m_new
         # P' * 2^8 straight from the exponential (the shift rides on the row reference)
         p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
-        l_i += tl.sum(p * v_inv[None, :], axis=1)
+        # l sums P̂ itself (N3): O is then a convex combination of V̂ rows and the
+        # backward's dS rows sum to zero
+        l_i += tl.sum(e4m3_value(p) * v_inv[None, :], axis=1)
         p_hat = to_e4m3(p, INTERPRET)
         if DEBUG_P:  # P̂ and the row reference it was rounded against, dense [H, T, T]
             _store_debug_p(
-                dbg_p_ptr, dbg_m_ptr, p_hat, m_i, h, doc_start, offs_m, length, key0, key_end,
+                dbg_p_ptr, dbg_m_ptr, p, m_i, h, doc_start, offs_m, length, key0, key_end,
                 n_tok, BLOCK_N,
             )  # fmt: skip
         columns = key0 + tl.arange(0, BLOCK_N)

@@ -13,6 +13,7 @@ from flamia_serve.numerics.operands import (
     V_T_ALIGN,
     KernelDO,
     KernelQKV,
+    token_columns,
     v_t_length,
 )
 
@@ -40,6 +41,15 @@ def _num_programs(device: torch.device, items: int, programs_per_sm: int) -> int
     return max(1, min(items, sms * programs_per_sm))
 
 
+def _column_copy(codes: torch.Tensor, columns: torch.Tensor, t_pad: int) -> torch.Tensor:
+    """``[H, d, t_pad]`` E4M3: ``codes`` ``[T, H, d]`` at their column-layout ``columns``,
+    zeros in every other column (document padding, slack)."""
+    _total, heads, d = codes.shape
+    out = torch.zeros(heads, d, t_pad, dtype=torch.uint8, device=codes.device)
+    out[:, :, columns] = codes.view(torch.uint8).permute(1, 2, 0)
+    return out.view(torch.float8_e4m3fn)
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -58,8 +68,10 @@ def quantize_qkv(
     Same codes as ``flamia_serve.reference.quantize_qkv``, bit for bit. Inputs are assumed
     checked (public entry points do that); ``blocks`` may be passed to reuse a plan.
     ``num_warps`` / ``programs_per_sm`` (persistent grid) default to the H200's best
-    (``benchmarks/tune_quant.py``). ``with_transposed`` also writes ``q_t``/``k_t`` (the
-    backward's column-layout copies of the Q/K codes).
+    (``benchmarks/tune_quant.py``). ``with_transposed`` also builds ``q_t``/``k_t`` (the
+    backward's column-layout copies of the Q/K codes) with a torch scatter: written from
+    the kernel, per-token (``exact_causal``) codes came out scrambled in some head-dim
+    columns on the H200 (Triton 3.6, FP8 tile stored transposed).
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -86,13 +98,6 @@ def quantize_qkv(
     v_t[:, :, total:].zero_()
     v_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     kv_factors = torch.empty(heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
-    if with_transposed:
-        q_t = torch.empty(heads_q, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
-        k_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
-        q_t[:, :, total:].zero_()
-        k_t[:, :, total:].zero_()
-    else:  # placeholders of the right dtype, never written
-        q_t = k_t = v_t
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)
     k4 = _nvfp4_empty(total if nvfp4 else 0, heads_kv, d, dev)
@@ -100,21 +105,26 @@ def quantize_qkv(
         grid = (_num_programs(dev, blocks.num_slots * (heads_q + 2 * heads_kv), programs_per_sm),)
         quantize_qkv_kernel[grid](
             q, k, v, blocks.start, blocks.length, blocks.v_t_start,
-            q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors, q_t, k_t,
+            q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             t_pad, total, blocks.num_slots,
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
-            LOG2_D=d.bit_length() - 1, WRITE_T=with_transposed, INTERPRET=interpreted(),
+            LOG2_D=d.bit_length() - 1, INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
+    q_t = k_t = None
+    if with_transposed:
+        columns = token_columns(cu_seqlens, blocks.doc_v_t_start, total)
+        q_t = _column_copy(q_codes, columns, t_pad)
+        k_t = _column_copy(k_codes, columns, t_pad)
     return KernelQKV(
         q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp, kv_factors,
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
-        q_t if with_transposed else None, k_t if with_transposed else None,
+        q_t, k_t,
     )  # fmt: skip
 
 

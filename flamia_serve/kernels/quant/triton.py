@@ -27,14 +27,12 @@ P_HAT_EXP = tl.constexpr(_P_HAT_EXP)
 @triton.jit
 def _quantize_qk_head(
     x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, exp_at, out4, out4_scale, out4_exp,
-    out_t, col, pad_ok, t_pad,
     n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr,
     QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
-    WRITE_T: tl.constexpr, INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``),
-    the same codes in the column layout (``WRITE_T``: ``out_t`` ``[N_HEADS, D, t_pad]``,
-    padding columns zero), and NVFP4 when asked; returns the exponents (int32)."""
+    """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``)
+    and NVFP4 when asked; returns the exponents (int32)."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -42,9 +40,6 @@ def _quantize_qk_head(
     row_off = tok * N_HEADS + h
     tl.store(out8 + row_off[:, None] * D + cols[None, :], codes, mask=row_ok[:, None])
     tl.store(out_exp + exp_at, e.to(out_exp.dtype.element_ty), mask=row_ok)
-    if WRITE_T:
-        t_ptrs = out_t + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
-        tl.store(t_ptrs, tl.trans(codes), mask=pad_ok[None, :])
     if QK_NVFP4:
         if HADAMARD:
             x = hadamard_rows(x, BLOCK, D, LOG2_D)
@@ -95,8 +90,6 @@ def quantize_qkv_kernel(
     vt_ptr,  # [HKV, D, t_pad] e4m3: V codes, keys contiguous (K-major for P·V)
     v_exp_ptr,  # [HKV, t_pad] int16, in v_t's column layout
     kv_factor_ptr,  # [HKV, 3, t_pad] float32: 2^eK, eV, 2^-eV in v_t's column layout
-    qt_ptr,  # [HQ, D, t_pad] e4m3: Q codes in the column layout (WRITE_T)
-    kt_ptr,  # [HKV, D, t_pad] e4m3: K codes in the column layout (WRITE_T)
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4 only)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
     q4_exp_ptr,  # [HQ, T] int8
@@ -120,7 +113,6 @@ def quantize_qkv_kernel(
     QK_NVFP4: tl.constexpr,
     HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr,
-    WRITE_T: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
@@ -137,21 +129,19 @@ def quantize_qkv_kernel(
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
-        pad_ok = _padded_rows(block_len_ptr, slot, rows)
         _quantize_qk_head(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
-            q4_ptr, q4_scale_ptr, q4_exp_ptr, qt_ptr, col, pad_ok, t_pad, n_tokens,
-            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WRITE_T, INTERPRET,
+            q4_ptr, q4_scale_ptr, q4_exp_ptr, n_tokens,
+            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
         )  # fmt: skip
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
-        pad_ok = _padded_rows(block_len_ptr, slot, rows)
         e = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
-            k4_ptr, k4_scale_ptr, k4_exp_ptr, kt_ptr, col, pad_ok, t_pad, n_tokens,
-            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WRITE_T, INTERPRET,
+            k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
+            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
         )  # fmt: skip
         factor_at = kv_factor_ptr + h * 3 * t_pad + col  # (a token block's e is a scalar)
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)

@@ -1,0 +1,65 @@
+"""Compile the CuTe DSL training forward for sm_90a on a CPU machine (no GPU, fake tensors).
+
+Catches DSL errors before device time is spent. The CuTe DSL wheels are cp312, so this runs
+in a throwaway Python 3.12 venv (the project venv is 3.11):
+
+    python3.12 -m venv /tmp/cute312      # e.g. ~/.pyenv/versions/3.12.1/bin/python
+    /tmp/cute312/bin/pip install --no-deps ~/.cache/flamia-stage/fa4/*.whl  # stage.sh fa4
+    /tmp/cute312/bin/pip install "cuda-bindings>=13,<14" protobuf einops "numpy<2.3" \\
+        torch==2.13.0
+    FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD \\
+        /tmp/cute312/bin/python benchmarks/compile_cute_sm90.py
+
+Prints one line per compiled configuration.
+"""
+
+from __future__ import annotations
+
+import torch
+from cutlass import Float32, Int32, cute
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from flamia_serve.kernels.attn_fwd.cute_sm90 import FlamiaFwdSm90, to_cute_tensor
+
+
+def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
+    """Fake CUDA tensors with the launcher's shapes, dtypes, strides and alignments."""
+    t_pad = total + 16 + 64
+    u8, i32 = torch.uint8, torch.int32
+    tensors = [
+        (torch.empty(total, heads_q, d, dtype=u8), 16),  # Q codes
+        (torch.empty(total, heads_kv, d, dtype=u8), 16),  # K codes
+        (torch.empty(heads_kv, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # v_t
+        (torch.empty(heads_q, total, dtype=torch.int16).t(), 4),  # Q exponents (Hq, T)
+        (torch.empty(heads_kv, 3, t_pad), 16),  # K/V factors
+        (torch.empty(3, dtype=i32), 4),  # cu_seqlens
+        (torch.empty(2, dtype=i32), 4),  # document column starts
+        (torch.empty(64, dtype=i32), 4),  # work list: documents
+        (torch.empty(64, dtype=i32), 4),  # work list: tiles
+        (torch.empty(1, dtype=i32), 4),  # work count
+        (torch.empty(1, dtype=i32), 4),  # ticket
+        (torch.empty(total, heads_q, d, dtype=torch.bfloat16), 16),  # O
+        (torch.empty(total, heads_q), 4),  # M
+        (torch.empty(total, heads_q), 4),  # lse
+    ]
+    return [
+        to_cute_tensor(t, assumed_align=a, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1))
+        for t, a in tensors
+    ]
+
+
+def main() -> None:
+    with FakeTensorMode():
+        torch.set_default_device("cuda")
+        for d, causal, tile_n in ((128, True, 128), (64, True, 128), (128, False, 128)):
+            kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, True, True)
+            cute.compile(
+                kernel, *_fake_args(1024, 8, 2, d), Float32(0.1), Int32(1),
+                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                options="--enable-tvm-ffi",
+            )  # fmt: skip
+            print(f"cute forward d={d} causal={causal} tile 128x{tile_n}: compiled")
+
+
+if __name__ == "__main__":
+    main()
