@@ -81,10 +81,14 @@ def probabilities(
     t: torch.Tensor, exp_mode: ExpMode, fmt: PFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P̂, p)`` for ``t = y − M`` (float32, ``-inf`` where masked): P̂ as float32 values of
-    the P format (carrying ``2^shift``), ``p`` the normaliser term (without the shift)."""
+    the P format (carrying ``2^shift``), ``p`` the normaliser term (without the shift): P̂
+    itself for Mitchell-P and for E4M3 P̂ (as the training forward, DESIGN N3), the
+    unrounded exponential for 16-bit P (whose rounding is 2^-9 or finer)."""
     if exp_mode == "mitchell":
         p_hat = mitchell_value(mitchell_codes(t, fmt), fmt)
         return p_hat, p_hat * 2.0**-fmt.shift
     p = torch.exp2(t.float()) if exp_mode == "exact" else schraudolph_exp2(t)
     p_hat = (p * 2.0**fmt.shift).to(fmt.dtype).float()
+    if fmt.dtype == torch.float8_e4m3fn:  # the normaliser sums the E4M3 P̂ (DESIGN N3)
+        return p_hat, p_hat * 2.0**-fmt.shift
     return p_hat, p

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from flamia_serve.kernels._common import (
+    e4m3_value,
     exp2i,
     fp8_rows,
     hadamard_rows,
@@ -230,8 +231,9 @@ def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
             p_op = to_bf16(p, INTERPRET)
         elif KV_FMT == FP16:
             p_op = p.to(tl.float16)
-        else:
+        else:  # the normaliser sums the E4M3 P̂ itself, as the training forward (N3)
             p_op = to_e4m3(p * P_SCALE, INTERPRET).to(tl.float16)
+            l_term = e4m3_value(p * P_SCALE) * (1.0 / P_SCALE)
     if KV_FMT == FP8:
         l_term = l_term * ev_neg_pow2[None, :]
     return p_op, l_term
