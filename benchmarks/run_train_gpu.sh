@@ -43,8 +43,11 @@ if [[ $steps == *,numerics,* ]]; then
   run bwd_numerics 150 python benchmarks/bwd_numerics.py
 fi
 if [[ $steps == *,tests,* ]]; then
-  run pytest_bwd 300 python -m pytest -q tests/kernels/test_attn_bwd.py \
-    tests/kernels/test_gpu_bwd.py tests/test_nonfinite.py tests/test_readme.py
+  run pytest_kernels 540 python -m pytest -q tests/kernels/test_common.py \
+    tests/kernels/test_quant.py tests/kernels/test_attn_fwd.py tests/kernels/test_attn_bwd.py \
+    tests/kernels/test_gpu_bwd.py tests/kernels/test_gpu.py tests/kernels/test_gpu_cute.py \
+    tests/kernels/test_paged.py tests/kernels/test_gpu_paged.py tests/test_nonfinite.py \
+    tests/test_readme.py
 fi
 if [[ $steps == *,pretrain,* ]]; then  # three attention choices, same seed and data
   stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
