@@ -91,7 +91,13 @@ import torch
 
 from flamia_serve.backend.demo import SMALL_LLAMA
 from flamia_serve.numerics.kv_pages import VLLM_KV_CACHE_DTYPES
-from flamia_serve.train.pretrain import ATTENTIONS, SetupError, attention_setup
+from flamia_serve.train.pretrain import (
+    ATTENTIONS,
+    SetupError,
+    _autocast,
+    _progress,
+    attention_setup,
+)
 
 # ---------------------------------------------------------------- task and tokenizer
 
@@ -507,12 +513,6 @@ def pack(seqs: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> P
     return Packed(ids.to(device), pos.to(device), cu.to(device), max(lengths))
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
-
-
 def packed_log_softmax(model: torch.nn.Module, packed: Packed) -> torch.Tensor:
     """Next-token log-probs ``[T, V]`` float32 of a packed row (documents from
     ``position_ids`` and, for FLAMIA, ``cu_seq_lens``: what pretraining passes), BF16
@@ -923,15 +923,6 @@ def rl_step(model: torch.nn.Module, engine: RolloutEngine, opt: torch.optim.Opti
         "stopped_frac": sum(c.stopped for c in comps) / len(comps),
         "rollout_s": t1 - t0, "train_s": t2 - t1, "push_s": t3 - t2,
     }  # fmt: skip
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True,
-                mininterval=1.0 if sys.stderr.isatty() else 15.0, file=sys.stderr)  # fmt: skip
 
 
 def summarize_run(steps: Sequence[dict]) -> dict:
