@@ -402,6 +402,9 @@ class RLConfig:
     gpu_memory_utilization: float = 0.2
     enforce_eager: bool = True
     vllm_tokenizer: bool = True
+    #: wall-clock seconds for the RL steps of one setup (None: no limit); when they run out
+    #: the run ends early and records ``time_limited_at``
+    time_limit: float | None = None
 
     @property
     def max_tokens(self) -> int:
@@ -441,6 +444,8 @@ def check_config(cfg: RLConfig) -> RLConfig:
         raise bad("weight_decay", ">= 0")
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise bad("gpu_memory_utilization", "in (0, 1]")
+    if cfg.time_limit is not None and not cfg.time_limit > 0:
+        raise bad("time_limit", "> 0")
     if cfg.flamia_path not in ("auto", "kernel", "reference"):
         raise ValueError(f"--flamia-path: expected auto, kernel or reference, "
                          f"got {cfg.flamia_path!r}")  # fmt: skip
@@ -965,12 +970,16 @@ def train_one(cfg: RLConfig, name: str, setup: Setup, device: torch.device, *,
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                 weight_decay=cfg.weight_decay)  # fmt: skip
         steps: list[dict] = []
-        diverged_at = None
+        diverged_at = time_limited_at = None
+        t_rl = time.perf_counter()
         for step in range(cfg.steps):
             rec = rl_step(model, engine, opt, cfg, step, device)
             steps.append(rec)
             if not math.isfinite(rec["loss"]):
                 diverged_at = step + 1
+                break
+            if cfg.time_limit is not None and time.perf_counter() - t_rl > cfg.time_limit:
+                time_limited_at = step + 1
                 break
             if bar is not None:
                 bar.set_postfix({"reward": f"{rec['reward_mean']:.3f}",
@@ -988,6 +997,7 @@ def train_one(cfg: RLConfig, name: str, setup: Setup, device: torch.device, *,
         "sft": sft,
         "steps": steps,
         "diverged_at": diverged_at,
+        "time_limited_at": time_limited_at,
         "seconds": time.perf_counter() - t_start,
         "summary": summarize_run(steps),
     }
@@ -1022,8 +1032,9 @@ def task_info(cfg: RLConfig) -> dict:
 def result_skeleton(cfg: RLConfig, env: dict) -> dict:
     """The JSON's shape: ``benchmark`` = ``"rl"``, the :func:`env_info` keys, ``config``
     (:class:`RLConfig`), ``task``, ``runs`` (name -> run record: ``setup``, ``params``,
-    ``engine``, ``sft``, ``steps`` of :data:`STEP_KEYS`, ``diverged_at``, ``seconds``,
-    ``summary``) and ``summary`` (name -> the run's summary, :data:`SUMMARY_KEYS`)."""
+    ``engine``, ``sft``, ``steps`` of :data:`STEP_KEYS`, ``diverged_at``,
+    ``time_limited_at``, ``seconds``, ``summary``) and ``summary`` (name -> the run's
+    summary, :data:`SUMMARY_KEYS`)."""
     return {"benchmark": "rl", **env, "config": dataclasses.asdict(cfg), "task": task_info(cfg),
             "runs": {}, "summary": {}}  # fmt: skip
 
@@ -1148,6 +1159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's share of the GPU per engine (default: %(default)s)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="vLLM: capture CUDA graphs (default: eager, faster start)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="end each setup's RL steps after this many seconds (recorded as "
+                        "time_limited_at; default: no limit)")
     p.add_argument("--no-vllm-tokenizer", action="store_true",
                    help="vLLM: skip loading the tokenizer (token ids in and out)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is a GPU)")
@@ -1178,7 +1192,7 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
         clip=args.clip, adv_eps=args.adv_eps, partial_credit=not args.no_partial_credit,
         seed=args.seed, flamia_path=args.flamia_path,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=not args.cuda_graphs,
-        vllm_tokenizer=not args.no_vllm_tokenizer))  # fmt: skip
+        vllm_tokenizer=not args.no_vllm_tokenizer, time_limit=args.time_limit))  # fmt: skip
 
 
 def setups_from_args(args: argparse.Namespace, device: torch.device) -> list[tuple[str, Setup]]:

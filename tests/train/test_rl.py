@@ -324,7 +324,7 @@ def test_two_step_loop_writes_the_documented_json(smoke_json):
                             "kv_cache_dtype": None}  # fmt: skip
     assert run["attn_implementation"] == "flamia" and run["params"] > 0
     assert len(run["sft"]["loss"]) == run["sft"]["steps_done"] == 3
-    assert run["diverged_at"] is None
+    assert run["diverged_at"] is None and run["time_limited_at"] is None
     assert [s["step"] for s in run["steps"]] == [1, 2]
     cfg = result["config"]
     for s in run["steps"]:
@@ -335,6 +335,18 @@ def test_two_step_loop_writes_the_documented_json(smoke_json):
         assert s["tokens"] >= cfg["prompts"] * cfg["group"]
     assert set(run["summary"]) == set(rl.SUMMARY_KEYS)
     assert result["summary"] == {"cpu": run["summary"]}
+
+
+def test_time_limit_ends_the_rl_steps_early(tmp_path):
+    path = tmp_path / "rl.json"
+    torch.set_num_threads(1)
+    code = rl.main(["--setup", "cpu", "--model-size", "tiny", "--steps", "5", "--sft-steps", "1",
+                    "--time-limit", "1e-9", "--device", "cpu", "--no-progress", "--json",
+                    str(path)])  # fmt: skip
+    assert code == 0
+    run = json.loads(path.read_text())["runs"]["cpu"]
+    assert run["time_limited_at"] == 1 and [s["step"] for s in run["steps"]] == [1]
+    assert run["summary"]["steps_done"] == 1
 
 
 def test_merge_combines_runs_of_one_config(smoke_json, tmp_path, capsys):
@@ -382,6 +394,7 @@ def test_plot_script_draws_the_json(smoke_json, tmp_path, capsys):
         (["--lr", "0"], ("--lr", "> 0")),
         (["--sft-target", "1.5"], ("--sft-target", "[0, 1]")),
         (["--gpu-memory-utilization", "1.5"], ("--gpu-memory-utilization",)),
+        (["--time-limit", "0"], ("--time-limit",)),
         (["--setup", "cpu", "--kv-cache-dtype", "nvfp4"], ("--kv-cache-dtype", "--engine vllm")),
         (["--setup", "cpu", "--vllm-backend", "FLAMIA"], ("--vllm-backend", "--engine vllm")),
         (["--setup", "cpu", "--trainer-attention", "bf16", "--exact-causal"],
