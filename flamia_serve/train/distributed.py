@@ -39,14 +39,19 @@ in pretraining.
 Tolerances (relative; defaults CPU / CUDA): ``loss_rtol`` step 1's loss (1e-6 / 1e-5: the
 same forward, only the sum over microbatches reordered); ``grad_rtol`` every parameter's
 step-1 gradient, ``‖g_dp − g_1‖ / ‖g_1‖`` (1e-6 / 1e-2: on CUDA BF16 autocast and the
-backward's FP32 dQ atomics, not repeatable run to run); ``curve_rtol`` every step's loss
-(1e-3 / 2e-2). The curve needs the loose one: after step 1 the two trajectories drift
-apart from ~1e-7 — AdamW's first steps divide by √v, which turns rounding noise in
-near-zero gradients into full-size updates, and FP8 roundings and power-of-two scales
-can flip — (CPU, tiny, 8 steps: 3.4e-5 by step 6). The CUDA defaults are estimates, not
-yet measured. ``--normalisation local`` (each rank's own token mean) is a negative
-control: its gradients are off by ~1e-2 and the check fails. Exit code 0 when every
-comparison is within tolerance, 1 when one is not, 2 on bad arguments.
+backward's FP32 dQ atomics are not repeatable run to run); ``curve_rtol`` the loss curves
+compared as running means over ``CURVE_WINDOW`` = 10 steps (1e-3 / 1e-2; single steps are
+reported as ``loss_max_rel_diff``). After step 1 two trajectories drift apart from ~1e-7:
+AdamW's first steps divide by √v, which turns rounding noise in near-zero gradients into
+full-size updates, and FP8 roundings and power-of-two scales can flip (CPU, tiny, 8 steps:
+3.4e-5 by step 6). Measured on 2 H200s (``small``, stdlib, 150 steps, mxfp8): step-1 loss
+bit-equal; gradients 0.87% (DDP) / 0.79% (FSDP2) on layer 0's k_proj, falling to ~1e-10 at
+the last layer; single steps up to 3.1% apart around the learning-rate peak, 10-step means
+0.80% / 0.51%. On CUDA rank 0 trains the single run twice (``--repeat-single``, default
+there) and records the two's difference as ``single_repeat``: the run-to-run noise that the
+data-parallel differences are read against. ``--normalisation local`` (each rank's own token
+mean) is a negative control: its gradients are off by ~1e-2 and the check fails. Exit code 0
+when every comparison is within tolerance, 1 when one is not, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -75,7 +80,9 @@ from flamia_serve.train.module import PATHS
 MODES: tuple[str, ...] = ("ddp", "fsdp2")
 DATA: tuple[str, ...] = ("synthetic", "stdlib")
 #: default (loss_rtol, grad_rtol, curve_rtol) per device type (see the module docstring)
-TOLERANCES = {"cpu": (1e-6, 1e-6, 1e-3), "cuda": (1e-5, 1e-2, 2e-2)}
+TOLERANCES = {"cpu": (1e-6, 1e-6, 1e-3), "cuda": (1e-5, 1e-2, 1e-2)}
+#: the curve is compared as running means over this many steps (fewer when the run is shorter)
+CURVE_WINDOW = 10
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,9 @@ class CheckConfig:
     #: ``global`` (the check); ``local``: each rank's own token mean, the usual mistake with
     #: packed documents (ranks predict different token counts) — a negative control
     normalisation: str = "global"
+    #: rank 0 trains the single-process run twice and reports how far the two differ (the
+    #: run-to-run noise the data-parallel differences are read against); None: on CUDA only
+    repeat_single: bool | None = None
 
 
 def _device_type(cfg: CheckConfig) -> str:
@@ -163,6 +173,7 @@ def resolve(cfg: CheckConfig, world_size: int) -> CheckConfig:
         loss_rtol=loss_rtol if cfg.loss_rtol is None else cfg.loss_rtol,
         grad_rtol=grad_rtol if cfg.grad_rtol is None else cfg.grad_rtol,
         curve_rtol=curve_rtol if cfg.curve_rtol is None else cfg.curve_rtol,
+        repeat_single=device == "cuda" if cfg.repeat_single is None else cfg.repeat_single,
         threads=(max(1, (os.cpu_count() or 1) // world_size) if cfg.threads is None
                  else cfg.threads),
         source=tuple(cfg.source))  # fmt: skip
@@ -316,15 +327,24 @@ def wrap(model: torch.nn.Module, mode: str, device: torch.device) -> torch.nn.Mo
     return model
 
 
+def running_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """Means of every ``window`` consecutive entries (``len(x) - window + 1`` of them)."""
+    return np.convolve(x, np.ones(window) / window, mode="valid")
+
+
 def compare(single: dict, run: dict, loss_rtol: float, grad_rtol: float, curve_rtol: float
             ) -> dict:  # fmt: skip
     """Loss and step-1 gradient differences of a data-parallel run against the single one.
     Gradient: per parameter ``max |Δ|`` and ``‖Δ‖ / ‖g_single‖``. Passes when step 1's
     relative loss difference is within ``loss_rtol``, every parameter's relative gradient
-    norm within ``grad_rtol`` and every step's relative loss difference within
-    ``curve_rtol``."""
+    norm within ``grad_rtol`` and the curves' running means over ``CURVE_WINDOW`` steps
+    (``curve_max_rel_diff``) within ``curve_rtol``; ``loss_max_rel_diff`` is the largest
+    single-step difference."""
     a, b = np.asarray(single["loss"]), np.asarray(run["loss"])
     rel = np.abs(b - a) / np.maximum(np.abs(a), 1e-30)
+    window = min(CURVE_WINDOW, len(a))
+    ma, mb = running_mean(a, window), running_mean(b, window)
+    curve_rel = np.abs(mb - ma) / np.maximum(np.abs(ma), 1e-30)
     per_param = {}
     for name, g1 in single["grads"].items():
         g2 = run["grads"][name]
@@ -342,6 +362,8 @@ def compare(single: dict, run: dict, loss_rtol: float, grad_rtol: float, curve_r
         "loss_max_abs_diff": float(np.abs(b - a).max()),
         "loss_max_rel_diff": float(rel.max()),
         "loss_step1_rel_diff": float(rel[0]),
+        "curve_window": window,
+        "curve_max_rel_diff": float(curve_rel.max()),
         "grad_max_abs_diff": max(v["max_abs_diff"] for v in per_param.values()),
         "grad_max_rel_norm_diff": per_param[worst]["rel_norm_diff"],
         "grad_worst_param": worst,
@@ -351,7 +373,7 @@ def compare(single: dict, run: dict, loss_rtol: float, grad_rtol: float, curve_r
     }
     res["passed_step1_loss"] = bool(res["loss_step1_rel_diff"] <= loss_rtol)
     res["passed_grads"] = bool(res["grad_max_rel_norm_diff"] <= grad_rtol)
-    res["passed_curve"] = bool(res["loss_max_rel_diff"] <= curve_rtol)
+    res["passed_curve"] = bool(res["curve_max_rel_diff"] <= curve_rtol)
     res["passed"] = res["passed_step1_loss"] and res["passed_grads"] and res["passed_curve"]
     return res
 
@@ -402,6 +424,12 @@ def run_rank(rank: int, world_size: int, local_rank: int, cfg: CheckConfig) -> d
     model = pretrain.build_model(tcfg, cfg.attention, vocab).to(device)
     model.train()
     single = train_run(model, steps, n_global, tcfg, device)
+    repeat = None
+    if cfg.repeat_single:
+        del model
+        model = pretrain.build_model(tcfg, cfg.attention, vocab).to(device)
+        model.train()
+        repeat = train_run(model, steps, n_global, tcfg, device)
     backend = dist.get_backend()
     result = {
         "benchmark": "train_distributed", **env_info(device, world_size, backend),
@@ -424,20 +452,26 @@ def run_rank(rank: int, world_size: int, local_rank: int, cfg: CheckConfig) -> d
                        "loss": "step 1: |loss_dp - loss_1| / |loss_1| <= loss_rtol",
                        "grad": "max over parameters of ||g_dp - g_1|| / ||g_1|| after step 1's "
                                "backward (before clipping) <= grad_rtol",
-                       "curve": "max over steps of |loss_dp - loss_1| / |loss_1| <= curve_rtol"},
+                       "curve": f"max over the running means of {CURVE_WINDOW} steps of "
+                                "|loss_dp - loss_1| / |loss_1| <= curve_rtol"},
         "single": {"loss": single["loss"], "seconds": single["seconds"]},
         "runs": {m: compare(single, runs[m], cfg.loss_rtol, cfg.grad_rtol, cfg.curve_rtol)
                  for m in cfg.modes},
     }  # fmt: skip
+    if repeat is not None:  # the same single run again: run-to-run noise, not a check
+        noise = compare(single, repeat, cfg.loss_rtol, cfg.grad_rtol, cfg.curve_rtol)
+        result["single_repeat"] = {k: v for k, v in noise.items() if not k.startswith("passed")}
     result["passed"] = all(r["passed"] for r in result["runs"].values())
     return result
 
 
 def summary(result: dict) -> dict:
     """The JSON's headline numbers (no per-parameter table)."""
-    keys = ("loss_max_rel_diff", "loss_step1_rel_diff", "grad_max_abs_diff",
-            "grad_max_rel_norm_diff", "grad_worst_param", "passed")
-    return {"world_size": result["world_size"], "backend": result["backend"],
+    keys = ("loss_max_rel_diff", "curve_max_rel_diff", "loss_step1_rel_diff",
+            "grad_max_abs_diff", "grad_max_rel_norm_diff", "grad_worst_param", "passed")
+    noise = {k: v for k, v in result.get("single_repeat", {}).items() if k in keys}
+    return {"single_repeat": noise, "world_size": result["world_size"],
+            "backend": result["backend"],
             "tolerances": {k: result["tolerances"][k]
                            for k in ("loss_rtol", "grad_rtol", "curve_rtol")},
             "single_loss": result["single"]["loss"],
@@ -540,7 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step-1 gradient of each parameter, relative norm (default: 1e-6 CPU, "
                         "1e-2 CUDA)")
     p.add_argument("--curve-rtol", type=float,
-                   help="every step's loss, relative (default: 1e-3 CPU, 2e-2 CUDA)")
+                   help="the loss curves' running means over 10 steps, relative (default: "
+                        "1e-3 CPU, 1e-2 CUDA)")
+    p.add_argument("--repeat-single", action=argparse.BooleanOptionalAction, default=None,
+                   help="train the single-process run twice and report their difference (the "
+                        "run-to-run noise; default: on CUDA)")
     p.add_argument("--threads", type=int, help="CPU threads per process (default: cores / N)")
     p.add_argument("--normalisation", default="global",
                    help="global (the check) or local: per-rank token mean, a negative control "
@@ -558,6 +596,7 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         warmup=args.warmup, clip=args.clip, data=args.data, source=tuple(args.source),
         max_files=args.max_files, seed=args.seed, device=args.device, loss_rtol=args.loss_rtol,
         grad_rtol=args.grad_rtol, curve_rtol=args.curve_rtol, threads=args.threads,
+        repeat_single=args.repeat_single,
         normalisation=args.normalisation)  # fmt: skip
 
 

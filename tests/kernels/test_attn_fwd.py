@@ -3,17 +3,20 @@
 Tolerance (accumulation order): the kernel sums P̂·V̂ in a different order, rounds O to BF16
 once, and (online mode) quantizes early tiles against a smaller running maximum, which can
 change P̂ only in E4M3's subnormal range. Bound: ‖O − O_ref‖/‖O_ref‖ <= 5e-3 and
-max|O − O_ref| <= 2^-5 · max|O_ref|; the base-2 lse within 1e-4 (2e-3 on Hopper, whose FP8
-``wgmma`` accumulates Q̂·K̂ᵀ with ~14 mantissa bits; P̂·V̂ is promoted to FP32 once per key
-tile). On the GPU ``ex2.approx`` differs from the exact exp2 by ~2 ulp, which now and then
-flips the E4M3 rounding of a P̂ element; the normaliser sums the unquantized P', so a flip on
-a row's dominant key moves that row by up to one E4M3 step of its weight (seen: 6.6% of
-max|O|). GPU bounds: ‖O − O_ref‖/‖O_ref‖ <= 1e-2, max <= 2^-3 · max|O_ref|. The integer
-row reference ``M = ceil(max y)`` can differ by one where the row max sits
+max|O − O_ref| <= 2^-5 · max|O_ref|; the base-2 lse within 1e-4. On Hopper the FP8
+``wgmma`` accumulates Q̂·K̂ᵀ with ~14 mantissa bits and ``ex2.approx`` differs from the exact
+exp2 by ~2 ulp, which now and then flips the E4M3 rounding of a P̂ element (P̂·V̂ is promoted
+to FP32 once per key tile). The normaliser sums P̂ itself (N3), so a flip on a row's dominant
+key moves that row's O by up to one E4M3 step of its weight (seen: 6.6% of max|O|) and its
+lse by up to log2(1 + 2^-3) (seen: 0.1699, H200). GPU bounds: ‖O − O_ref‖/‖O_ref‖ <= 1e-2,
+max <= 2^-3 · max|O_ref|; lse within 2e-3 on 99% of rows, within log2(1 + 2^-3) + 2e-3 on
+all. The integer row reference ``M = ceil(max y)`` can differ by one where the row max sits
 within rounding of an integer (the MMA sums in another order): at most 1, on under 1% of rows.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -49,8 +52,16 @@ def _check_close(out, m, lse, ref_out, ref_m, ref_lse) -> None:
     assert float((o - r).abs().max()) <= max_bound * float(r.abs().max())
     m_diff = (m.cpu() - ref_m.cpu()).abs()
     assert float(m_diff.max()) <= 1 and float((m_diff > 0).float().mean()) < 0.01
-    lse_bound = 2e-3 if lse.is_cuda else 1e-4
-    assert float((lse.cpu() - ref_lse.cpu()).abs().max()) <= lse_bound
+    lse_diff = (lse.cpu() - ref_lse.cpu()).abs()
+    if not lse.is_cuda:
+        assert float(lse_diff.max()) <= 1e-4
+        return
+    # Hopper's FP8 MMA sums Q̂K̂ᵀ with fewer bits than the twin's FP32 matmul. A score within
+    # that error of an E4M3 rounding boundary of P' can round its P̂ one step the other way
+    # (at most 2^-3 of that P̂); l sums P̂ (N3), so such a row's lse (log2 units) moves by at
+    # most log2(1 + 2^-3) — the whole step when that P̂ dominates the row. Rare: < 1% of rows.
+    assert float(lse_diff.max()) <= math.log2(1 + 2**-3) + 2e-3
+    assert float((lse_diff > 2e-3).float().mean()) < 0.01
 
 
 @pytest.mark.parametrize("two_pass", [False, True], ids=["online", "two_pass"])

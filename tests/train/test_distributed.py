@@ -19,7 +19,8 @@ from flamia_serve.train import pretrain
 
 WORLD = 2
 CFG = dp.CheckConfig(modes=dp.MODES, model_size="tiny", attention="mxfp8", steps=2,
-                     seq_len=128, global_micro_batches=4, device="cpu", threads=1)
+                     seq_len=128, global_micro_batches=4, device="cpu", threads=1,
+                     repeat_single=True)
 # The stated CPU tolerances (float32, reference path): step-1 loss and gradients 1e-6.
 LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-6
 
@@ -58,8 +59,32 @@ def test_matches_single_process(result, mode):
     assert all(g["grad_norm"] > 0 for g in run["grads"].values())
     assert all(g["rel_norm_diff"] <= GRAD_RTOL for g in run["grads"].values())
     assert run["grad_max_rel_norm_diff"] <= GRAD_RTOL
-    assert run["loss_max_rel_diff"] <= result["tolerances"]["curve_rtol"]
+    assert run["curve_window"] == CFG.steps  # shorter than CURVE_WINDOW
+    assert run["curve_max_rel_diff"] <= result["tolerances"]["curve_rtol"]
     assert run["passed"] and result["passed"]
+
+
+def test_single_run_repeats_bit_for_bit_on_a_cpu(result):
+    """The noise baseline: on a CPU (float32, reference path) the single run is deterministic,
+    so its repeat differs by exactly nothing."""
+    noise = result["single_repeat"]
+    assert noise["loss_max_rel_diff"] == 0.0 and noise["grad_max_abs_diff"] == 0.0
+    assert not any(k.startswith("passed") for k in noise)
+    assert dp.summary(result)["single_repeat"]["grad_max_rel_norm_diff"] == 0.0
+
+
+def test_curve_is_compared_as_running_means():
+    single = {"loss": [4.0] * 20, "grads": {"w": torch.ones(3)}}
+    spiky = {"loss": [4.0] * 9 + [4.4] + [4.0] * 10, "grads": {"w": torch.ones(3)},
+             "seconds": 0.0}  # one step 10% off
+    res = dp.compare(single, spiky, 1e-6, 1e-6, 0.02)
+    assert res["loss_max_rel_diff"] == pytest.approx(0.1)
+    assert res["curve_window"] == dp.CURVE_WINDOW == 10
+    assert res["curve_max_rel_diff"] == pytest.approx(0.01)  # the spike over 10 steps
+    assert res["passed_curve"] and res["passed"]
+    drift = {**spiky, "loss": [4.0] * 10 + [4.2] * 10}  # a lasting 5% offset is caught
+    assert not dp.compare(single, drift, 1e-6, 1e-6, 0.02)["passed_curve"]
+    np.testing.assert_allclose(dp.running_mean(np.arange(5.0), 2), [0.5, 1.5, 2.5, 3.5])
 
 
 def test_per_rank_mean_is_caught():
