@@ -44,12 +44,13 @@ compared as running means over ``CURVE_WINDOW`` = 10 steps (1e-3 / 1e-2; single 
 reported as ``loss_max_rel_diff``). After step 1 two trajectories drift apart from ~1e-7:
 AdamW's first steps divide by √v, which turns rounding noise in near-zero gradients into
 full-size updates, and FP8 roundings and power-of-two scales can flip (CPU, tiny, 8 steps:
-3.4e-5 by step 6). Measured on 2 H200s (``small``, stdlib, 150 steps, mxfp8): step-1 loss
-bit-equal; gradients 0.87% (DDP) / 0.79% (FSDP2) on layer 0's k_proj, falling to ~1e-10 at
-the last layer; single steps up to 3.1% apart around the learning-rate peak, 10-step means
-0.80% / 0.51%. On CUDA rank 0 trains the single run twice (``--repeat-single``, default
+3.4e-5 by step 6). On CUDA rank 0 trains the single run twice (``--repeat-single``, default
 there) and records the two's difference as ``single_repeat``: the run-to-run noise that the
-data-parallel differences are read against. ``--normalisation local`` (each rank's own token
+data-parallel differences are read against. Measured on 2 H200s (``small``, stdlib, 150
+steps, mxfp8; DDP / FSDP2 / the single run repeated): step-1 loss bit-equal; gradients
+0.88% / 0.86% / 0.81% on layer 0's k_proj, falling to ~1e-10 at the last layer; 10-step
+means 0.67% / 0.55% / 0.50%; single steps up to 3.4% / 3.5% / 2.1% after the learning-rate
+peak. ``--normalisation local`` (each rank's own token
 mean) is a negative control: its gradients are off by ~1e-2 and the check fails. Exit code 0
 when every comparison is within tolerance, 1 when one is not, 2 on bad arguments.
 """

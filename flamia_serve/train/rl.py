@@ -997,6 +997,7 @@ def train_one(cfg: RLConfig, name: str, setup: Setup, device: torch.device, *,
         "sft": sft,
         "steps": steps,
         "diverged_at": diverged_at,
+        "time_limit": cfg.time_limit,
         "time_limited_at": time_limited_at,
         "seconds": time.perf_counter() - t_start,
         "summary": summarize_run(steps),
@@ -1032,9 +1033,9 @@ def task_info(cfg: RLConfig) -> dict:
 def result_skeleton(cfg: RLConfig, env: dict) -> dict:
     """The JSON's shape: ``benchmark`` = ``"rl"``, the :func:`env_info` keys, ``config``
     (:class:`RLConfig`), ``task``, ``runs`` (name -> run record: ``setup``, ``params``,
-    ``engine``, ``sft``, ``steps`` of :data:`STEP_KEYS`, ``diverged_at``,
-    ``time_limited_at``, ``seconds``, ``summary``) and ``summary`` (name -> the run's
-    summary, :data:`SUMMARY_KEYS`)."""
+    ``engine``, ``sft``, ``steps`` of :data:`STEP_KEYS`, ``diverged_at``, ``time_limit``,
+    ``time_limited_at``, ``seconds``, ``summary``) and ``summary`` (name -> the run's summary,
+    :data:`SUMMARY_KEYS`)."""
     return {"benchmark": "rl", **env, "config": dataclasses.asdict(cfg), "task": task_info(cfg),
             "runs": {}, "summary": {}}  # fmt: skip
 
@@ -1088,12 +1089,17 @@ def run(cfg: RLConfig, setups: Sequence[tuple[str, Setup]], *, device: str | tor
 
 
 def merge_results(paths: Sequence[str | Path]) -> dict:
-    """One result from several JSONs of the same config (e.g. one process per setup)."""
+    """One result from several JSONs of the same config (e.g. one process per setup). The
+    time limit may differ between the files: it moves from ``config`` into each run record
+    (``time_limit``; whether it cut a run short is that run's ``time_limited_at``)."""
     merged = None
     for path in paths:
         part = json.loads(Path(path).read_text())
         if part.get("benchmark") != "rl":
             raise ValueError(f"--merge: {path} is not an rl result")
+        limit = part["config"].pop("time_limit", None)
+        for record in part["runs"].values():
+            record.setdefault("time_limit", limit)
         if merged is None:
             merged = part
             continue

@@ -359,6 +359,14 @@ def test_merge_combines_runs_of_one_config(smoke_json, tmp_path, capsys):
     assert rl.main(["--merge", str(path), str(tmp_path / "b.json"), "--json", str(out)]) == 0
     merged = json.loads(out.read_text())
     assert list(merged["runs"]) == ["cpu", "cpu+x"] and list(merged["summary"]) == ["cpu", "cpu+x"]
+    other["config"]["time_limit"] = 30.0  # a run-level setting: merges, kept per run
+    other["runs"]["cpu+x"]["time_limit"] = 30.0
+    (tmp_path / "t.json").write_text(json.dumps(other))
+    assert rl.main(["--merge", str(path), str(tmp_path / "t.json"), "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [r["time_limit"] for r in merged["runs"].values()] == [None, 30.0]
+    assert "time_limit" not in merged["config"]
+    other["config"]["time_limit"] = other["runs"]["cpu+x"]["time_limit"] = None
     assert rl.main(["--merge", str(path), str(path), "--json", str(out)]) == 2
     _one_line_error(capsys, "--merge", "twice")
     other["config"]["seed"] = 5
