@@ -97,7 +97,7 @@ VARIANTS = [
 
 def main() -> int:
     from flamia_serve import plan_varlen
-    from flamia_serve.kernels.attn_fwd.ops import attn_fwd
+    from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config
     from flamia_serve.kernels.quant.ops import quantize_qkv
 
     ap = argparse.ArgumentParser()
@@ -124,8 +124,12 @@ def main() -> int:
     # our kernel on the same shape (BF16 inputs, quantization not timed)
     qb, kb, vb = (torch.randn(n, h, d, device=dev, dtype=torch.bfloat16) for _ in "qkv")
     cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
-    qkv = quantize_qkv(qb, kb, vb, cu, blocks=plan_varlen(cu, n, n).blocks)
-    t = time_ms(lambda: attn_fwd(qkv, cu, heads_q=h, causal=False, softmax_scale=d**-0.5))
+    cfg = default_config(d, dev)
+    plan = plan_varlen(cu, n, n)
+    qkv = quantize_qkv(qb, kb, vb, cu, blocks=plan.token_blocks(cfg.column_align),
+                       column_align=cfg.column_align)  # fmt: skip
+    t = time_ms(lambda: attn_fwd(qkv, cu, heads_q=h, causal=False, softmax_scale=d**-0.5,
+                                 config=cfg))  # fmt: skip
     rows.append({"workload": f"MHA-H{h}-N{n}", "pass": "fwd", "impl": "flamia attn_fwd", **t})
     for r in rows:
         r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12

@@ -164,16 +164,19 @@ def _default_bwd_config(device: torch.device) -> dict[str, Any]:
 
 
 def _load_flamia_quant() -> Builder:
-    """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone (mxfp8), plan prebuilt."""
+    """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone (mxfp8), plan prebuilt, in the
+    column layout of the default forward (128-aligned documents for the CuTe kernel)."""
     import flamia_serve
+    from flamia_serve.kernels.attn_fwd.ops import default_config
     from flamia_serve.kernels.quant.ops import quantize_qkv
 
     def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
         m = wl.max_seqlen
-        blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).blocks
+        align = default_config(HEAD_DIM, cu.device).column_align  # the forward's layout
+        blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).token_blocks(align)
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
-            return quantize_qkv(q, k, v, cu, recipe="mxfp8", blocks=blocks)
+            return quantize_qkv(q, k, v, cu, recipe="mxfp8", blocks=blocks, column_align=align)
 
         return _identity, run
 

@@ -116,7 +116,7 @@ def flamia_attn_varlen(
         check_bwd_config(bcfg, rec)
         bw = plan.key_work_list(bcfg.block_n, bcfg.block_m, bool(causal))
         bwd_work = [bw.doc, bw.tile, bw.count]
-    blocks = plan.blocks
+    blocks = plan.token_blocks(cfg.column_align)
     out, m_rows, lse_rows = torch.ops.flamia.attn_varlen_fwd(
         q, k, v, cu_seqlens,
         [blocks.start, blocks.length, blocks.v_t_start, blocks.doc_v_t_start],

@@ -52,7 +52,7 @@ def attn_varlen_fwd(
     cfg = FwdConfig.from_ints(config)
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=RECIPES[recipe], exact_causal=exact_causal,
-        blocks=TokenBlocks(*blocks),
+        blocks=TokenBlocks(*blocks), column_align=cfg.column_align,
     )  # fmt: skip
     return attn_fwd(
         qkv, cu_seqlens, heads_q=q.shape[1], causal=causal, softmax_scale=softmax_scale,
@@ -84,17 +84,19 @@ def attn_varlen_bwd(
     exact_causal: bool,
     softmax_scale: float,
     config: list[int],
+    column_align: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dQ, dK, dV)`` in the input dtype (``flamia_serve.reference.attention_backward``)."""
+    """``(dQ, dK, dV)`` in the input dtype (``flamia_serve.reference.attention_backward``);
+    ``blocks`` and ``column_align`` are the forward's (its ``FwdConfig.column_align``)."""
     rec = RECIPES[recipe]
     cfg = BwdConfig.from_ints(config)
     token_blocks = TokenBlocks(*blocks)
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=rec, exact_causal=exact_causal, blocks=token_blocks,
-        with_transposed=True,
+        with_transposed=True, column_align=column_align,
     )  # fmt: skip
     qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=rec,
-                      blocks=token_blocks)  # fmt: skip
+                      blocks=token_blocks, column_align=column_align)  # fmt: skip
     return attn_bwd(
         qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=causal,
         softmax_scale=softmax_scale, recipe=rec, out_dtype=q.dtype, config=cfg,
@@ -104,18 +106,19 @@ def attn_varlen_bwd(
 
 @attn_varlen_bwd.register_fake
 def _(d_out, q, k, v, out, m_rows, lse_rows, cu_seqlens, blocks, work, causal, recipe,
-      exact_causal, softmax_scale, config):  # fmt: skip
+      exact_causal, softmax_scale, config, column_align):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, cu_seqlens, blocks, _work_fwd, bwd_work, causal, recipe, exact_causal,
-     softmax_scale, _config, bwd_config) = inputs  # fmt: skip
+     softmax_scale, config, bwd_config) = inputs  # fmt: skip
     out, m_rows, lse_rows = output
     ctx.save_for_backward(q, k, v, out, m_rows, lse_rows, cu_seqlens, *blocks, *bwd_work)
     ctx.n_blocks = len(blocks)
     ctx.n_work = len(_work_fwd)
-    ctx.args = (causal, recipe, exact_causal, softmax_scale, bwd_config)
+    column_align = FwdConfig.from_ints(config).column_align
+    ctx.args = (causal, recipe, exact_causal, softmax_scale, bwd_config, column_align)
     ctx.mark_non_differentiable(m_rows, lse_rows)
 
 
@@ -124,10 +127,10 @@ def _backward(ctx, d_out, _d_m, _d_lse):
     blocks, bwd_work = rest[: ctx.n_blocks], rest[ctx.n_blocks :]
     if not bwd_work:
         raise RuntimeError("flamia attention: the forward ran without gradients enabled")
-    causal, recipe, exact_causal, softmax_scale, bwd_config = ctx.args
+    causal, recipe, exact_causal, softmax_scale, bwd_config, column_align = ctx.args
     dq, dk, dv = attn_varlen_bwd(
         d_out, q, k, v, out, m_rows, lse_rows, cu_seqlens, list(blocks), list(bwd_work),
-        causal, recipe, exact_causal, softmax_scale, bwd_config,
+        causal, recipe, exact_causal, softmax_scale, bwd_config, column_align,
     )  # fmt: skip
     # tensor-list inputs take a list of Nones; every other non-tensor input one None
     lists = [[None] * ctx.n_blocks, [None] * ctx.n_work, [None] * len(bwd_work)]

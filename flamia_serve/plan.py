@@ -19,17 +19,31 @@ from flamia_serve.kernels.schedule import (
     token_block_table,
 )
 from flamia_serve.numerics.checks import check_cu_seqlens, check_max_seqlen
+from flamia_serve.numerics.operands import V_T_ALIGN
 
 
 @dataclass(frozen=True)
 class VarlenPlan:
-    """Schedules of one pack; ``work_list`` builds (and caches) one per tile shape."""
+    """Schedules of one pack; ``work_list`` builds (and caches) one per tile shape,
+    ``token_blocks`` one token-block table per column alignment (``blocks``: the default,
+    ``V_T_ALIGN``)."""
 
     cu_seqlens: torch.Tensor
     total_tokens: int
     max_seqlen: int
     blocks: TokenBlocks
     _work: dict[tuple[int, int, bool], WorkList] = field(default_factory=dict, repr=False)
+    _blocks: dict[int, TokenBlocks] = field(default_factory=dict, repr=False)
+
+    def token_blocks(self, align: int) -> TokenBlocks:
+        """The token-block table whose documents start at multiples of ``align`` columns
+        (``FwdConfig.column_align`` of the forward that reads the layout)."""
+        if align == V_T_ALIGN:
+            return self.blocks
+        if align not in self._blocks:
+            self._blocks[align] = token_block_table(self.cu_seqlens, self.total_tokens,
+                                                    align=align)  # fmt: skip
+        return self._blocks[align]
 
     def work_list(self, block_m: int, block_n: int, causal: bool) -> WorkList:
         """The forward's list of query tiles (built once per tile shape)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.numerics.operands import V_T_ALIGN
+from flamia_serve.numerics.operands import V_T_ALIGN, check_column_align
 
 
 def _tiles_of_documents(
@@ -34,7 +34,7 @@ def _tiles_of_documents(
 class TokenBlocks:
     """Document-local 32-token blocks: first token and length (0 = empty slot), int32;
     ``v_t_start``: the block's first column in the K-major V layout; ``doc_v_t_start``:
-    each document's first column there (a multiple of ``V_T_ALIGN``)."""
+    each document's first column there (a multiple of the layout's column alignment)."""
 
     start: torch.Tensor
     length: torch.Tensor
@@ -46,13 +46,17 @@ class TokenBlocks:
         return self.start.numel()
 
 
-def token_block_table(cu_seqlens: torch.Tensor, total_tokens: int, block: int = 32) -> TokenBlocks:
-    """Every document-local ``block``-token block of a pack (blocks restart per document)."""
+def token_block_table(
+    cu_seqlens: torch.Tensor, total_tokens: int, block: int = 32, align: int = V_T_ALIGN
+) -> TokenBlocks:
+    """Every document-local ``block``-token block of a pack (blocks restart per document);
+    documents start at multiples of ``align`` columns in the column layout."""
+    check_column_align(align)
     doc, local, valid = _tiles_of_documents(cu_seqlens, total_tokens, block)
     cu = cu_seqlens.long()
     start = cu[doc] + local * block
     length = torch.where(valid, (cu[doc + 1] - start).clamp(0, block), 0)
-    padded = (cu[1:] - cu[:-1] + V_T_ALIGN - 1) // V_T_ALIGN * V_T_ALIGN
+    padded = (cu[1:] - cu[:-1] + align - 1) // align * align
     doc_v_t_start = torch.cumsum(padded, 0) - padded
     v_t_start = doc_v_t_start[doc] + local * block
     return TokenBlocks(

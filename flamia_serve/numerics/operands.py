@@ -12,11 +12,12 @@ Two layouts of the same codes and exponents:
   token-block quantization serves both orientations: DESIGN N2), with their exponents in
   the same columns.
 
-Column layout: document ``b`` starts at column ``doc_v_t_start[b]`` (a multiple of
-``V_T_ALIGN``, so tiles load as 16-byte vectors); its token ``j`` sits at
-``doc_v_t_start[b] + v_t_position(j)`` (permuted inside 16-token groups, see
-``v_t_position``); columns outside documents hold zero codes, ``COLUMN_SLACK`` of them
-after the last one.
+Column layout: document ``b`` starts at column ``doc_v_t_start[b]`` (a multiple of the
+layout's *column alignment*: ``V_T_ALIGN`` = 16 at least, so tiles load as 16-byte vectors;
+the CuTe forward's key tile, 128, for the layout it reads, so that no whole-tile TMA load
+holds two documents); its token ``j`` sits at ``doc_v_t_start[b] + v_t_position(j)``
+(permuted inside 16-token groups, see ``v_t_position``); columns outside documents hold zero
+codes, ``COLUMN_SLACK`` of them after the last one.
 """
 
 from __future__ import annotations
@@ -56,10 +57,19 @@ def v_t_key(position):
 COLUMN_SLACK = 64
 
 
-def v_t_length(total_tokens: int, num_docs: int) -> int:
-    """Columns of the column layout: every document padded to ``V_T_ALIGN``, then
-    ``COLUMN_SLACK`` zero columns."""
-    docs = -(-(total_tokens + (V_T_ALIGN - 1) * num_docs) // V_T_ALIGN) * V_T_ALIGN
+def check_column_align(align: int) -> int:
+    """``align`` if it is a positive multiple of ``V_T_ALIGN``, else ``ValueError``."""
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align % V_T_ALIGN:
+        raise ValueError(
+            f"column_align must be a positive multiple of {V_T_ALIGN}, got {align!r}"
+        )
+    return align
+
+
+def v_t_length(total_tokens: int, num_docs: int, align: int = V_T_ALIGN) -> int:
+    """Columns of the column layout (an upper bound from the host-side sizes): every document
+    padded to ``align``, then ``COLUMN_SLACK`` zero columns."""
+    docs = -(-(total_tokens + (align - 1) * num_docs) // align) * align
     return docs + COLUMN_SLACK
 
 
@@ -137,6 +147,8 @@ class KernelQKV:
     k_exp_block: int = 1
     q_t: torch.Tensor | None = None
     k_t: torch.Tensor | None = None
+    #: documents start at multiples of this in the column layout (``check_column_align``)
+    column_align: int = V_T_ALIGN
 
     def key_columns(self) -> torch.Tensor:
         """int64 ``[T]``: the column of each token in the column layout."""

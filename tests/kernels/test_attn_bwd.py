@@ -20,7 +20,7 @@ import torch
 
 from flamia_serve import flamia_attn_varlen, plan_varlen
 from flamia_serve.attention import debug_p_hat
-from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd
+from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd, default_bwd_config
 from flamia_serve.kernels.attn_fwd.ops import attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import build_key_work_list
@@ -259,3 +259,32 @@ def test_training_entry_point_errors(device) -> None:
     cu_big = torch.tensor([0, 2049], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="T must be <= 2048"):
         debug_p_hat(big, big[:, :1], big[:, :1], cu_big)
+
+
+def test_backward_op_reads_the_cute_layout(device) -> None:
+    """``flamia::attn_varlen_bwd`` with the CuTe forward's 128-column layout (what autograd
+    passes after a CuTe forward): the same gradients as with the default layout, which
+    moves columns, not codes (bit for bit on the CPU; the GPU's dQ atomics reorder sums)."""
+    lens = (5, 130, 1, 40)
+    q, k, v, cu, ms = make_pack(lens, 4, 2, 64, seed=3, device=device)
+    d_out = make_pack(lens, 4, 2, 64, seed=4, device=device)[0]
+    plan = plan_varlen(cu, q.shape[0], ms)
+    out, m, lse = attn_fwd(quantize_qkv(q, k, v, cu), cu, heads_q=4, causal=True,
+                           softmax_scale=0.125)  # fmt: skip
+    bcfg = default_bwd_config(64, q.device)
+    bw = plan.key_work_list(bcfg.block_n, bcfg.block_m, True)
+    grads = {}
+    for align in (16, 128):
+        b = plan.token_blocks(align)
+        assert plan.token_blocks(align) is b  # cached per alignment
+        grads[align] = torch.ops.flamia.attn_varlen_bwd(
+            d_out, q, k, v, out, m, lse, cu, [b.start, b.length, b.v_t_start, b.doc_v_t_start],
+            [bw.doc, bw.tile, bw.count], True, "mxfp8", False, 0.125, bcfg.to_ints(), align,
+        )  # fmt: skip
+    assert bool((plan.token_blocks(128).doc_v_t_start % 128 == 0).all())
+    for a, b in zip(grads[16], grads[128], strict=True):
+        assert bool(torch.isfinite(a).all())
+        if device == "cpu":
+            assert torch.equal(a, b)
+        else:
+            assert _rel(b, a) <= 1e-5

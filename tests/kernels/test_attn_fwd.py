@@ -24,6 +24,7 @@ import torch
 
 from flamia_serve import flamia_attn, flamia_attn_varlen
 from flamia_serve.kernels.attn_fwd.ops import (
+    CUTE_CONFIG,
     FwdConfig,
     attn_fwd,
     cute_available,
@@ -201,3 +202,20 @@ def test_fwd_config_errors(device) -> None:
     if not cute_available(q.device):
         with pytest.raises(RuntimeError, match="needs an sm_90 GPU"):
             attn_fwd(qkv, cu, config=FwdConfig(128, 128, kernel="cute"), **args)
+
+
+def test_cute_config_refuses_a_layout_it_would_read_across(device) -> None:
+    """The CuTe forward loads whole 128-key V̂ tiles: on the default 16-aligned layout a
+    document's last tile would hold the next document's codes. It refuses that layout (before
+    anything else, so also on machines without the CuTe kernel); the Triton forward reads
+    the 128-aligned layout to the same result."""
+    assert CUTE_CONFIG.column_align == 128 and FwdConfig().column_align == 16
+    q, k, v, cu, _ms = make_pack((40, 9, 130), 2, 1, 64, seed=1, device=device)
+    qkv = quantize_qkv(q, k, v, cu)
+    with pytest.raises(ValueError, match="column_align=128"):
+        attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125, config=CUTE_CONFIG)
+    aligned = quantize_qkv(q, k, v, cu, column_align=128)
+    got = attn_fwd(aligned, cu, heads_q=2, causal=True, softmax_scale=0.125)
+    want = attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -44,8 +44,8 @@ CASES = [
 @pytest.mark.parametrize(("lens", "hq", "hkv", "d"), CASES, ids=[str(i) for i in range(len(CASES))])
 def test_cute_fwd_matches_reference(lens, hq, hkv, d, causal, exact, config) -> None:
     q, k, v, cu, ms = make_pack(lens, hq, hkv, d, seed=21, device="cuda")
-    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact)
     cfg = CONFIGS[config]
+    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, column_align=cfg.column_align)
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
     ref = attention_forward(
         qkv.to_reference(), cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5
@@ -60,8 +60,8 @@ def test_cute_fwd_matches_reference(lens, hq, hkv, d, causal, exact, config) -> 
 def test_cute_three_warpgroups(causal) -> None:
     lens, hq, hkv, d = CASES[0]
     q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=24, device="cuda")
-    qkv = quantize_qkv(q, k, v, cu)
     cfg = FwdConfig(192, 64, num_stages=2, kernel="cute", overlap=False)
+    qkv = quantize_qkv(q, k, v, cu, column_align=cfg.column_align)
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
     ref = attention_forward(
         qkv.to_reference(), cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5
@@ -82,7 +82,7 @@ def test_cute_ticket_schedule_is_repeatable() -> None:
     """More (item, head) pairs than SMs: CTAs take the ones after their first by atomic
     ticket (reset per launch); two launches give the same bits, and every row is written."""
     q, k, v, cu, _ms = make_pack((4000, 129, 1), 16, 4, 128, seed=25, device="cuda")
-    qkv = quantize_qkv(q, k, v, cu)
+    qkv = quantize_qkv(q, k, v, cu, column_align=CUTE_CONFIG.column_align)
     runs = [
         attn_fwd(qkv, cu, heads_q=16, causal=True, softmax_scale=0.1, config=CUTE_CONFIG)
         for _ in range(2)

@@ -169,3 +169,38 @@ def test_column_copies_bit_exact(lens, hq, hkv, d, recipe, exact, device) -> Non
         rest = torch.ones(t.shape[-1], dtype=torch.bool, device=t.device)
         rest[column] = False
         assert not bool(t[:, :, rest].view(torch.uint8).any()), name
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["token_block", "per_token"])
+def test_column_align_moves_documents_not_codes(exact, device) -> None:
+    """The CuTe forward's layout (documents at multiples of 128 columns): each token's codes
+    and exponents are those of the default 16-aligned layout, every document's whole
+    128-column tiles hold only its own tokens, and every other column holds zero codes (a
+    tile read past a document's end multiplies them by P̂ = 0: NaN there would cross)."""
+    lens = (5, 130, 1, 40, 0, 16)
+    q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=3, device=device)
+    a = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True)
+    b = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True, column_align=128)
+    assert (a.column_align, b.column_align) == (16, 128)
+    starts = b.doc_v_t_start.long().cpu()
+    spans = (torch.tensor(lens) + 127) // 128 * 128
+    assert bool((starts % 128 == 0).all())
+    assert bool((starts[1:] - starts[:-1] >= spans[:-1]).all())
+    assert b.v_t.shape[-1] >= int(starts[-1] + spans[-1])
+    ca, cb = a.key_columns(), b.key_columns()
+    for name in ("v_t", "q_t", "k_t", "k_exp", "v_exp", "kv_factors"):
+        assert _same(getattr(a, name)[..., ca], getattr(b, name)[..., cb]), name
+    assert _same(a.q_codes, b.q_codes) and _same(a.k_codes, b.k_codes)
+    outside = torch.ones(b.v_t.shape[-1], dtype=torch.bool)
+    outside[cb.cpu()] = False
+    for name in ("v_t", "q_t", "k_t"):
+        assert int(_bits(getattr(b, name)).cpu()[:, :, outside].count_nonzero()) == 0, name
+
+
+@pytest.mark.parametrize("align", [0, 8, 24, True, 16.0])
+def test_bad_column_align_is_refused(align) -> None:
+    q, k, v, cu, _ms = make_pack((5, 7), 2, 1, 64, seed=1, device="cpu")
+    with pytest.raises(ValueError, match="column_align must be a positive multiple of 16"):
+        quantize_qkv(q, k, v, cu, column_align=align)
+    with pytest.raises(ValueError, match="column_align"):
+        token_block_table(cu, 12, align=align)

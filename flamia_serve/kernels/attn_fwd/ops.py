@@ -13,7 +13,7 @@ import torch
 from flamia_serve.kernels._common import interpreted, round_debug_p_
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
 from flamia_serve.kernels.schedule import WorkList, build_work_list
-from flamia_serve.numerics.operands import KernelQKV
+from flamia_serve.numerics.operands import V_T_ALIGN, KernelQKV
 
 LOG2E = math.log2(math.e)
 
@@ -48,6 +48,14 @@ class FwdConfig:
     programs_per_sm: int = 2  # persistent grid: programs per SM
     kernel: str = "triton"  # "triton" | "cute"
     overlap: bool = True  # cute: overlap Q̂·K̂ᵀ of one key tile with P̂·V̂ of the previous
+
+    @property
+    def column_align(self) -> int:
+        """Column alignment of the layout this forward reads: the CuTe kernel loads whole
+        ``block_n``-key V̂ tiles by TMA, so documents start at multiples of ``block_n`` there
+        and a tile never holds another document's codes (a NaN there would cross over
+        through 0·NaN in P̂·V̂); the Triton kernel masks its loads: ``V_T_ALIGN``."""
+        return self.block_n if self.kernel == "cute" else V_T_ALIGN
 
     def to_ints(self) -> list[int]:
         """The config as ints (what the custom op carries)."""
@@ -137,13 +145,17 @@ def attn_fwd(
     """Forward from quantized operands: ``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``.
 
     Same contract as ``flamia_serve.reference.attention_forward`` (M integer row reference,
-    lse base 2). ``work`` comes from a ``VarlenPlan``; without one it is built here.
+    lse base 2). ``work`` comes from a ``VarlenPlan``; without one it is built here. Without
+    ``config`` the CuTe kernel runs only on a layout quantized with its ``column_align``
+    (else the Triton kernel does); an explicit CuTe config on another layout is an error.
     ``debug_p`` (Triton kernel, small calls): two float32 ``[Hq, T, T]`` buffers that receive
     every P̂ as quantized and the row reference it was quantized against.
     """
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     cfg = config or default_config(d, dev, qk_nvfp4=qkv.q4 is not None)
+    if config is None and qkv.column_align % cfg.column_align:  # the layout decides
+        cfg = default_config(d, dev, qk_nvfp4=qkv.q4 is not None, kernel="triton")
     if cfg.kernel == "triton" and cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
     if cfg.kernel not in ("triton", "cute"):
@@ -156,6 +168,12 @@ def attn_fwd(
         raise ValueError(
             f"config.kernel='cute' takes block_m in (64, 128, 192) and block_n in (64, 128), "
             f"got {cfg.block_m}, {cfg.block_n}"
+        )
+    if cfg.kernel == "cute" and qkv.column_align % cfg.block_n:
+        raise ValueError(
+            f"config.kernel='cute' loads whole {cfg.block_n}-key V tiles: quantize with "
+            f"column_align={cfg.column_align} (config.column_align), got a layout aligned to "
+            f"{qkv.column_align} (a tile would hold the next document's values)"
         )
     if cfg.kernel == "cute" and not cute_available(dev):
         raise RuntimeError(

@@ -13,6 +13,7 @@ from flamia_serve.numerics.operands import (
     V_T_ALIGN,
     KernelDO,
     KernelQKV,
+    check_column_align,
     token_columns,
     v_t_length,
 )
@@ -60,6 +61,7 @@ def quantize_qkv(
     exact_causal: bool = False,
     blocks: TokenBlocks | None = None,
     with_transposed: bool = False,
+    column_align: int = V_T_ALIGN,
     num_warps: int = 4,
     programs_per_sm: int = 32,
 ) -> KernelQKV:
@@ -71,7 +73,9 @@ def quantize_qkv(
     (``benchmarks/tune_quant.py``). ``with_transposed`` also builds ``q_t``/``k_t`` (the
     backward's column-layout copies of the Q/K codes) with a torch scatter: written from
     the kernel, per-token (``exact_causal``) codes came out scrambled in some head-dim
-    columns on the H200 (Triton 3.6, FP8 tile stored transposed).
+    columns on the H200 (Triton 3.6, FP8 tile stored transposed). ``column_align``: documents
+    start at multiples of it in the column layout (``FwdConfig.column_align`` of the forward
+    that will read it; ``blocks``, when given, must come from a table with the same one).
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -82,20 +86,24 @@ def quantize_qkv(
     total, heads_q, d = q.shape
     heads_kv = k.shape[1]
     dev = q.device
+    check_column_align(column_align)
     if blocks is None:
-        blocks = token_block_table(cu_seqlens, total, rec.token_block)
+        blocks = token_block_table(cu_seqlens, total, rec.token_block, column_align)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1)")
-    t_pad = v_t_length(total, cu_seqlens.numel() - 1)
+    t_pad = v_t_length(total, cu_seqlens.numel() - 1, column_align)
     q_codes = torch.empty(total, heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
     k_codes = torch.empty(total, heads_kv, d, dtype=torch.float8_e4m3fn, device=dev)
     q_exp = _head_major_exponents(total, heads_q, dev)
     k_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
-    v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
-    # columns past every document's padded end are zero (the kernel zeroes the padding
-    # inside documents): key tiles that run past the last document read finite codes
-    v_t[:, :, total:].zero_()
+    if column_align == V_T_ALIGN:
+        v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
+        # columns past every document's padded end are zero (the kernel zeroes the padding
+        # inside documents): key tiles that run past the last document read finite codes
+        v_t[:, :, total:].zero_()
+    else:  # the kernel writes each document up to 16 columns; the rest of its span is 0
+        v_t = torch.zeros(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
     v_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     kv_factors = torch.empty(heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
     nvfp4 = rec.qk_format == "nvfp4"
@@ -124,7 +132,7 @@ def quantize_qkv(
         q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp, kv_factors,
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
-        q_t, k_t,
+        q_t, k_t, column_align,
     )  # fmt: skip
 
 
@@ -137,6 +145,7 @@ def quantize_do(
     *,
     recipe: str | Recipe = "mxfp8",
     blocks: TokenBlocks | None = None,
+    column_align: int = V_T_ALIGN,
     num_warps: int = 4,
     programs_per_sm: int = 32,
 ) -> KernelDO:
@@ -144,17 +153,19 @@ def quantize_do(
 
     ``d_out``/``out`` ``[T, Hq, d]`` BF16/FP16 (last dim contiguous); ``m_rows``/``lse_rows``
     ``[T, Hq]`` float32 contiguous, as the forward returns them. Same codes as
-    ``flamia_serve.reference.quantize_do`` given the kernel's ``row_factor``.
+    ``flamia_serve.reference.quantize_do`` given the kernel's ``row_factor``. ``column_align``
+    as in :func:`quantize_qkv` (the backward reads Ĝ's columns only inside documents).
     """
     rec = resolve_recipe(recipe)
     total, heads_q, d = d_out.shape
     dev = d_out.device
+    check_column_align(column_align)
     if blocks is None:
-        blocks = token_block_table(cu_seqlens, total, rec.token_block)
+        blocks = token_block_table(cu_seqlens, total, rec.token_block, column_align)
     for name, x in (("d_out", d_out), ("out", out)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1)")
-    t_pad = v_t_length(total, cu_seqlens.numel() - 1)
+    t_pad = v_t_length(total, cu_seqlens.numel() - 1, column_align)
     do_codes = torch.empty(total, heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
     do_exp = _head_major_exponents(total, heads_q, dev)
     g_t = torch.empty(heads_q, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
