@@ -6,6 +6,8 @@
 #   rl    (carry .stage/vllm/part2): installs vLLM part 2; the three RL setups at once
 #         (flamia-fp8 on GPU 0, flamia-nvfp4 and bf16-fa-fp8 on GPU 1), merged + plotted
 #   tp    (vLLM already installed): vLLM TP=1 vs TP=2 per cache dtype, then the RL GPU tests
+#   tp-trained (vLLM installed): a digit-reversal model trained by flamia rl, served at TP=1
+#         and TP=2 per cache dtype: greedy answers compared (a random model's are not stable)
 #   bash benchmarks/run_multi_gpu.sh dist
 set -uo pipefail
 step=${1:?step: dist, rl or tp}
@@ -47,6 +49,13 @@ tp)
   run vllm_tp 480 python benchmarks/vllm_tp.py --budget-s 440 --per-engine-s 120 \
     --configs flash_attn-auto,flamia-auto,flamia-fp8_per_token_head,flamia-nvfp4
   run pytest_rl 100 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/train/test_rl.py
+  ;;
+tp-trained)
+  run rl_model 300 env CUDA_VISIBLE_DEVICES=0 python -m flamia_serve.train.rl --setup flamia-fp8 \
+    --steps 60 --model-dir /tmp/rl_model --no-progress --json "$OUT/rl_model.json"
+  run vllm_tp_trained 420 python benchmarks/vllm_tp.py --model /tmp/rl_model/flamia-fp8 \
+    --prompts digits --name vllm_tp_trained --budget-s 400 --per-engine-s 90 \
+    --configs flash_attn-auto,flamia-auto,flamia-fp8_per_token_head,flamia-nvfp4
   ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

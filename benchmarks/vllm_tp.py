@@ -24,6 +24,14 @@ FLAMIA's scales are per key (token) and head or per token block within one head,
 sharding heads over ranks changes nothing inside attention.
 
     python benchmarks/vllm_tp.py [--configs flash_attn-auto,flamia-auto,...] [--tps 1,2]
+    python benchmarks/vllm_tp.py --model DIR --prompts digits     # a trained digit model
+
+``--model DIR`` serves an existing model directory instead (``config.json`` + weights, e.g.
+the one ``flamia rl --model-dir DIR`` leaves, trained to reverse digit strings): greedy
+tokens of a random-weight model diverge under TP for every backend, a trained model's peaked
+outputs need not. ``--prompts digits`` then asks it the task's prompts
+(``flamia_serve.train.rl``), compares the greedy answers up to their ``</s>`` and skips the
+throughput run when the model's positions cannot hold ``--input-len`` + ``--output-len``.
 
 Writes ``vllm_tp.json`` under ``$FLAMIA_RESULTS_DIR`` (default ``benchmarks/results``) after
 every engine: rows ``{"workload": "tp", "pass": "e2e", "impl": "<config>-tp<N>", "ms",
@@ -103,14 +111,44 @@ def write_checkpoint(path: Path, config: dict, seed: int) -> Path:
     return path
 
 
+def digit_prompts(n: int, seed: int = 1) -> tuple[list[list[int]], int, int]:
+    """``n`` prompts of the RL digit-reversal task, the answer-length limit and ``</s>``'s id
+    (``flamia_serve.train.rl``'s tokenizer and the ``small`` preset's digit range)."""
+    import torch
+
+    from flamia_serve.train import rl
+
+    preset = rl.PRESETS["small"]
+    digits = rl.sample_digits(n, preset.min_digits, preset.max_digits,
+                              torch.Generator().manual_seed(seed))  # fmt: skip
+    tok = rl.DigitTokenizer()
+    return [tok.prompt_ids(d) for d in digits], preset.max_digits + 1, rl.EOS
+
+
+def until_eos(rows: list[dict], eos: int) -> list[dict]:
+    """Greedy rows cut after their first ``eos`` (what follows an answer is not compared)."""
+    out = []
+    for r in rows:
+        tokens = r["tokens"]
+        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        out.append({**r, "tokens": tokens[:end]})
+    return out
+
+
+def model_config(model: Path) -> dict:
+    return json.loads((model / "config.json").read_text())
+
+
 def run_one(config: str, tp: int, model: Path, args: argparse.Namespace) -> dict:
-    """One engine (this process): accuracy rows, then the throughput row."""
+    """One engine (this process): accuracy rows, then the throughput row (when the model's
+    positions hold the workload)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import flamia_serve.backend
 
     flamia_serve.backend.register()
+    import torch
     from vllm import LLM, SamplingParams
 
     from benchmarks.vllm_e2e import generate, prompts_shared_prefix, random_prompts
@@ -119,7 +157,9 @@ def run_one(config: str, tp: int, model: Path, args: argparse.Namespace) -> dict
     settings = dict(attention_backend=backend, kv_cache_dtype=kv_dtype,
                     tensor_parallel_size=tp, skip_tokenizer_init=True, seed=0,
                     gpu_memory_utilization=args.gpu_memory_utilization,
-                    max_model_len=args.max_model_len, max_num_batched_tokens=1024,
+                    max_model_len=min(args.max_model_len,
+                                      model_config(model)["max_position_embeddings"]),
+                    max_num_batched_tokens=1024,
                     enable_chunked_prefill=True, enable_prefix_caching=False,
                     max_num_seqs=args.max_num_seqs)  # fmt: skip
     if args.enforce_eager:
@@ -135,19 +175,35 @@ def run_one(config: str, tp: int, model: Path, args: argparse.Namespace) -> dict
              "kv_tokens": blocks * cfg.cache_config.block_size if blocks else None,
              "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
              "settings": settings}  # fmt: skip
-    acc = generate(llm, prompts_shared_prefix(8), 32, prompt_logprobs=True)
-    again = generate(llm, prompts_shared_prefix(8), 32)  # repeatability within one engine
+    if args.prompts == "digits":
+        prompts, max_tokens, eos = digit_prompts(64)
+    else:
+        prompts, max_tokens, eos = prompts_shared_prefix(8), 32, None
+    acc = generate(llm, prompts, max_tokens, prompt_logprobs=True)
+    again = generate(llm, prompts, max_tokens)  # repeatability within one engine
+    if eos is not None:
+        acc, again = until_eos(acc, eos), until_eos(again, eos)
     facts["repeat_identical_requests"] = sum(a["tokens"] == b["tokens"]
                                              for a, b in zip(acc, again, strict=True))  # fmt: skip
+    if args.input_len + args.output_len > settings["max_model_len"]:
+        print(f"{facts['impl']}: no throughput run (the model holds "
+              f"{settings['max_model_len']} positions)", flush=True)  # fmt: skip
+        return {"facts": facts, "acc": acc, "rows": []}
+    vocab = model_config(model)["vocab_size"]
+
+    def token_prompts(n: int, length: int, seed: int) -> list[dict]:
+        if vocab >= 31000:  # the demo model: vllm_e2e's prompts
+            return [{"prompt_token_ids": p} for p in random_prompts(n, length, seed)]
+        g = torch.Generator().manual_seed(seed)
+        return [{"prompt_token_ids": torch.randint(0, vocab, (length,), generator=g).tolist()}
+                for _ in range(n)]  # fmt: skip
+
     warm = SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False, temperature=0.0)
-    llm.generate([{"prompt_token_ids": p} for p in random_prompts(16, 512, 99)], warm,
-                 use_tqdm=False)  # fmt: skip
+    llm.generate(token_prompts(16, args.input_len, 99), warm, use_tqdm=False)
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False,
                         temperature=0.0)  # fmt: skip
-    prompts = [{"prompt_token_ids": p}
-               for p in random_prompts(args.requests, args.input_len, 3)]  # fmt: skip
     t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = llm.generate(token_prompts(args.requests, args.input_len, 3), sp, use_tqdm=False)
     dt = time.perf_counter() - t
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {"workload": "tp", "pass": "e2e", "impl": facts["impl"], "ms": round(dt * 1e3, 1),
@@ -200,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help="skip engines past this")
     p.add_argument("--per-engine-s", type=float, default=240)
     p.add_argument("--name", default="vllm_tp", help="results file name (no suffix)")
+    p.add_argument("--model", type=Path, help="serve this model directory instead of the "
+                   "random-weight demo Llama (e.g. flamia rl --model-dir's)")
+    p.add_argument("--prompts", choices=("shared-prefix", "digits"), default="shared-prefix",
+                   help="accuracy prompts: 8 with a shared 1000-token prefix (32 greedy tokens), "
+                        "or 64 of the RL digit task (greedy answers up to </s>)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -218,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("requests", "input_len", "output_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there")
     if args.one:
         try:
             res = run_one(args.one, args.tp, args.model_dir, args)
@@ -236,13 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.vllm_e2e import write_entry_point
 
     tmp = Path(tempfile.mkdtemp(prefix="vllm-tp-"))
-    model = write_checkpoint(tmp / "demo-llama", MODEL, args.seed)
+    if args.model is None:
+        model, weights = write_checkpoint(tmp / "demo-llama", MODEL, args.seed), {
+            "weight_std": WEIGHT_STD, "weight_seed": args.seed}
+    else:
+        model, weights = args.model.resolve(), {"model_dir": str(args.model)}
     env = child_env(write_entry_point(tmp / "ep"))
     out = results_dir() / f"{args.name}.json"
-    doc: dict = {"benchmark": args.name, **env_info(), "model": MODEL, "weight_std": WEIGHT_STD,
-                 "weight_seed": args.seed, "gpus": [torch.cuda.get_device_name(i) for i in
+    doc: dict = {"benchmark": args.name, **env_info(), "model": model_config(model), **weights,
+                 "gpus": [torch.cuda.get_device_name(i) for i in
                                                     range(torch.cuda.device_count())],
-                 "workload": {k: v for k, v in vars(args).items()
+                 "workload": {k: str(v) if isinstance(v, Path) else v
+                              for k, v in vars(args).items()
                               if k not in ("one", "tp", "model_dir", "one_out")},
                  "rows": [], "engines": [], "accuracy": {}, "errors": {},
                  "skipped": []}  # fmt: skip

@@ -956,7 +956,9 @@ def summarize_run(steps: Sequence[dict]) -> dict:
 def train_one(cfg: RLConfig, name: str, setup: Setup, device: torch.device, *,
               progress: bool = True, model_dir: str | Path | None = None) -> dict:  # fmt: skip
     """Warm up, write the model directory, start the engine, run ``cfg.steps`` RL steps;
-    return the run record. Stops early, with ``diverged_at`` set, on a non-finite loss."""
+    return the run record. Stops early, with ``diverged_at`` set, on a non-finite loss. A
+    ``model_dir`` that is kept (given) ends up holding the trained model."""
+    keep = model_dir is not None
     model = build_model(cfg, setup).to(device)
     bar = _progress(cfg.sft_steps + cfg.steps, name, progress)
     t_start = time.perf_counter()
@@ -986,6 +988,8 @@ def train_one(cfg: RLConfig, name: str, setup: Setup, device: torch.device, *,
                                  "|dlp|": f"{rec['mismatch_abs_mean']:.2e}",
                                  "k3": f"{rec['kl_k3']:.1e}"}, refresh=False)  # fmt: skip
                 bar.update(1)
+        if keep:  # the trained weights (the engine has its own copy)
+            write_model_dir(path, model, cfg)
         engine_info = engine.info()
     if bar is not None:
         bar.close()
@@ -1171,7 +1175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-vllm-tokenizer", action="store_true",
                    help="vLLM: skip loading the tokenizer (token ids in and out)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is a GPU)")
-    p.add_argument("--model-dir", help="keep the model directories here (default: temporary)")
+    p.add_argument("--model-dir", help="keep the model directories here, one per setup, each "
+                   "holding the trained model at the end (default: temporary)")
     p.add_argument("--json", metavar="PATH", help="write the result JSON here")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="instead of training: merge results of one config into --json")

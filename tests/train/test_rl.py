@@ -233,6 +233,35 @@ def _rollout_and_recompute(model, engine, cfg, seed=1):
     return comps, rl.mismatch_stats(rollout, logp.detach())
 
 
+def test_kept_model_dir_holds_the_trained_model(tmp_path, monkeypatch):
+    """``--model-dir``: after the run the directory holds the final weights (what
+    ``benchmarks/vllm_tp.py --model`` serves), not the ones written before the RL steps."""
+    from safetensors.torch import load_file
+
+    built, after_sft = [], {}
+    build, warmup = rl.build_model, rl.sft_warmup
+
+    def build_and_keep(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+
+    def warmup_and_snapshot(model, *args, **kwargs):
+        out = warmup(model, *args, **kwargs)
+        after_sft.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(rl, "build_model", build_and_keep)
+    monkeypatch.setattr(rl, "sft_warmup", warmup_and_snapshot)
+    torch.set_num_threads(1)
+    assert rl.main(["--setup", "cpu", "--model-size", "tiny", "--steps", "2", "--sft-steps", "1",
+                    "--device", "cpu", "--no-progress", "--model-dir", str(tmp_path)]) == 0
+    saved = load_file(str(tmp_path / "cpu" / "model.safetensors"))
+    final = built[0].state_dict()
+    assert set(saved) == set(final)
+    assert all(torch.equal(saved[k], final[k].float()) for k in final)
+    assert any(not torch.equal(saved[k], after_sft[k].float()) for k in final)
+
+
 @pytest.mark.parametrize("attention", ["mxfp8", "bf16"])
 def test_mismatch_is_zero_when_the_trainer_rolls_out(attention):
     cfg = _tiny_cfg()
