@@ -200,8 +200,9 @@ def test_fwd_config_errors(device) -> None:
     assert default_config(64, q.device, kernel="cute").kernel == "cute"
     assert default_config(64, q.device, kernel="triton").kernel == "triton"
     if not cute_available(q.device):
+        aligned = quantize_qkv(q, k, v, cu, column_align=128)
         with pytest.raises(RuntimeError, match="needs an sm_90 GPU"):
-            attn_fwd(qkv, cu, config=FwdConfig(128, 128, kernel="cute"), **args)
+            attn_fwd(aligned, cu, config=FwdConfig(128, 128, kernel="cute"), **args)
 
 
 def test_cute_config_refuses_a_layout_it_would_read_across(device) -> None:
