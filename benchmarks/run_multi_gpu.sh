@@ -6,6 +6,8 @@
 #   rl    (carry .stage/vllm/part2): installs vLLM part 2; the three RL setups at once
 #         (flamia-fp8 on GPU 0, flamia-nvfp4 and bf16-fa-fp8 on GPU 1), merged + plotted
 #   tp    (vLLM already installed): vLLM TP=1 vs TP=2 per cache dtype, then the RL GPU tests
+#   rl-tis (vLLM installed): the NVFP4-cache and FP8-cache setups with truncated importance
+#         sampling (--tis-cap 2), merged with benchmarks/results/rl.json into $OUT/rl.json
 #   tp-trained (vLLM installed): a digit-reversal model trained by flamia rl, served at TP=1
 #         and TP=2 per cache dtype: greedy answers compared (a random model's are not stable)
 #   bash benchmarks/run_multi_gpu.sh dist
@@ -49,6 +51,15 @@ tp)
   run vllm_tp 480 python benchmarks/vllm_tp.py --budget-s 440 --per-engine-s 120 \
     --configs flash_attn-auto,flamia-auto,flamia-fp8_per_token_head,flamia-nvfp4
   run pytest_rl 100 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/train/test_rl.py
+  ;;
+rl-tis)
+  run rl_tis_nvfp4 480 env CUDA_VISIBLE_DEVICES=0 python -m flamia_serve.train.rl \
+    --setup flamia-nvfp4 --tis-cap 2 --time-limit 300 --no-progress --json "$OUT/rl_tis_b.json" &
+  run rl_tis_fp8 480 env CUDA_VISIBLE_DEVICES=1 python -m flamia_serve.train.rl \
+    --setup flamia-fp8 --tis-cap 2 --time-limit 300 --no-progress --json "$OUT/rl_tis_a.json" &
+  wait
+  python -m flamia_serve.train.rl --merge benchmarks/results/rl.json "$OUT"/rl_tis_*.json \
+    --json "$OUT/rl.json" && python benchmarks/plot_rl.py "$OUT/rl.json" --out "$OUT/rl.png"
   ;;
 tp-trained)
   run rl_model 300 env CUDA_VISIBLE_DEVICES=0 python -m flamia_serve.train.rl --setup flamia-fp8 \

@@ -12,7 +12,10 @@ process holds the trainer and a rollout engine; every step
 3. recomputes the completions' log-probs with the trainer (one packed forward, documents
    separated by ``position_ids`` / ``cu_seq_lens``), logs their mismatch against the
    engine's (:func:`mismatch_stats`), takes one on-policy policy-gradient step
-   (:func:`policy_loss`, token mean) with AdamW;
+   (:func:`policy_loss`, token mean) with AdamW — with ``--tis-cap C`` each token's term is
+   weighted by the truncated importance ratio ``min(π_trainer / π_rollout, C)`` (detached),
+   which corrects for rollouts that sample from a different distribution than the trainer
+   computes (e.g. the NVFP4 cache);
 4. pushes the new weights into the engine in-process.
 
 Before RL a supervised warm-up (the same trainer attention) makes the model partly
@@ -221,18 +224,33 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return centered / (r.std(dim=1, correction=0, keepdim=True) + eps)
 
 
-def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor,
-                lengths: Sequence[int]) -> torch.Tensor:  # fmt: skip
-    """On-policy policy-gradient loss, token mean: ``-Σ_i Σ_t A_i logp_it / Σ_i len_i``.
+def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, lengths: Sequence[int],
+                weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Policy-gradient loss, token mean: ``-Σ_i Σ_t w_it A_i logp_it / Σ_i len_i``.
     ``logprobs`` ``[N]`` (completions concatenated), ``advantages`` ``[n]`` (one per
-    completion), ``lengths`` their token counts (sum N)."""
+    completion), ``lengths`` their token counts (sum N); ``weights`` ``[N]`` per-token
+    importance weights (no gradient flows through them; None: all 1, on-policy)."""
     counts = torch.as_tensor(list(lengths), dtype=torch.long, device=logprobs.device)
     if counts.numel() != advantages.numel() or int(counts.sum()) != logprobs.numel():
         raise ValueError(f"lengths: {counts.numel()} completions of {int(counts.sum())} tokens "
                          f"do not match {advantages.numel()} advantages and "
                          f"{logprobs.numel()} log-probs")  # fmt: skip
     per_token = advantages.to(logprobs).repeat_interleave(counts)
+    if weights is not None:
+        if weights.shape != logprobs.shape:
+            raise ValueError(f"weights: expected shape {tuple(logprobs.shape)}, got "
+                             f"{tuple(weights.shape)}")  # fmt: skip
+        per_token = per_token * weights.detach().to(logprobs)
     return -(per_token * logprobs).sum() / max(logprobs.numel(), 1)
+
+
+def tis_weights(trainer: torch.Tensor, rollout: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights ``min(exp(trainer − rollout), cap)`` of sampled tokens
+    (log-probs ``[N]``; detached, float32 on ``trainer``'s device)."""
+    if not cap > 0:
+        raise ValueError(f"cap: must be > 0, got {cap}")
+    d = trainer.detach().float() - rollout.to(trainer.device).float()
+    return d.exp().clamp(max=cap)
 
 
 def mismatch_stats(rollout: torch.Tensor, trainer: torch.Tensor) -> dict[str, float]:
@@ -402,6 +420,9 @@ class RLConfig:
     gpu_memory_utilization: float = 0.2
     enforce_eager: bool = True
     vllm_tokenizer: bool = True
+    #: truncated importance sampling: cap C of the per-token weight min(π_trainer/π_rollout, C)
+    #: in the policy loss (None: on-policy loss, no weights)
+    tis_cap: float | None = None
     #: wall-clock seconds for the RL steps of one setup (None: no limit); when they run out
     #: the run ends early and records ``time_limited_at``
     time_limit: float | None = None
@@ -446,6 +467,8 @@ def check_config(cfg: RLConfig) -> RLConfig:
         raise bad("gpu_memory_utilization", "in (0, 1]")
     if cfg.time_limit is not None and not cfg.time_limit > 0:
         raise bad("time_limit", "> 0")
+    if cfg.tis_cap is not None and not (math.isfinite(cfg.tis_cap) and cfg.tis_cap > 0):
+        raise bad("tis_cap", "a finite number > 0")
     if cfg.flamia_path not in ("auto", "kernel", "reference"):
         raise ValueError(f"--flamia-path: expected auto, kernel or reference, "
                          f"got {cfg.flamia_path!r}")  # fmt: skip
@@ -817,6 +840,7 @@ def make_engine(setup: Setup, model: torch.nn.Module, model_dir: Path,
 #: keys of every per-step record in ``runs[name]["steps"]``
 STEP_KEYS = ("step", "reward_mean", "reward_std", "exact_frac", "loss", "grad_norm",
              "mismatch_abs_mean", "mismatch_abs_max", "logprob_diff_mean", "kl_k3", "tokens",
+             "tis_weight_mean", "tis_capped_frac",
              "entropy", "completion_len_mean", "stopped_frac", "rollout_s", "train_s",
              "push_s")  # fmt: skip
 #: keys of ``runs[name]["summary"]`` (and of the top-level ``summary[name]``)
@@ -910,7 +934,8 @@ def rl_step(model: torch.nn.Module, engine: RolloutEngine, opt: torch.optim.Opti
     rollout_lp = torch.tensor([x for c in comps for x in c.logprobs], dtype=torch.float64)
     stats = mismatch_stats(rollout_lp, logp.detach())
     lengths = [len(c.token_ids) for c in comps]
-    loss = policy_loss(logp, adv.to(device), lengths)
+    weights = None if cfg.tis_cap is None else tis_weights(logp, rollout_lp, cfg.tis_cap)
+    loss = policy_loss(logp, adv.to(device), lengths, weights)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
@@ -924,6 +949,9 @@ def rl_step(model: torch.nn.Module, engine: RolloutEngine, opt: torch.optim.Opti
         "step": step + 1, "reward_mean": float(r.mean()),
         "reward_std": float(r.std(correction=0)), "exact_frac": sum(exact) / len(exact),
         "loss": float(loss.detach()), "grad_norm": float(grad_norm), **stats,
+        "tis_weight_mean": None if weights is None else float(weights.mean()),
+        "tis_capped_frac": None if weights is None else float(
+            (weights >= cfg.tis_cap).float().mean()),
         "entropy": float(entropy.mean()), "completion_len_mean": sum(lengths) / len(lengths),
         "stopped_frac": sum(c.stopped for c in comps) / len(comps),
         "rollout_s": t1 - t0, "train_s": t2 - t1, "push_s": t3 - t2,
@@ -1002,6 +1030,7 @@ def train_one(cfg: RLConfig, name: str, setup: Setup, device: torch.device, *,
         "steps": steps,
         "diverged_at": diverged_at,
         "time_limit": cfg.time_limit,
+        "tis_cap": cfg.tis_cap,
         "time_limited_at": time_limited_at,
         "seconds": time.perf_counter() - t_start,
         "summary": summarize_run(steps),
@@ -1067,10 +1096,13 @@ def run(cfg: RLConfig, setups: Sequence[tuple[str, Setup]], *, device: str | tor
         progress: bool = True, json_path: str | Path | None = None,
         model_dir: str | Path | None = None) -> dict:  # fmt: skip
     """Train one run per ``(name, setup)`` (same seed, prompts and initial weights); return
-    the result dict, also written to ``json_path`` after every run."""
+    the result dict, also written to ``json_path`` after every run. With ``cfg.tis_cap`` the
+    runs are named ``<setup>+tis=<C>``."""
     check_config(cfg)
     if not setups:
         raise ValueError("--setup: give at least one setup")
+    if cfg.tis_cap is not None:
+        setups = [(f"{n}+tis={cfg.tis_cap:g}", s) for n, s in setups]
     names = [n for n, _ in setups]
     if len(set(names)) != len(names):
         raise ValueError(f"--setup: repeated setup in {names}")
@@ -1092,18 +1124,24 @@ def run(cfg: RLConfig, setups: Sequence[tuple[str, Setup]], *, device: str | tor
     return result
 
 
+#: config fields that may differ between the runs of one merged result (kept per run)
+RUN_SETTINGS = ("time_limit", "tis_cap")
+
+
 def merge_results(paths: Sequence[str | Path]) -> dict:
     """One result from several JSONs of the same config (e.g. one process per setup). The
-    time limit may differ between the files: it moves from ``config`` into each run record
-    (``time_limit``; whether it cut a run short is that run's ``time_limited_at``)."""
+    run-level settings (:data:`RUN_SETTINGS`) may differ between the files: they move from
+    ``config`` into each run record (whether the time limit cut a run short is that run's
+    ``time_limited_at``)."""
     merged = None
     for path in paths:
         part = json.loads(Path(path).read_text())
         if part.get("benchmark") != "rl":
             raise ValueError(f"--merge: {path} is not an rl result")
-        limit = part["config"].pop("time_limit", None)
+        settings = {k: part["config"].pop(k, None) for k in RUN_SETTINGS}
         for record in part["runs"].values():
-            record.setdefault("time_limit", limit)
+            for k, v in settings.items():
+                record.setdefault(k, v)
         if merged is None:
             merged = part
             continue
@@ -1169,6 +1207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's share of the GPU per engine (default: %(default)s)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="vLLM: capture CUDA graphs (default: eager, faster start)")
+    p.add_argument("--tis-cap", type=float, metavar="C",
+                   help="weight each token of the policy loss by min(pi_trainer / pi_rollout, "
+                        "C): truncated importance sampling for rollouts from another "
+                        "distribution (default: off, on-policy)")
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="end each setup's RL steps after this many seconds (recorded as "
                         "time_limited_at; default: no limit)")
@@ -1203,7 +1245,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
         clip=args.clip, adv_eps=args.adv_eps, partial_credit=not args.no_partial_credit,
         seed=args.seed, flamia_path=args.flamia_path,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=not args.cuda_graphs,
-        vllm_tokenizer=not args.no_vllm_tokenizer, time_limit=args.time_limit))  # fmt: skip
+        vllm_tokenizer=not args.no_vllm_tokenizer, tis_cap=args.tis_cap,
+        time_limit=args.time_limit))  # fmt: skip
 
 
 def setups_from_args(args: argparse.Namespace, device: torch.device) -> list[tuple[str, Setup]]:

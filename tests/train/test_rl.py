@@ -156,6 +156,50 @@ def test_policy_loss_is_the_token_mean():
         rl.policy_loss(logp, adv, [5])
 
 
+def test_tis_weights_truncate_the_importance_ratio():
+    trainer = torch.tensor([-1.0, -2.0, -0.1, -3.0], requires_grad=True)
+    rollout = torch.tensor([-1.0, -1.0, -2.0, -3.0 + math.log(1.5)], dtype=torch.float64)
+    w = rl.tis_weights(trainer, rollout, cap=2.0)
+    assert not w.requires_grad and w.dtype == torch.float32
+    assert torch.allclose(w, torch.tensor([1.0, math.exp(-1.0), 2.0, 1 / 1.5]))
+    with pytest.raises(ValueError, match="cap"):
+        rl.tis_weights(trainer, rollout, cap=0.0)
+
+
+def test_policy_loss_with_weights_scales_each_token():
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    w = torch.tensor([0.5, 2.0, 1.0])
+    loss = rl.policy_loss(logp, adv, [2, 1], w)
+    assert loss.item() == pytest.approx(-(2.0 * (0.5 * -1.0 + 2.0 * -2.0) + -1.0 * -0.5) / 3)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([-1.0, -4.0, 1.0]) / 3)
+    ones = rl.policy_loss(logp, adv, [2, 1], torch.ones(3))
+    assert ones.item() == pytest.approx(rl.policy_loss(logp, adv, [2, 1]).item())
+    with pytest.raises(ValueError, match="weights"):
+        rl.policy_loss(logp, adv, [2, 1], torch.ones(2))
+
+
+def test_tis_on_trainer_rollouts_is_the_on_policy_step(tmp_path):
+    """With the trainer as its own rollout engine the importance ratio is 1 (up to float
+    rounding), so TIS changes nothing: the same losses as without it; the run is named
+    ``+tis=C``."""
+    torch.set_num_threads(1)
+    results = []
+    for extra in ([], ["--tis-cap", "2"]):
+        path = tmp_path / f"r{len(extra)}.json"
+        assert rl.main(["--setup", "cpu", "--model-size", "tiny", "--steps", "2",
+                        "--sft-steps", "1", "--device", "cpu", "--no-progress", "--json",
+                        str(path), *extra]) == 0  # fmt: skip
+        results.append(json.loads(path.read_text()))
+    plain, tis = results[0]["runs"]["cpu"], results[1]["runs"]["cpu+tis=2"]
+    assert tis["tis_cap"] == 2.0 and plain["tis_cap"] is None
+    for a, b in zip(plain["steps"], tis["steps"], strict=True):
+        assert a["tis_weight_mean"] is None
+        assert b["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and b["tis_capped_frac"] == 0
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+
+
 def test_mismatch_stats_values():
     rollout = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
     trainer = rollout + torch.tensor([0.0, 0.1, -0.2], dtype=torch.float64)
@@ -432,6 +476,8 @@ def test_plot_script_draws_the_json(smoke_json, tmp_path, capsys):
         (["--sft-target", "1.5"], ("--sft-target", "[0, 1]")),
         (["--gpu-memory-utilization", "1.5"], ("--gpu-memory-utilization",)),
         (["--time-limit", "0"], ("--time-limit",)),
+        (["--tis-cap", "0"], ("--tis-cap",)),
+        (["--tis-cap", "inf"], ("--tis-cap",)),
         (["--setup", "cpu", "--kv-cache-dtype", "nvfp4"], ("--kv-cache-dtype", "--engine vllm")),
         (["--setup", "cpu", "--vllm-backend", "FLAMIA"], ("--vllm-backend", "--engine vllm")),
         (["--setup", "cpu", "--trainer-attention", "bf16", "--exact-causal"],
