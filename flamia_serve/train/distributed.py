@@ -204,9 +204,8 @@ def train_config(cfg: CheckConfig, vocab_size: int) -> pretrain.TrainConfig:
     """The pretraining config of a resolved check (model shape from the preset)."""
     p = pretrain.PRESETS[cfg.model_size]
     return pretrain.TrainConfig(
-        model_size=cfg.model_size, hidden=p.hidden, layers=p.layers, heads=p.heads,
-        kv_heads=p.kv_heads, head_dim=p.head_dim, intermediate=p.intermediate,
-        vocab_size=vocab_size, seq_len=cfg.seq_len, micro_batches=cfg.global_micro_batches,
+        model_size=cfg.model_size, **pretrain.model_shape(p), vocab_size=vocab_size,
+        seq_len=cfg.seq_len, micro_batches=cfg.global_micro_batches,
         steps=cfg.steps, lr=cfg.lr, min_lr_ratio=0.1, warmup=cfg.warmup, weight_decay=0.1,
         clip=cfg.clip, eval_every=cfg.steps, eval_batches=1, eval_fraction=0.05,
         exact_causal=cfg.exact_causal, seed=cfg.seed, flamia_path=cfg.flamia_path)  # fmt: skip

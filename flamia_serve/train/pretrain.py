@@ -68,9 +68,18 @@ class SetupError(RuntimeError):
     """A run cannot start: a package or the FLAMIA integration is missing."""
 
 
+#: the Llama shape fields of a preset and of a run config (pretraining, RL, data parallel)
+SHAPE_FIELDS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate")
+
+
+def model_shape(preset: object) -> dict[str, int]:
+    """The :data:`SHAPE_FIELDS` of a preset, as keyword arguments of a run config."""
+    return {k: getattr(preset, k) for k in SHAPE_FIELDS}
+
+
 @dataclass(frozen=True)
 class Preset:
-    """Model shape and the training defaults that go with it."""
+    """Model shape (:data:`SHAPE_FIELDS`) and the training defaults that go with it."""
 
     hidden: int
     layers: int
@@ -518,9 +527,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         return getattr(preset, name) if value is None else value
 
     cfg = TrainConfig(
-        model_size=args.model_size, hidden=preset.hidden, layers=preset.layers,
-        heads=preset.heads, kv_heads=preset.kv_heads, head_dim=preset.head_dim,
-        intermediate=preset.intermediate, vocab_size=pick("vocab_size"),
+        model_size=args.model_size, **model_shape(preset), vocab_size=pick("vocab_size"),
         seq_len=pick("seq_len"), micro_batches=pick("micro_batches"), steps=pick("steps"),
         lr=pick("lr"), min_lr_ratio=args.min_lr_ratio, warmup=pick("warmup"),
         weight_decay=args.weight_decay, clip=args.clip, eval_every=pick("eval_every"),

@@ -100,6 +100,7 @@ from flamia_serve.train.pretrain import (
     _autocast,
     _progress,
     attention_setup,
+    model_shape,
 )
 
 # ---------------------------------------------------------------- task and tokenizer
@@ -279,7 +280,7 @@ def mismatch_stats(rollout: torch.Tensor, trainer: torch.Tensor) -> dict[str, fl
 
 @dataclass(frozen=True)
 class Preset:
-    """Model shape and the RL defaults that go with it."""
+    """Model shape (``pretrain.SHAPE_FIELDS``) and the RL defaults that go with it."""
 
     hidden: int
     layers: int
@@ -1235,8 +1236,7 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
         value = getattr(args, name)
         return getattr(preset, name) if value is None else value
 
-    shape = {k: getattr(preset, k) for k in ("hidden", "layers", "heads", "kv_heads",
-                                             "head_dim", "intermediate")}  # fmt: skip
+    shape = model_shape(preset)
     picked = {k: pick(k) for k in ("prompts", "group", "steps", "lr", "sft_steps", "sft_batch",
                                    "sft_lr", "sft_target", "min_digits",
                                    "max_digits")}  # fmt: skip
