@@ -12,7 +12,7 @@
 #         and TP=2 per cache dtype: greedy answers compared (a random model's are not stable)
 #   bash benchmarks/run_multi_gpu.sh dist
 set -uo pipefail
-step=${1:?step: dist, rl or tp}
+step=${1:?step: dist, rl, tp, rl-tis or tp-trained}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 export HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$OUT/gpu_$step.txt"

@@ -154,11 +154,11 @@ def run_one(config: str, tp: int, model: Path, args: argparse.Namespace) -> dict
     from benchmarks.vllm_e2e import generate, prompts_shared_prefix, random_prompts
 
     backend, kv_dtype = CONFIGS[config]
+    model_cfg = model_config(model)
     settings = dict(attention_backend=backend, kv_cache_dtype=kv_dtype,
                     tensor_parallel_size=tp, skip_tokenizer_init=True, seed=0,
                     gpu_memory_utilization=args.gpu_memory_utilization,
-                    max_model_len=min(args.max_model_len,
-                                      model_config(model)["max_position_embeddings"]),
+                    max_model_len=min(args.max_model_len, model_cfg["max_position_embeddings"]),
                     max_num_batched_tokens=1024,
                     enable_chunked_prefill=True, enable_prefix_caching=False,
                     max_num_seqs=args.max_num_seqs)  # fmt: skip
@@ -189,7 +189,7 @@ def run_one(config: str, tp: int, model: Path, args: argparse.Namespace) -> dict
         print(f"{facts['impl']}: no throughput run (the model holds "
               f"{settings['max_model_len']} positions)", flush=True)  # fmt: skip
         return {"facts": facts, "acc": acc, "rows": []}
-    vocab = model_config(model)["vocab_size"]
+    vocab = model_cfg["vocab_size"]
 
     def token_prompts(n: int, length: int, seed: int) -> list[dict]:
         if vocab >= 31000:  # the demo model: vllm_e2e's prompts

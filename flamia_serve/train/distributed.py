@@ -50,9 +50,9 @@ data-parallel differences are read against. Measured on 2 H200s (``small``, stdl
 steps, mxfp8; DDP / FSDP2 / the single run repeated): step-1 loss bit-equal; gradients
 0.88% / 0.86% / 0.81% on layer 0's k_proj, falling to ~1e-10 at the last layer; 10-step
 means 0.67% / 0.55% / 0.50%; single steps up to 3.4% / 3.5% / 2.1% after the learning-rate
-peak. ``--normalisation local`` (each rank's own token
-mean) is a negative control: its gradients are off by ~1e-2 and the check fails. Exit code 0
-when every comparison is within tolerance, 1 when one is not, 2 on bad arguments.
+peak. ``--normalisation local`` (each rank's own token mean) is a negative control: its
+gradients are off by ~1e-2 and the check fails. Exit code 0 when every comparison is within
+tolerance, 1 when one is not, 2 on bad arguments.
 """
 
 from __future__ import annotations

@@ -1068,8 +1068,8 @@ def result_skeleton(cfg: RLConfig, env: dict) -> dict:
     """The JSON's shape: ``benchmark`` = ``"rl"``, the :func:`env_info` keys, ``config``
     (:class:`RLConfig`), ``task``, ``runs`` (name -> run record: ``setup``, ``params``,
     ``engine``, ``sft``, ``steps`` of :data:`STEP_KEYS`, ``diverged_at``, ``time_limit``,
-    ``time_limited_at``, ``seconds``, ``summary``) and ``summary`` (name -> the run's summary,
-    :data:`SUMMARY_KEYS`)."""
+    ``tis_cap``, ``time_limited_at``, ``seconds``, ``summary``) and ``summary`` (name -> the
+    run's summary, :data:`SUMMARY_KEYS`)."""
     return {"benchmark": "rl", **env, "config": dataclasses.asdict(cfg), "task": task_info(cfg),
             "runs": {}, "summary": {}}  # fmt: skip
 

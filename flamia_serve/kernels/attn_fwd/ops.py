@@ -169,7 +169,7 @@ def attn_fwd(
             f"config.kernel='cute' takes block_m in (64, 128, 192) and block_n in (64, 128), "
             f"got {cfg.block_m}, {cfg.block_n}"
         )
-    if cfg.kernel == "cute" and qkv.column_align % cfg.block_n:
+    if cfg.kernel == "cute" and qkv.column_align % cfg.column_align:
         raise ValueError(
             f"config.kernel='cute' loads whole {cfg.block_n}-key V tiles: quantize with "
             f"column_align={cfg.column_align} (config.column_align), got a layout aligned to "
