@@ -101,6 +101,7 @@ def flashinfer_nvfp4_cache(batch: ServingBatch) -> tuple[torch.Tensor, torch.Ten
     """Our NVFP4 bytes in FlashInfer's NHD layout: codes ``[pages, 2, PAGE, HKV, D/2]`` uint8
     and E4M3 scales ``[pages, 2, PAGE, HKV, D/16]``."""
     codes, scales = region_view(batch.caches["nvfp4"], KVPageFormat("nvfp4", HEAD_DIM))
+    codes = torch.stack(codes, dim=1)  # [pages, 2, HKV, PAGE, D/2]
     return (codes.permute(0, 1, 3, 2, 4).contiguous(),
             scales.permute(0, 1, 3, 2, 4).contiguous().view(torch.float8_e4m3fn))  # fmt: skip
 

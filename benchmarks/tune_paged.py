@@ -22,6 +22,20 @@ from flamia_serve.kernels.paged import PagedConfig, paged_attention
 from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat
 
 
+def _grid(kind: str, fmt: KVPageFormat) -> list[tuple[PagedConfig, int]]:
+    """(config, decode splits) candidates: the 8-bit caches' decodes also try the swapped
+    operands (``keys_on_m``) and deeper pipelines."""
+    if kind == "prefill":
+        shapes = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2),
+                  (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2))
+        return [(PagedConfig(*c), 1) for c in shapes]
+    if fmt.dtype.v_dim_major:
+        return [(PagedConfig(16, bn, 4, st, keys_on_m=km), sp) for km, bn, st, sp in
+                itertools.product((False, True), (64, 128), (2, 3, 4), (4, 8, 16))]  # fmt: skip
+    return [(PagedConfig(16, bn, 4, st), sp) for bn, st, sp in
+            itertools.product((32, 64, 128), (1, 2), (4, 8, 16))]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -39,14 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         if kind not in args.cases.split(","):
             continue
         batch = make_serving_batch(new, lens, dev)
-        if kind == "decode":
-            grid = [(PagedConfig(16, bn, w, st), sp) for bn, w, st, sp in
-                    itertools.product((32, 64, 128), (4,), (1, 2), (4, 8, 16))]  # fmt: skip
-        else:
-            grid = [(PagedConfig(*c), 1) for c in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2),
-                                                   (128, 64, 8, 3), (64, 64, 4, 3))]
         for dtype in args.formats.split(","):
             fmt = KVPageFormat(dtype, HEAD_DIM)
+            grid = _grid(kind, fmt)
             for cfg, splits in grid:
                 call = functools.partial(
                     paged_attention, batch.q, batch.caches[dtype], fmt, batch.block_table,

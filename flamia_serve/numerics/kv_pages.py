@@ -3,6 +3,10 @@
 A cache is one uint8 tensor ``[num_blocks, 2, Hkv, page_size * slot_bytes]`` (index 1: 0 = K,
 1 = V). Each ``(block, K|V, head)`` *region* holds ``page_size`` token slots: first all codes
 (``[page_size, code_bytes]``, token-major), then all scales (``[page_size, scale_bytes]``).
+The V codes of the 8-bit formats (``fp8``, ``fp8_static``) are dim-major instead
+(``[code_bytes, page_size]``, :attr:`KVCacheFormat.v_dim_major`): a page of V̂ᵀ, so that
+P̂·V̂ reads V̂ as a K-major FP8 MMA operand with 16-byte loads along the keys, as the
+training forward's ``v_t`` does.
 Total bytes equal vLLM 0.26's page budgets (``notes/vllm.md``). Formats
 (:class:`KVCacheFormat`):
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -56,6 +60,11 @@ class KVCacheFormat(str, enum.Enum):
     @property
     def is_16bit(self) -> bool:
         return self in (KVCacheFormat.BF16, KVCacheFormat.FP16)
+
+    @property
+    def v_dim_major(self) -> bool:
+        """Whether V codes are stored dim-major within a page (the 8-bit formats)."""
+        return self in (KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC)
 
     @property
     def value_dtype(self) -> torch.dtype | None:
@@ -113,7 +122,9 @@ class PageStrides:
     and strides in elements of those types (one definition for kernels and references).
 
     ``region_codes`` / ``region_scales``: elements per ``(block, K|V, head)`` region;
-    ``scale_base``: first scale of a region; ``code_row`` / ``scale_row``: per token slot.
+    ``scale_base``: first scale of a region; ``code_row`` / ``scale_row``: per token slot
+    (K codes: consecutive elements of a slot are adjacent). V codes: ``v_code_row`` per slot,
+    ``v_code_col`` per element (``code_row`` / 1 unless ``v_dim_major``: 1 / ``page_size``).
     """
 
     code_dtype: torch.dtype
@@ -124,6 +135,8 @@ class PageStrides:
     scale_base: int
     code_row: int
     scale_row: int
+    v_code_row: int
+    v_code_col: int
 
 
 @dataclass(frozen=True)
@@ -171,17 +184,26 @@ class KVPageFormat:
 
     def strides(self, page_size: int) -> PageStrides:
         """Element strides of the code and scale views of a cache with ``page_size`` slots."""
-        d, region = self.head_dim, self.region_bytes(page_size)
-        if self.dtype.is_16bit:
-            return PageStrides(self.dtype.value_dtype, torch.uint8, page_size,  # type: ignore[arg-type]
-                               region // 2, region, 0, d, 0)  # fmt: skip
-        if self.dtype is KVCacheFormat.FP8:
-            return PageStrides(torch.uint8, torch.int32, page_size, region, region // 4,
-                               page_size * d // 4, d, 1)  # fmt: skip
-        if self.dtype is KVCacheFormat.FP8_STATIC:
-            return PageStrides(torch.uint8, torch.uint8, page_size, region, region, 0, d, 0)
-        return PageStrides(torch.uint8, torch.uint8, page_size, region, region,
-                           page_size * d // 2, d // 2, d // NVFP4_GROUP)  # fmt: skip
+        d, region, fmt = self.head_dim, self.region_bytes(page_size), self.dtype
+        if fmt.is_16bit:
+            code_dtype, scale_dtype, code_row = fmt.value_dtype, torch.uint8, d
+            region_codes, region_scales, scale_base, scale_row = region // 2, region, 0, 0
+        elif fmt is KVCacheFormat.FP8:
+            code_dtype, scale_dtype, code_row = torch.float8_e4m3fn, torch.int32, d
+            region_codes, region_scales, scale_base, scale_row = (
+                region, region // 4, page_size * d // 4, 1)  # fmt: skip
+        elif fmt is KVCacheFormat.FP8_STATIC:
+            code_dtype, scale_dtype, code_row = torch.float8_e4m3fn, torch.uint8, d
+            region_codes, region_scales, scale_base, scale_row = region, region, 0, 0
+        else:
+            code_dtype, scale_dtype, code_row = torch.uint8, torch.uint8, d // 2
+            region_codes, region_scales = region, region
+            scale_base, scale_row = page_size * d // 2, d // NVFP4_GROUP
+        v_row, v_col = (1, page_size) if fmt.v_dim_major else (code_row, 1)
+        return PageStrides(
+            code_dtype, scale_dtype, page_size, region_codes,  # type: ignore[arg-type]
+            region_scales, scale_base, code_row, scale_row, v_row, v_col,
+        )  # fmt: skip
 
     def page_size_of(self, cache: torch.Tensor) -> int:
         """Page size of a cache tensor of this format (checks its shape and dtype)."""
@@ -257,14 +279,24 @@ def decode_slots(codes: torch.Tensor, scales: torch.Tensor, fmt: KVPageFormat) -
     return DecodedSlots(q4.dequantize(second_level=False).view(n, h, d), None)
 
 
-def region_view(
-    cache: torch.Tensor, fmt: KVPageFormat
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views ``(codes [blocks, 2, Hkv, page, code_bytes], scales [blocks, 2, Hkv, page,
-    scale_bytes])`` of a cache tensor, uint8, sharing its storage."""
+class RegionViews(NamedTuple):
+    """Byte views of a cache tensor, sharing its storage: ``codes[half]`` (0 = K, 1 = V)
+    ``[blocks, Hkv, page, code_bytes]`` and ``scales`` ``[blocks, 2, Hkv, page, scale_bytes]``,
+    indexed by slot whatever the byte order inside a page."""
+
+    codes: tuple[torch.Tensor, torch.Tensor]
+    scales: torch.Tensor
+
+
+def region_view(cache: torch.Tensor, fmt: KVPageFormat) -> RegionViews:
+    """The :class:`RegionViews` of a cache tensor of format ``fmt``."""
     page = fmt.page_size_of(cache)
     split = page * fmt.code_bytes
-    lead = cache.shape[:3]
-    codes = cache[..., :split].unflatten(-1, (page, fmt.code_bytes))
+    k_codes = cache[:, 0, :, :split].unflatten(-1, (page, fmt.code_bytes))
+    v_codes = cache[:, 1, :, :split]
+    if fmt.dtype.v_dim_major:
+        v_codes = v_codes.unflatten(-1, (fmt.code_bytes, page)).transpose(-1, -2)
+    else:
+        v_codes = v_codes.unflatten(-1, (page, fmt.code_bytes))
     scales = cache[..., split:].unflatten(-1, (page, fmt.scale_bytes))
-    return codes.view(*lead, page, fmt.code_bytes), scales.view(*lead, page, fmt.scale_bytes)
+    return RegionViews((k_codes, v_codes), scales)

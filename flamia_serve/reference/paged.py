@@ -68,7 +68,7 @@ def write_kv_cache(
         k = hadamard_transform(k)
     for half, x, static in ((0, k, k_scale), (1, v, v_scale)):
         c, s = encode_slots(x, fmt, static)
-        codes[blk, half, :, off] = c
+        codes[half][blk, :, off] = c
         scales[blk, half, :, off] = s
 
 
@@ -80,8 +80,8 @@ def gather_kv(
     codes, scales = region_view(cache, fmt)
     pos = torch.arange(length, device=cache.device)
     blk, off = block_table_row.long()[pos // page], pos % page
-    k = decode_slots(codes[blk, 0, :, off], scales[blk, 0, :, off], fmt)
-    v = decode_slots(codes[blk, 1, :, off], scales[blk, 1, :, off], fmt)
+    k = decode_slots(codes[0][blk, :, off], scales[blk, 0, :, off], fmt)
+    v = decode_slots(codes[1][blk, :, off], scales[blk, 1, :, off], fmt)
     return k, v
 
 

@@ -135,7 +135,7 @@ def bwd_variants(verbose: bool = False) -> None:
             print(f"attn_bwd d={d} warps={warps} causal={causal} nvfp4={nvfp4}: ok{extra}")
 
 
-_PTR = {torch.uint8: U8, torch.bfloat16: BF16, torch.int32: I32}
+_PTR = {torch.uint8: U8, torch.bfloat16: BF16, torch.int32: I32, torch.float8_e4m3fn: FP8}
 
 
 def _paged_layout(fmt_id: int) -> tuple[str, str, dict]:
@@ -159,12 +159,17 @@ def paged_variants() -> None:
         ptrs = {"q_ptr": BF16, "codes_ptr": codes, "scales_ptr": scales, "block_table_ptr": I32,
                 "seq_lens_ptr": I32, "qsl_ptr": I32, "out_ptr": BF16, "part_o_ptr": F32,
                 "part_ml_ptr": F32}  # fmt: skip
-        for decode, bm, bn, splits, mode in ((True, 16, 64, 4, 0), (False, 128, 64, 1, 2)):
+        variants = [(True, 16, 64, 4, 0, False), (False, 128, 64, 1, 2, False)]
+        if fmt == 1:
+            variants.append((True, 16, 64, 4, 2, True))
+        for decode, bm, bn, splits, mode, keys_on_m in variants:
             consts = dict(HKV=8, GROUP=4, GROUP_P2=4, D=128, BLOCK_M=bm, BLOCK_N=bn,
                           NUM_SPLITS=splits, DECODE=decode, HAS_WINDOW=not decode, KV_FMT=fmt,
-                          EXP_MODE=mode, INTERPRET=False, **layout)  # fmt: skip
+                          EXP_MODE=mode, KEYS_ON_M=keys_on_m, INTERPRET=False,
+                          **layout)  # fmt: skip
             _compile(paged_attention_kernel, ptrs, consts, 4 if decode else 8)
-            print(f"paged_attention fmt={fmt} decode={decode} exp_mode={mode}: ok")
+            print(f"paged_attention fmt={fmt} decode={decode} exp_mode={mode} "
+                  f"keys_on_m={keys_on_m}: ok")  # fmt: skip
     ptrs = {"part_o_ptr": F32, "part_ml_ptr": F32, "out_ptr": BF16}
     _compile(combine_splits_kernel, ptrs, dict(NUM_SPLITS=8, D=128, INTERPRET=False), 4)
     print("combine_splits: ok")

@@ -244,6 +244,38 @@ def test_edge_batches(device: str) -> None:
     assert empty.shape == (0, *b.q.shape[1:])
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "fp8_static", "nvfp4"])
+def test_unwritten_slots_and_stale_pages_are_never_read(dtype: str, device: str) -> None:
+    """Slots past a sequence's length, pages before its window and spare pages hold NaN
+    bytes (a reused page, an evicted one): the output equals that of a zeroed cache bit for
+    bit, with and without a window and split-K (the unmasked tiles stop where written
+    slots end)."""
+    b = make_batch([1, 1, 5, 1], [37, 15, 27, 64], dtype=dtype, device=device)
+    clean = _written(b)
+    poisoned = b.cache.clone().fill_(0xFF)  # NaN in every format
+    ref.write_kv_cache(poisoned, b.key, b.value, b.slot_mapping, b.fmt)
+    table = b.block_table.clone()
+    spare = int(table.max()) + 1  # a never-written block (``make_batch`` keeps spares)
+    for s, length in enumerate(b.seq_lens.tolist()):
+        table[s, -(-length // 16) :] = spare
+    args = (b.q, b.fmt, table, b.seq_lens, b.query_start_loc)
+    for window, splits in ((None, 1), (None, 4), (20, 2)):
+        outs = [kernels.paged_attention(args[0], c, *args[1:], window=window,
+                                        num_splits=splits) for c in (clean, poisoned)]  # fmt: skip
+        assert torch.isfinite(outs[1].float()).all()
+        assert torch.equal(outs[0], outs[1])
+    if dtype == "fp8":  # pages wholly before the window (evicted) may hold anything too
+        window = 12
+        first_pos = (b.seq_lens - b.query_start_loc.diff()).tolist()
+        for s, pos in enumerate(first_pos):
+            if pos - window + 1 >= 16:
+                table[s, 0] = spare
+        assert int((table[:, 0] == spare).sum()) == 3
+        outs = [kernels.paged_attention(args[0], c, b.fmt, table, *args[3:], window=window)
+                for c in (clean, poisoned)]  # fmt: skip
+        assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1].float()).all()
+
+
 def test_write_rejects_slots_outside_the_cache(device: str) -> None:
     b = make_batch([2], [3], dtype="nvfp4", device=device)
     slots = b.slot_mapping.clone()
@@ -280,6 +312,44 @@ def test_fp16_and_static_fp8_formats(dtype: str, exp_mode: str, device: str) -> 
         unit = ref.paged_attention(b.q, expected_cache, b.fmt, b.block_table, b.seq_lens,
                                    b.query_start_loc, softmax_scale=0.125)  # fmt: skip
         assert (unit.float() - expected.float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_static"])
+@pytest.mark.parametrize("exp_mode", ["exact", "mitchell"])
+def test_decode_with_keys_on_m(dtype: str, exp_mode: str, device: str) -> None:
+    """The swapped-operand decode (keys on the MMA's M side) is the same computation: equal
+    to the reference, with windows, split-K and poisoned unwritten slots."""
+    b = make_batch([1, 1, 1, 1], [37, 15, 130, 64], dtype=dtype, device=device, heads_q=8)
+    cache = _written(b)
+    poisoned = b.cache.clone().fill_(0xFF)
+    ref.write_kv_cache(poisoned, b.key, b.value, b.slot_mapping, b.fmt)
+    block_n = 16 if device == "cpu" else 64
+    swapped = kernels.PagedConfig(16, block_n, 4, 2, keys_on_m=True)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    for window, splits in ((None, 1), (None, 4), (20, 2), (3, 1)):
+        expected = ref.paged_attention(*args, softmax_scale=0.125, window=window,
+                                       exp_mode=exp_mode)  # fmt: skip
+        out = kernels.paged_attention(*args, window=window, exp_mode=exp_mode,
+                                      num_splits=splits, decode_config=swapped)  # fmt: skip
+        _assert_close(out, expected)
+        again = kernels.paged_attention(b.q, poisoned, *args[2:], window=window,
+                                        exp_mode=exp_mode, num_splits=splits,
+                                        decode_config=swapped)  # fmt: skip
+        assert torch.equal(out, again)
+
+
+def test_keys_on_m_is_a_decode_option_for_8bit_caches() -> None:
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    swapped = kernels.PagedConfig(16, 64, keys_on_m=True)
+    with pytest.raises(ValueError, match="keys_on_m needs an 8-bit cache"):
+        kernels.plan_paged(KVPageFormat("nvfp4", 64), 8, 2, qsl, 100, device="cpu",
+                           decode_config=swapped)  # fmt: skip
+    with pytest.raises(ValueError, match="keys_on_m is a decode option"):
+        kernels.plan_paged(KVPageFormat("fp8", 64), 8, 2, qsl, 100, device="cpu",
+                           prefill_config=swapped)  # fmt: skip
+    plan = kernels.plan_paged(KVPageFormat("fp8", 64), 8, 2, qsl, 100, device="cpu",
+                              decode_config=swapped)  # fmt: skip
+    assert plan.decode.keys_on_m
 
 
 def test_plan_splits_mixed_batches() -> None:

@@ -87,19 +87,25 @@ def test_page_formats_roundtrip_and_budgets(dtype: str, head_dim: int) -> None:
 @pytest.mark.parametrize("dtype", list(KVCacheFormat))
 def test_page_strides_address_the_region_view(dtype: KVCacheFormat) -> None:
     """The kernels' element strides (``KVPageFormat.strides``) and the references' byte view
-    (``region_view``) name the same bytes for every slot: one layout definition."""
+    (``region_view``) name the same bytes for every slot: one layout definition. The 8-bit
+    formats store V dim-major within a page."""
     fmt, page, blocks, heads = KVPageFormat(dtype, 64), 16, 3, 2
     cache = torch.arange(fmt.region_bytes(page) * blocks * 2 * heads, dtype=torch.int64)
     cache = (cache % 251).to(torch.uint8).view(fmt.cache_shape(blocks, page, heads))
     st = fmt.strides(page)
     codes, scales = cache.view(st.code_dtype).flatten(), cache.view(st.scale_dtype).flatten()
     by_bytes_codes, by_bytes_scales = region_view(cache, fmt)
-    for blk, half, head, off in [(0, 0, 0, 0), (2, 1, 1, 15), (1, 0, 1, 7)]:
+    if dtype in (KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC):  # a page of V̂ᵀ
+        assert (st.v_code_row, st.v_code_col) == (1, page)
+    else:
+        assert (st.v_code_row, st.v_code_col) == (st.code_row, 1)
+    for blk, half, head, off in [(0, 0, 0, 0), (2, 1, 1, 15), (1, 0, 1, 7), (1, 1, 0, 3)]:
         region = (blk * 2 + half) * heads + head
-        c0 = region * st.region_codes + off * st.code_row
+        row, col = (st.code_row, 1) if half == 0 else (st.v_code_row, st.v_code_col)
+        c0 = region * st.region_codes + off * row
         n_codes = fmt.code_bytes // codes.element_size()
-        got = codes[c0 : c0 + n_codes].contiguous().view(torch.uint8)
-        assert torch.equal(got, by_bytes_codes[blk, half, head, off])
+        got = codes[c0 : c0 + n_codes * col : col].contiguous().view(torch.uint8)
+        assert torch.equal(got, by_bytes_codes[half][blk, head, off])
         s0 = region * st.region_scales + st.scale_base + off * st.scale_row
         n_scales = fmt.scale_bytes // scales.element_size()
         got = scales[s0 : s0 + n_scales].contiguous().view(torch.uint8)

@@ -50,13 +50,15 @@ class PagedLayout:
     scale_base: int
     code_row: int
     scale_row: int
+    v_code_row: int
+    v_code_col: int
 
     @staticmethod
     def of(cache: torch.Tensor, fmt: KVPageFormat) -> PagedLayout:
         st = fmt.strides(fmt.page_size_of(cache))
         return PagedLayout(cache.view(st.code_dtype), cache.view(st.scale_dtype), st.page_size,
                            st.region_codes, st.region_scales, st.scale_base, st.code_row,
-                           st.scale_row)  # fmt: skip
+                           st.scale_row, st.v_code_row, st.v_code_col)  # fmt: skip
 
     def kernel_args(self) -> dict[str, int]:
         return {
@@ -66,18 +68,22 @@ class PagedLayout:
             "SCALE_BASE": self.scale_base,
             "CODE_ROW": self.code_row,
             "SCALE_ROW": self.scale_row,
+            "V_ROW": self.v_code_row,
+            "V_COL": self.v_code_col,
         }
 
 
 @dataclass(frozen=True)
 class PagedConfig:
     """Tile shape of one launch: ``block_m`` rows (query tokens × GQA group), ``block_n``
-    keys per step."""
+    keys per step. ``keys_on_m`` (decodes from the 8-bit caches only): swap the MMA operands
+    so the keys fill M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``)."""
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    keys_on_m: bool = False
 
 
 def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedConfig, PagedConfig]:
@@ -91,11 +97,10 @@ def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedCon
         return PagedConfig(decode_m, 32, 4, 2), PagedConfig(max(64, group_p2), 32, 4, 2)
     if fmt.is_16bit:
         return PagedConfig(decode_m, 64, 4, 2), PagedConfig(max(64, group_p2), 64, 4, 2)
-    if fmt in (KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC):
-        prefill = PagedConfig(max(128, group_p2), 64, 8, 3)
-    else:
-        prefill = PagedConfig(max(64, group_p2), 64, 4, 2)
-    return PagedConfig(decode_m, 128, 4, 2), prefill
+    if fmt.v_dim_major:  # 8-bit: FP8 MMAs, keys on M for decodes
+        decode = PagedConfig(decode_m, 64, 4, 3, keys_on_m=True)
+        return decode, PagedConfig(max(128, group_p2), 64, 8, 3)
+    return PagedConfig(decode_m, 128, 4, 2), PagedConfig(max(64, group_p2), 64, 4, 2)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -244,6 +249,10 @@ def plan_paged_counts(
     for cfg in (decode_cfg, prefill_cfg):
         if cfg.block_m % group_p2 or cfg.block_m < 16:
             raise ValueError(f"block_m must be >= 16 and a multiple of the GQA group, got {cfg}")
+    if prefill_cfg.keys_on_m:
+        raise ValueError(f"keys_on_m is a decode option, got prefill_config={prefill_cfg}")
+    if decode_cfg.keys_on_m and fmt.dtype not in (KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC):
+        raise ValueError(f"keys_on_m needs an 8-bit cache (fp8, fp8_static), got {fmt.dtype}")
     splits = num_splits or _splits_for(fmt, heads_kv, num_decodes, max_seq_len, decode_cfg,
                                        torch.device(device))  # fmt: skip
     if splits < 1 or splits & (splits - 1) or splits > MAX_DECODE_SPLITS:
@@ -347,7 +356,8 @@ def run_paged_attention(
             *args, out, out.stride(0), out.stride(1), part_o, part_ml, rows,
             0, num_decodes, qk_scale, win, v_scale,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, DECODE=True,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            KEYS_ON_M=cfg.keys_on_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **common,
         )  # fmt: skip
         if splits > 1 and rows:
             combine_splits_kernel[(rows, heads_q)](
@@ -361,7 +371,7 @@ def run_paged_attention(
             *args, out, out.stride(0), out.stride(1), out, out, 0,
             num_decodes, rest, qk_scale, win, v_scale,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=1, DECODE=False,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            KEYS_ON_M=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
     return out
 

@@ -55,10 +55,12 @@ def write_kv_cache_kernel(
     HKV: tl.constexpr, HKV_P2: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
     PAGE: tl.constexpr, REGION_CODES: tl.constexpr, REGION_SCALES: tl.constexpr,
     SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
+    V_ROW: tl.constexpr, V_COL: tl.constexpr,
     KV_FMT: tl.constexpr, HADAMARD: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One new token per program: quantize its K and V heads into slot ``slot_mapping[t]``
-    (skipped when −1). ``*_inv_scale``: 1 / the static scale (``fp8_static`` only)."""
+    (skipped when −1). ``*_inv_scale``: 1 / the static scale (``fp8_static`` only). V codes
+    go to ``off · V_ROW + j · V_COL`` (dim-major pages for the 8-bit formats)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -69,16 +71,19 @@ def write_kv_cache_kernel(
     head_ok = heads < HKV
     cols = tl.arange(0, D)
     for half in tl.static_range(2):
+        region = (blk * 2 + half) * HKV + heads
         if half == 0:
             src = key_ptr + t * stride_kt + heads * stride_kh
+            code_row = codes_ptr + region * REGION_CODES + off * CODE_ROW
+            code_cols = cols
         else:
             src = value_ptr + t * stride_vt + heads * stride_vh
+            code_row = codes_ptr + region * REGION_CODES + off * V_ROW
+            code_cols = cols * V_COL
         x = tl.load(src[:, None] + cols[None, :], mask=head_ok[:, None], other=0.0)
         x = x.to(tl.float32)
         if HADAMARD and half == 0:
             x = hadamard_rows(x, HKV_P2, D, LOG2_D)
-        region = (blk * 2 + half) * HKV + heads
-        code_row = codes_ptr + region * REGION_CODES + off * CODE_ROW
         scale_row = scales_ptr + region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
         if KV_FMT == BF16:
             tl.store(
@@ -92,15 +97,11 @@ def write_kv_cache_kernel(
             else:
                 y = x * v_inv_scale
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-            codes = to_e4m3(y, INTERPRET).to(tl.uint8, bitcast=True)
-            tl.store(code_row[:, None] + cols[None, :], codes, mask=head_ok[:, None])
+            codes = to_e4m3(y, INTERPRET)
+            tl.store(code_row[:, None] + code_cols[None, :], codes, mask=head_ok[:, None])
         elif KV_FMT == FP8:
             codes, e = fp8_rows(x, True, INTERPRET)
-            tl.store(
-                code_row[:, None] + cols[None, :],
-                codes.to(tl.uint8, bitcast=True),
-                mask=head_ok[:, None],
-            )
+            tl.store(code_row[:, None] + code_cols[None, :], codes, mask=head_ok[:, None])
             tl.store(scale_row, e, mask=head_ok)
         else:
             packed, scale, _ = nvfp4_rows(x, HKV_P2, D, False)
@@ -195,7 +196,10 @@ def _dot(a, b, INTERPRET: tl.constexpr):
 @triton.jit
 def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
                    INTERPRET: tl.constexpr):  # fmt: skip
-    """(P̂ as the P·V operand, normaliser terms) for ``t = y − M`` (numerics.exp2)."""
+    """(P̂ as the P·V operand, normaliser terms) for ``t = y − M`` (numerics.exp2). The
+    operand is FP8 for the 8-bit caches (their V̂ codes multiply in FP8), FP16 for NVFP4.
+    ``ev_neg_pow2``: ``2^-eV`` per key, broadcastable to ``t`` (``fp8`` only)."""
+    P_FP8: tl.constexpr = KV_FMT == FP8 or KV_FMT == FP8_STATIC
     if EXP_MODE == MITCHELL:
         # RNE(scaled) as an integer straight from the bits of scaled + 1.5·2^23 (no float ->
         # int conversion instruction); the clamp keeps |scaled| < 2^22 for finite logits
@@ -213,11 +217,15 @@ def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
             l_term = tl.where(code > 0, (code + 112 * 1024) << 13, 0).to(tl.float32, bitcast=True)
             p_op = code.to(tl.int16).to(tl.float16, bitcast=True)
         else:
+            # the E4M3 byte of P̂ is the code itself (exponent field code >> 3, bias 7)
             f = tl.maximum(t + P_SHIFT, -256.0) * 8.0 + RNE_MAGIC
             code = f.to(tl.int32, bitcast=True) - (MAGIC_BITS - 56)
             normal = code >= 8
-            p_op = tl.where(normal, (code + 64) << 7, 0).to(tl.int16)
-            p_op = p_op.to(tl.float16, bitcast=True)
+            if P_FP8:
+                p_op = tl.where(normal, code, 0).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            else:
+                p_op = tl.where(normal, (code + 64) << 7, 0).to(tl.int16)
+                p_op = p_op.to(tl.float16, bitcast=True)
             l_term = tl.where(normal, (code + L_BITS_BASE) << 20, 0).to(tl.float32, bitcast=True)
     else:
         if EXP_MODE == EXACT:
@@ -232,11 +240,151 @@ def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
         elif KV_FMT == FP16:
             p_op = p.to(tl.float16)
         else:  # the normaliser sums the E4M3 P̂ itself, as the training forward (N3)
-            p_op = to_e4m3(p * P_SCALE, INTERPRET).to(tl.float16)
+            p_op = to_e4m3(p * P_SCALE, INTERPRET)
+            if not P_FP8:
+                p_op = p_op.to(tl.float16)
             l_term = e4m3_value(p * P_SCALE) * (1.0 / P_SCALE)
     if KV_FMT == FP8:
-        l_term = l_term * ev_neg_pow2[None, :]
+        l_term = l_term * ev_neg_pow2
     return p_op, l_term
+
+
+@triton.jit
+def _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr):  # fmt: skip
+    """Keys ``n`` of a tile, which of them lie in ``[kv_lo, kv_hi)``, their cache blocks
+    (int64) and slots in the page. ``MASKED``: keys outside read a page of the sequence that
+    holds keys of the range instead (the page index is clamped), so every load stays
+    unmasked and 16 bytes wide without touching unallocated or evicted pages; the caller
+    discards what those keys load."""
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (n < kv_hi) & (n >= kv_lo)
+    page = n // PAGE
+    if MASKED:
+        page = tl.minimum(tl.maximum(page, kv_lo // PAGE), (kv_hi - 1) // PAGE)
+    blk = tl.load(bt_row + page).to(tl.int64)
+    return n, n_ok, blk, n % PAGE
+
+
+@triton.jit
+def _attend_tile(
+    tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr, scales_ptr,
+    kvh, kv_lo, kv_hi, window,
+    HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, REGION_CODES: tl.constexpr,
+    REGION_SCALES: tl.constexpr, SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, V_COL: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FMT: tl.constexpr,
+    EXP_MODE: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One key tile of the online softmax: returns the updated ``(m, l, acc, acc_odd)``.
+
+    ``MASKED`` (a tile that crosses ``kv_lo`` or ``kv_hi``): keys outside ``[kv_lo, kv_hi)``
+    load other keys' bytes (:func:`_tile_pages`), which never reach the result: their logits
+    are replaced by −inf, their V rows and V exponents by 0 (unwritten slots may hold NaN).
+    Otherwise every key of the tile is a written slot of the sequence, and a decode row
+    needs no mask. ``q_op``/``acc`` are the even halves for NVFP4 (``q_odd``/``acc_odd``
+    the odd ones).
+    """
+    n, n_ok, blk, off = _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE, BLOCK_N, MASKED)
+    cols = tl.arange(0, D)
+    half_cols = tl.arange(0, D // 2)
+    groups = tl.arange(0, D // 16)
+    k_region = blk * (2 * HKV) + kvh
+    v_region = k_region + HKV
+    k_codes = codes_ptr + k_region * REGION_CODES + off * CODE_ROW
+    v_codes = codes_ptr + v_region * REGION_CODES + off * V_ROW
+    k_scales = scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
+    v_scales = scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
+
+    if KV_FMT == NVFP4:
+        kb = tl.load(k_codes[:, None] + half_cols[None, :])
+        ks = tl.load(k_scales[:, None] + groups[None, :])
+        k_even, k_odd = _nvfp4_halves(kb, ks, BLOCK_N, D, INTERPRET)
+        s = _dot(q_op, tl.trans(k_even), INTERPRET)
+        s += _dot(q_odd, tl.trans(k_odd), INTERPRET)
+    else:  # K̂ᵀ [D, BLOCK_N] straight into the MMA (FP8 codes multiply in FP8)
+        s = _dot(q_op, tl.load(k_codes[None, :] + cols[:, None]), INTERPRET)
+    x = s * row_scale[:, None]
+    ev_neg_pow2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if KV_FMT == FP8:
+        ek = tl.load(k_scales)
+        ev = tl.load(v_scales)
+        if MASKED:
+            ev = tl.where(n_ok, ev, 0)
+        x = x * exp2i(ek)[None, :] + ev.to(tl.float32)[None, :]
+        ev_neg_pow2 = exp2i(-ev)
+    if MASKED or not DECODE:
+        allowed = n_ok[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            allowed &= n[None, :] > pos[:, None] - window
+        y = tl.where(allowed, x, float("-inf"))
+    else:  # a decode row sees every key of a full tile (kv_lo is its window start)
+        y = x
+    m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
+    alpha = exp2i(tl.maximum(m_i - m_new, -127.0).to(tl.int32))
+    p_op, l_term = _probabilities(y - m_new[:, None], ev_neg_pow2[None, :], KV_FMT, EXP_MODE,
+                                  INTERPRET)  # fmt: skip
+    l_i = l_i * alpha + tl.sum(l_term, axis=1)
+    if KV_FMT == NVFP4:
+        vb = tl.load(v_codes[:, None] + half_cols[None, :])
+        vs = tl.load(v_scales[:, None] + groups[None, :])
+        if MASKED:
+            vb = tl.where(n_ok[:, None], vb, 0)
+            vs = tl.where(n_ok[:, None], vs, 0)
+        v_even, v_odd = _nvfp4_halves(vb, vs, BLOCK_N, D, INTERPRET)
+        acc = acc * alpha[:, None] + _dot(p_op, v_even, INTERPRET)
+        acc_odd = acc_odd * alpha[:, None] + _dot(p_op, v_odd, INTERPRET)
+    else:
+        # [BLOCK_N, D]; the 8-bit caches' V̂ᵀ pages (V_COL = PAGE) make it K-major
+        v = tl.load(v_codes[:, None] + cols[None, :] * V_COL)
+        if MASKED:
+            v = tl.where(n_ok[:, None], v, 0.0)
+        acc = acc * alpha[:, None] + _dot(p_op, v, INTERPRET)
+    return m_new, l_i, acc, acc_odd
+
+
+@triton.jit
+def _attend_tile_keys_on_m(
+    tile, m_i, l_i, acc_t, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh, kv_lo, kv_hi,
+    HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, REGION_CODES: tl.constexpr,
+    REGION_SCALES: tl.constexpr, SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, V_COL: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr, MASKED: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """:func:`_attend_tile` of a decode from an 8-bit cache with A and B swapped: the keys
+    fill the MMA's M side (``Sᵀ = K̂·Q̂ᵀ``, ``Oᵀ += V̂ᵀ·P̂ᵀ``, both FP8 warpgroup MMAs reading
+    K̂ and the V̂ᵀ page rows straight from shared memory) and the few query rows its N side.
+    ``acc_t`` is ``Oᵀ`` ``[D, BLOCK_M]``; same numerics and masking as :func:`_attend_tile`
+    (a decode row sees exactly the keys in ``[kv_lo, kv_hi)``)."""
+    _, n_ok, blk, off = _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE, BLOCK_N, MASKED)
+    cols = tl.arange(0, D)
+    k_region = blk * (2 * HKV) + kvh
+    v_region = k_region + HKV
+    k_codes = codes_ptr + k_region * REGION_CODES + off * CODE_ROW
+    v_codes = codes_ptr + v_region * REGION_CODES + off * V_ROW
+    s_t = _dot(tl.load(k_codes[:, None] + cols[None, :]), tl.trans(q_op), INTERPRET)
+    x = s_t * row_scale[None, :]
+    ev_neg_pow2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if KV_FMT == FP8:
+        ek = tl.load(scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW)
+        ev = tl.load(scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW)
+        if MASKED:
+            ev = tl.where(n_ok, ev, 0)
+        x = x * exp2i(ek)[:, None] + ev.to(tl.float32)[:, None]
+        ev_neg_pow2 = exp2i(-ev)
+    if MASKED:
+        x = tl.where(n_ok[:, None], x, float("-inf"))
+    m_new = tl.maximum(m_i, tl.math.ceil(tl.max(x, axis=0)))
+    alpha = exp2i(tl.maximum(m_i - m_new, -127.0).to(tl.int32))
+    p_op, l_term = _probabilities(x - m_new[None, :], ev_neg_pow2[:, None], KV_FMT, EXP_MODE,
+                                  INTERPRET)  # fmt: skip
+    l_i = l_i * alpha + tl.sum(l_term, axis=0)
+    vt = tl.load(v_codes[None, :] + cols[:, None] * V_COL)
+    if MASKED:
+        vt = tl.where(n_ok[None, :], vt, 0.0)
+    acc_t = acc_t * alpha[None, :] + _dot(vt, p_op, INTERPRET)
+    return m_new, l_i, acc_t
 
 
 @triton.jit
@@ -248,9 +396,10 @@ def paged_attention_kernel(
     HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, REGION_CODES: tl.constexpr, REGION_SCALES: tl.constexpr,
     SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
+    V_ROW: tl.constexpr, V_COL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FMT: tl.constexpr,
-    EXP_MODE: tl.constexpr, INTERPRET: tl.constexpr,
+    EXP_MODE: tl.constexpr, KEYS_ON_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Paged attention of sequences ``[seq_begin, seq_begin + num_seqs)``.
 
@@ -262,6 +411,8 @@ def paged_attention_kernel(
     ``NUM_SPLITS > 1`` splits the key range; partial (O, M, l) go to ``part_*`` (rows =
     the token's index, ``part_tokens`` rows per split) for ``combine_splits_kernel``.
     ``qk_scale`` includes ``fp8_static``'s K scale; ``v_scale`` multiplies O (1 otherwise).
+    Key tiles inside ``[kv_lo, kv_hi)`` run unmasked; at most one tile at each end is masked.
+    ``KEYS_ON_M`` (decodes from the 8-bit caches): :func:`_attend_tile_keys_on_m`.
     """
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
@@ -299,18 +450,18 @@ def paged_attention_kernel(
     q_row = q_ptr + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_row[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+    q_odd = q  # used by NVFP4 only
     if KV_FMT == BF16:
         q_op = to_bf16(q, INTERPRET)
     elif KV_FMT == FP16:
         q_op = q.to(tl.float16)
     elif KV_FMT == FP8 or KV_FMT == FP8_STATIC:
-        q_op, eq = fp8_rows(q, True, INTERPRET)
-        q_op = q_op.to(tl.float16)  # exact; K codes are widened too (see the loop)
+        q_op, eq = fp8_rows(q, True, INTERPRET)  # E4M3: Q̂·K̂ᵀ is an FP8 MMA
         row_scale = row_scale * exp2i(eq)
     else:
         eq = pow2_exponent_ceil(tl.max(tl.abs(q), axis=1), Q16_EXP, 0)
         q16 = (q * exp2i(-eq)[:, None]).to(tl.float16)
-        q_even, q_odd = tl.split(tl.reshape(q16, (BLOCK_M, D // 2, 2)))
+        q_op, q_odd = tl.split(tl.reshape(q16, (BLOCK_M, D // 2, 2)))
         row_scale = row_scale * exp2i(eq)
 
     last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
@@ -323,70 +474,64 @@ def paged_attention_kernel(
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     t_begin = tile_lo + split * per_split
     t_end = tl.minimum(t_begin + per_split, tile_lo + n_tiles)
+    # full tiles [full_lo, full_hi): inside [kv_lo, kv_hi)
+    full_lo = t_begin
+    if HAS_WINDOW:
+        full_lo = tl.minimum(tl.maximum(t_begin, tl.cdiv(kv_lo, BLOCK_N)), t_end)
+    full_hi = tl.maximum(tl.minimum(t_end, kv_hi // BLOCK_N), full_lo)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_MAX
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if KV_FMT == NVFP4:
-        acc_even = tl.zeros([BLOCK_M, D // 2], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D // 2], dtype=tl.float32)
         acc_odd = tl.zeros([BLOCK_M, D // 2], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    half_cols = tl.arange(0, D // 2)
-    groups = tl.arange(0, D // 16)
+        acc_odd = tl.zeros([1], dtype=tl.float32)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(t_begin, t_end):
-        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_hi
-        blk = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        k_region = blk * (2 * HKV) + kvh
-        v_region = k_region + HKV
-        off = n % PAGE
-        k_codes = codes_ptr + k_region * REGION_CODES + off * CODE_ROW
-        v_codes = codes_ptr + v_region * REGION_CODES + off * CODE_ROW
-        k_scales = scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
-        v_scales = scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
-
-        if KV_FMT == NVFP4:
-            kb = tl.load(k_codes[:, None] + half_cols[None, :], mask=n_ok[:, None], other=0)
-            ks = tl.load(k_scales[:, None] + groups[None, :], mask=n_ok[:, None], other=0)
-            k_even, k_odd = _nvfp4_halves(kb, ks, BLOCK_N, D, INTERPRET)
-            s = _dot(q_even, tl.trans(k_even), INTERPRET)
-            s += _dot(q_odd, tl.trans(k_odd), INTERPRET)
-        elif KV_FMT == FP8 or KV_FMT == FP8_STATIC:
-            # widened to FP16 in registers (exact) before the MMA, like the NVFP4 path
-            k = tl.load(k_codes[:, None] + cols[None, :], mask=n_ok[:, None], other=0)
-            s = _dot(q_op, tl.trans(_e4m3_to_f16(k, INTERPRET)), INTERPRET)
-        else:
-            kt = tl.load(k_codes[None, :] + cols[:, None], mask=n_ok[None, :], other=0)
-            s = _dot(q_op, kt, INTERPRET)
-        x = s * row_scale[:, None]
-        ev_neg_pow2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if KV_FMT == FP8:
-            ek = tl.load(k_scales, mask=n_ok, other=0)
-            ev = tl.load(v_scales, mask=n_ok, other=0)
-            x = x * exp2i(ek)[None, :] + ev.to(tl.float32)[None, :]
-            ev_neg_pow2 = exp2i(-ev)
-        allowed = n_ok[None, :] & (n[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            allowed &= n[None, :] > pos[:, None] - window
-        y = tl.where(allowed, x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
-        alpha = exp2i(tl.maximum(m_i - m_new, -127.0).to(tl.int32))
-        p_op, l_term = _probabilities(y - m_new[:, None], ev_neg_pow2, KV_FMT, EXP_MODE,
-                                      INTERPRET)  # fmt: skip
-        l_i = l_i * alpha + tl.sum(l_term, axis=1)
-        m_i = m_new
-        if KV_FMT == NVFP4:
-            vb = tl.load(v_codes[:, None] + half_cols[None, :], mask=n_ok[:, None], other=0)
-            vs = tl.load(v_scales[:, None] + groups[None, :], mask=n_ok[:, None], other=0)
-            v_even, v_odd = _nvfp4_halves(vb, vs, BLOCK_N, D, INTERPRET)
-            acc_even = acc_even * alpha[:, None] + _dot(p_op, v_even, INTERPRET)
-            acc_odd = acc_odd * alpha[:, None] + _dot(p_op, v_odd, INTERPRET)
-        else:
-            v = tl.load(v_codes[:, None] + cols[None, :], mask=n_ok[:, None], other=0)
-            if KV_FMT == FP8 or KV_FMT == FP8_STATIC:
-                v = _e4m3_to_f16(v, INTERPRET)
-            acc = acc * alpha[:, None] + _dot(p_op, v, INTERPRET)
+    if KEYS_ON_M:
+        acc = tl.zeros([D, BLOCK_M], dtype=tl.float32)  # Oᵀ
+        for tile in range(t_begin, full_lo):
+            m_i, l_i, acc = _attend_tile_keys_on_m(
+                tile, m_i, l_i, acc, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh, kv_lo,
+                kv_hi, HKV, D, PAGE, REGION_CODES, REGION_SCALES, SCALE_BASE, CODE_ROW,
+                SCALE_ROW, V_ROW, V_COL, BLOCK_N, KV_FMT, EXP_MODE, True, INTERPRET,
+            )  # fmt: skip
+        for tile in range(full_lo, full_hi):
+            m_i, l_i, acc = _attend_tile_keys_on_m(
+                tile, m_i, l_i, acc, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh, kv_lo,
+                kv_hi, HKV, D, PAGE, REGION_CODES, REGION_SCALES, SCALE_BASE, CODE_ROW,
+                SCALE_ROW, V_ROW, V_COL, BLOCK_N, KV_FMT, EXP_MODE, False, INTERPRET,
+            )  # fmt: skip
+        for tile in range(full_hi, t_end):
+            m_i, l_i, acc = _attend_tile_keys_on_m(
+                tile, m_i, l_i, acc, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh, kv_lo,
+                kv_hi, HKV, D, PAGE, REGION_CODES, REGION_SCALES, SCALE_BASE, CODE_ROW,
+                SCALE_ROW, V_ROW, V_COL, BLOCK_N, KV_FMT, EXP_MODE, True, INTERPRET,
+            )  # fmt: skip
+        acc = tl.trans(acc)
+    else:
+        for tile in range(t_begin, full_lo):
+            m_i, l_i, acc, acc_odd = _attend_tile(
+                tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
+                scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
+                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, DECODE,
+                HAS_WINDOW, KV_FMT, EXP_MODE, True, INTERPRET,
+            )  # fmt: skip
+        for tile in range(full_lo, full_hi):
+            m_i, l_i, acc, acc_odd = _attend_tile(
+                tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
+                scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
+                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, DECODE,
+                HAS_WINDOW, KV_FMT, EXP_MODE, False, INTERPRET,
+            )  # fmt: skip
+        for tile in range(full_hi, t_end):
+            m_i, l_i, acc, acc_odd = _attend_tile(
+                tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
+                scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
+                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, DECODE,
+                HAS_WINDOW, KV_FMT, EXP_MODE, True, INTERPRET,
+            )  # fmt: skip
 
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
     if KV_FMT != BF16 and KV_FMT != FP16:
@@ -401,8 +546,9 @@ def paged_attention_kernel(
         ml_row = part_ml_ptr + ((split * part_tokens + tokens) * (HKV * GROUP) + head) * 2
         tl.store(ml_row, m_i, mask=row_ok)
         tl.store(ml_row + 1, l_i, mask=row_ok)
+    half_cols = tl.arange(0, D // 2)
     if KV_FMT == NVFP4:
-        o_even = to_out(acc_even * inv_l[:, None], o_row, INTERPRET)
+        o_even = to_out(acc * inv_l[:, None], o_row, INTERPRET)
         o_odd = to_out(acc_odd * inv_l[:, None], o_row, INTERPRET)
         tl.store(o_row[:, None] + 2 * half_cols[None, :], o_even, mask=row_ok[:, None])
         tl.store(o_row[:, None] + 2 * half_cols[None, :] + 1, o_odd, mask=row_ok[:, None])

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call of the serving-kernel checks and measurements (H200), results under $OUT.
+#   bash benchmarks/run_serving_gpu.sh tests,tune      # or decode,prefill
+# FlashInfer baselines need the flashinfer bundle (../shared/device/stage.sh flashinfer; carry
+# .stage/flashinfer/part1 and run its install.sh first, FLAMIA_SITE=/tmp/site).
+set -uo pipefail
+export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
+steps=",${1:-tests,tune},"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+run() {  # run NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name exit $? ($(date +%T))"; tail -n "${TAIL:-30}" "$OUT/$name.log"
+}
+if [[ $steps == *,tests,* ]]; then
+  run pytest_serving 300 python -m pytest -q tests/kernels/test_paged.py \
+    tests/kernels/test_gpu_paged.py tests/numerics/test_serving_numerics.py
+fi
+if [[ $steps == *,tune,* ]]; then
+  run tune_decode 280 python benchmarks/tune_paged.py --cases decode --formats fp8,fp8_static,nvfp4
+  run tune_prefill 150 python benchmarks/tune_paged.py --cases prefill --formats fp8,nvfp4,bf16
+fi
+if [[ $steps == *,decode,* ]]; then
+  run decode 300 python benchmarks/decode.py --quick
+fi
+if [[ $steps == *,prefill,* ]]; then
+  run prefill 200 python benchmarks/prefill.py --quick
+fi
+ls -la "$OUT"
