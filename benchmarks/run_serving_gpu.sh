@@ -18,13 +18,15 @@ if [[ $steps == *,tests,* ]]; then
     tests/kernels/test_gpu_paged.py tests/numerics/test_serving_numerics.py
 fi
 if [[ $steps == *,tune,* ]]; then
-  run tune_decode 280 python benchmarks/tune_paged.py --cases decode --formats fp8,fp8_static,nvfp4
-  run tune_prefill 150 python benchmarks/tune_paged.py --cases prefill --formats fp8,nvfp4,bf16
+  run tune_decode 200 python benchmarks/tune_paged.py --cases decode --formats fp8,nvfp4 \
+    --name tune_paged_decode
+  run tune_prefill 150 python benchmarks/tune_paged.py --cases prefill --formats fp8,nvfp4,bf16 \
+    --name tune_paged_prefill
 fi
 if [[ $steps == *,decode,* ]]; then
-  run decode 300 python benchmarks/decode.py --quick
+  run decode 240 python benchmarks/decode.py --quick
 fi
 if [[ $steps == *,prefill,* ]]; then
-  run prefill 200 python benchmarks/prefill.py --quick
+  run prefill 150 python benchmarks/prefill.py --quick
 fi
 ls -la "$OUT"

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="decode,prefill")
     ap.add_argument("--formats", default=",".join(KV_CACHE_DTYPES))
+    ap.add_argument("--name", default="tune_paged", help="results file name")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     rows = []
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                     paged_attention, batch.q, batch.caches[dtype], fmt, batch.block_table,
                     batch.seq_lens, batch.query_start_loc,
                     num_decodes=len(new) if kind == "decode" else 0, max_seq_len=max(lens),
-                    validate=False, decode_config=cfg, prefill_config=cfg, num_splits=splits,
+                    validate=False, num_splits=splits,
+                    **{f"{kind}_config": cfg},
                 )  # fmt: skip
 
                 try:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                              "gbps": gbps})
         del batch
         torch.cuda.empty_cache()
-    write_results("tune_paged", rows)
+    write_results(args.name, rows)
     return 0
 
 

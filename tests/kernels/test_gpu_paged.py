@@ -31,4 +31,4 @@ def test_large_mixed_batch(dtype: str, exp_mode: str) -> None:
                                    exp_mode=exp_mode)  # fmt: skip
     out = kernels.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
                                   b.query_start_loc, exp_mode=exp_mode)  # fmt: skip
-    _assert_close(out, expected)
+    _assert_close(out, expected, b.fmt)

@@ -273,16 +273,17 @@ def _attend_tile(
     HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, REGION_CODES: tl.constexpr,
     REGION_SCALES: tl.constexpr, SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr,
     SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, V_COL: tl.constexpr, BLOCK_N: tl.constexpr,
-    DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FMT: tl.constexpr,
-    EXP_MODE: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
+    MASKED: tl.constexpr, ROW_MASK: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the online softmax: returns the updated ``(m, l, acc, acc_odd)``.
 
     ``MASKED`` (a tile that crosses ``kv_lo`` or ``kv_hi``): keys outside ``[kv_lo, kv_hi)``
     load other keys' bytes (:func:`_tile_pages`), which never reach the result: their logits
     are replaced by −inf, their V rows and V exponents by 0 (unwritten slots may hold NaN).
-    Otherwise every key of the tile is a written slot of the sequence, and a decode row
-    needs no mask. ``q_op``/``acc`` are the even halves for NVFP4 (``q_odd``/``acc_odd``
+    Otherwise every key of the tile is a written slot of the sequence. ``ROW_MASK``: some
+    row must not see some key of the tile (causal diagonal, window); without it every row
+    sees every key. ``q_op``/``acc`` are the even halves for NVFP4 (``q_odd``/``acc_odd``
     the odd ones).
     """
     n, n_ok, blk, off = _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE, BLOCK_N, MASKED)
@@ -313,12 +314,12 @@ def _attend_tile(
             ev = tl.where(n_ok, ev, 0)
         x = x * exp2i(ek)[None, :] + ev.to(tl.float32)[None, :]
         ev_neg_pow2 = exp2i(-ev)
-    if MASKED or not DECODE:
+    if MASKED or ROW_MASK:
         allowed = n_ok[None, :] & (n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             allowed &= n[None, :] > pos[:, None] - window
         y = tl.where(allowed, x, float("-inf"))
-    else:  # a decode row sees every key of a full tile (kv_lo is its window start)
+    else:
         y = x
     m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
     alpha = exp2i(tl.maximum(m_i - m_new, -127.0).to(tl.int32))
@@ -511,26 +512,39 @@ def paged_attention_kernel(
             )  # fmt: skip
         acc = tl.trans(acc)
     else:
+        # full tiles every row sees whole: [full_lo, free_hi) (decodes: all of them; prefill
+        # blocks: keys before the block's first token, still windowed); then the diagonal
+        free_hi = full_hi
+        if not DECODE:
+            free_hi = tl.minimum(tl.maximum((ctx0 + tok0 + 1) // BLOCK_N, full_lo), full_hi)
+        WINDOWED: tl.constexpr = HAS_WINDOW and not DECODE
         for tile in range(t_begin, full_lo):
             m_i, l_i, acc, acc_odd = _attend_tile(
                 tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
                 scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
-                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, DECODE,
-                HAS_WINDOW, KV_FMT, EXP_MODE, True, INTERPRET,
+                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N,
+                HAS_WINDOW, KV_FMT, EXP_MODE, True, True, INTERPRET,
             )  # fmt: skip
-        for tile in range(full_lo, full_hi):
+        for tile in range(full_lo, free_hi):
             m_i, l_i, acc, acc_odd = _attend_tile(
                 tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
                 scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
-                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, DECODE,
-                HAS_WINDOW, KV_FMT, EXP_MODE, False, INTERPRET,
+                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N,
+                HAS_WINDOW, KV_FMT, EXP_MODE, False, WINDOWED, INTERPRET,
+            )  # fmt: skip
+        for tile in range(free_hi, full_hi):
+            m_i, l_i, acc, acc_odd = _attend_tile(
+                tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
+                scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
+                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N,
+                HAS_WINDOW, KV_FMT, EXP_MODE, False, True, INTERPRET,
             )  # fmt: skip
         for tile in range(full_hi, t_end):
             m_i, l_i, acc, acc_odd = _attend_tile(
                 tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
                 scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
-                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, DECODE,
-                HAS_WINDOW, KV_FMT, EXP_MODE, True, INTERPRET,
+                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N,
+                HAS_WINDOW, KV_FMT, EXP_MODE, True, True, INTERPRET,
             )  # fmt: skip
 
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
