@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call of the serving-kernel checks and measurements (H200), results under $OUT.
-#   bash benchmarks/run_serving_gpu.sh tests,tune      # or decode,prefill
+#   bash benchmarks/run_serving_gpu.sh tests,tune      # or decode / prefill, one per call:
+# all nine decode workloads with FlashInfer take ~220 s, the prefill ones more than 150 s
 # FlashInfer baselines need the flashinfer bundle (../shared/device/stage.sh flashinfer; carry
 # .stage/flashinfer/part1 and run its install.sh first, FLAMIA_SITE=/tmp/site).
 set -uo pipefail
@@ -24,9 +25,9 @@ if [[ $steps == *,tune,* ]]; then
     --name tune_paged_prefill
 fi
 if [[ $steps == *,decode,* ]]; then
-  run decode 240 python benchmarks/decode.py --quick
+  run decode 420 python benchmarks/decode.py --quick
 fi
 if [[ $steps == *,prefill,* ]]; then
-  run prefill 150 python benchmarks/prefill.py --quick
+  run prefill 420 python benchmarks/prefill.py --quick
 fi
 ls -la "$OUT"
