@@ -309,7 +309,7 @@ def test_forward_matches_reference(kv_cache_dtype: str, window: int | None,
     impl.forward(layer, query, key, value, kv_cache, md, output)
     expected = ref.paged_attention(b.q, expected_cache, fmt, b.block_table, b.seq_lens, qsl,
                                    softmax_scale=HEAD_DIM**-0.5, window=window, **kw)  # fmt: skip
-    _assert_close(output[:total], expected)
+    _assert_close(output[:total], expected, fmt)
     assert (output[total:] == 7.0).all()
     profiled = impl.forward(layer, query, key, value, kv_cache, None, output)
     assert profiled is output and (output == 0).all()

@@ -492,60 +492,40 @@ def paged_attention_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     if KEYS_ON_M:
         acc = tl.zeros([D, BLOCK_M], dtype=tl.float32)  # Oᵀ
-        for tile in range(t_begin, full_lo):
-            m_i, l_i, acc = _attend_tile_keys_on_m(
-                tile, m_i, l_i, acc, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh, kv_lo,
-                kv_hi, HKV, D, PAGE, REGION_CODES, REGION_SCALES, SCALE_BASE, CODE_ROW,
-                SCALE_ROW, V_ROW, V_COL, BLOCK_N, KV_FMT, EXP_MODE, True, INTERPRET,
-            )  # fmt: skip
-        for tile in range(full_lo, full_hi):
-            m_i, l_i, acc = _attend_tile_keys_on_m(
-                tile, m_i, l_i, acc, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh, kv_lo,
-                kv_hi, HKV, D, PAGE, REGION_CODES, REGION_SCALES, SCALE_BASE, CODE_ROW,
-                SCALE_ROW, V_ROW, V_COL, BLOCK_N, KV_FMT, EXP_MODE, False, INTERPRET,
-            )  # fmt: skip
-        for tile in range(full_hi, t_end):
-            m_i, l_i, acc = _attend_tile_keys_on_m(
-                tile, m_i, l_i, acc, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh, kv_lo,
-                kv_hi, HKV, D, PAGE, REGION_CODES, REGION_SCALES, SCALE_BASE, CODE_ROW,
-                SCALE_ROW, V_ROW, V_COL, BLOCK_N, KV_FMT, EXP_MODE, True, INTERPRET,
-            )  # fmt: skip
+    # four runs of tiles: the masked head, full tiles every row sees whole (decodes: all of
+    # them; prefill blocks: keys before the block's first token, still windowed), full
+    # tiles on the causal diagonal, the masked tail
+    free_hi = full_hi
+    if not DECODE:
+        free_hi = tl.minimum(tl.maximum((ctx0 + tok0 + 1) // BLOCK_N, full_lo), full_hi)
+    WINDOWED: tl.constexpr = HAS_WINDOW and not DECODE
+    for run in tl.static_range(4):
+        if run == 0:
+            lo, hi = t_begin, full_lo
+        elif run == 1:
+            lo, hi = full_lo, free_hi
+        elif run == 2:
+            lo, hi = free_hi, full_hi
+        else:
+            lo, hi = full_hi, t_end
+        for tile in range(lo, hi):
+            if KEYS_ON_M:
+                m_i, l_i, acc = _attend_tile_keys_on_m(
+                    tile, m_i, l_i, acc, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh,
+                    kv_lo, kv_hi, HKV, D, PAGE, REGION_CODES, REGION_SCALES, SCALE_BASE,
+                    CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, KV_FMT, EXP_MODE,
+                    run == 0 or run == 3, INTERPRET,
+                )  # fmt: skip
+            else:
+                m_i, l_i, acc, acc_odd = _attend_tile(
+                    tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row,
+                    codes_ptr, scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE,
+                    REGION_CODES, REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL,
+                    BLOCK_N, HAS_WINDOW, KV_FMT, EXP_MODE, run == 0 or run == 3,
+                    run != 1 or WINDOWED, INTERPRET,
+                )  # fmt: skip
+    if KEYS_ON_M:
         acc = tl.trans(acc)
-    else:
-        # full tiles every row sees whole: [full_lo, free_hi) (decodes: all of them; prefill
-        # blocks: keys before the block's first token, still windowed); then the diagonal
-        free_hi = full_hi
-        if not DECODE:
-            free_hi = tl.minimum(tl.maximum((ctx0 + tok0 + 1) // BLOCK_N, full_lo), full_hi)
-        WINDOWED: tl.constexpr = HAS_WINDOW and not DECODE
-        for tile in range(t_begin, full_lo):
-            m_i, l_i, acc, acc_odd = _attend_tile(
-                tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
-                scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
-                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N,
-                HAS_WINDOW, KV_FMT, EXP_MODE, True, True, INTERPRET,
-            )  # fmt: skip
-        for tile in range(full_lo, free_hi):
-            m_i, l_i, acc, acc_odd = _attend_tile(
-                tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
-                scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
-                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N,
-                HAS_WINDOW, KV_FMT, EXP_MODE, False, WINDOWED, INTERPRET,
-            )  # fmt: skip
-        for tile in range(free_hi, full_hi):
-            m_i, l_i, acc, acc_odd = _attend_tile(
-                tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
-                scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
-                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N,
-                HAS_WINDOW, KV_FMT, EXP_MODE, False, True, INTERPRET,
-            )  # fmt: skip
-        for tile in range(full_hi, t_end):
-            m_i, l_i, acc, acc_odd = _attend_tile(
-                tile, m_i, l_i, acc, acc_odd, q_op, q_odd, row_scale, pos, bt_row, codes_ptr,
-                scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES,
-                REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N,
-                HAS_WINDOW, KV_FMT, EXP_MODE, True, True, INTERPRET,
-            )  # fmt: skip
 
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
     if KV_FMT != BF16 and KV_FMT != FP16:
