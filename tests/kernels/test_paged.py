@@ -318,8 +318,7 @@ def test_fp16_and_static_fp8_formats(dtype: str, exp_mode: str, device: str) -> 
         assert (unit.float() - expected.float()).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "fp8_static"])
-@pytest.mark.parametrize("exp_mode", ["exact", "mitchell"])
+@pytest.mark.parametrize(("dtype", "exp_mode"), [("fp8", "exact"), ("fp8_static", "mitchell")])
 def test_decode_with_keys_on_m(dtype: str, exp_mode: str, device: str) -> None:
     """The swapped-operand decode (keys on the MMA's M side) is the same computation: equal
     to the reference, with windows, split-K and poisoned unwritten slots."""
