@@ -23,12 +23,17 @@ from flamia_serve.numerics.kv_pages import KV_CACHE_DTYPES, KVPageFormat
 
 
 def _grid(kind: str, fmt: KVPageFormat) -> list[tuple[PagedConfig, int]]:
-    """(config, decode splits) candidates: the 8-bit caches' decodes also try the swapped
-    operands (``keys_on_m``) and deeper pipelines."""
+    """(config, decode splits) candidates: the 8-bit caches also try the swapped operands
+    (``keys_on_m``), their decodes deeper pipelines."""
     if kind == "prefill":
         shapes = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2),
                   (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2))
-        return [(PagedConfig(*c), 1) for c in shapes]
+        grid = [(PagedConfig(*c), 1) for c in shapes]
+        if fmt.dtype.v_dim_major:
+            swapped = ((64, 64, 8, 2), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2),
+                       (128, 64, 8, 2))  # 8 warps: no spills in the local sm_90 compile
+            grid += [(PagedConfig(*c, keys_on_m=True), 1) for c in swapped]
+        return grid
     if fmt.dtype.v_dim_major:
         return [(PagedConfig(16, bn, 4, st, keys_on_m=km), sp) for km, bn, st, sp in
                 itertools.product((False, True), (64, 128), (2, 3, 4), (4, 8, 16))]  # fmt: skip

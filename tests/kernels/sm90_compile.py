@@ -161,7 +161,7 @@ def paged_variants() -> None:
                 "part_ml_ptr": F32}  # fmt: skip
         variants = [(True, 16, 64, 4, 0, False), (False, 128, 64, 1, 2, False)]
         if fmt == 1:
-            variants.append((True, 16, 64, 4, 2, True))
+            variants += [(True, 16, 64, 4, 2, True), (False, 64, 128, 1, 0, True)]
         for decode, bm, bn, splits, mode, keys_on_m in variants:
             consts = dict(HKV=8, GROUP=4, GROUP_P2=4, D=128, BLOCK_M=bm, BLOCK_N=bn,
                           NUM_SPLITS=splits, DECODE=decode, HAS_WINDOW=not decode, KV_FMT=fmt,

@@ -319,40 +319,40 @@ def test_fp16_and_static_fp8_formats(dtype: str, exp_mode: str, device: str) -> 
 
 
 @pytest.mark.parametrize(("dtype", "exp_mode"), [("fp8", "exact"), ("fp8_static", "mitchell")])
-def test_decode_with_keys_on_m(dtype: str, exp_mode: str, device: str) -> None:
-    """The swapped-operand decode (keys on the MMA's M side) is the same computation: equal
-    to the reference, with windows, split-K and poisoned unwritten slots."""
-    b = make_batch([1, 1, 1, 1], [37, 15, 130, 64], dtype=dtype, device=device, heads_q=8)
+def test_keys_on_m(dtype: str, exp_mode: str, device: str) -> None:
+    """The swapped-operand kernel (keys on the MMA's M side) is the same computation, for
+    decodes and prefill blocks: equal to the reference, with windows, split-K and poisoned
+    unwritten slots."""
+    b = make_batch([1, 1, 1, 1, 21, 40], [37, 15, 130, 64, 30, 0], dtype=dtype, device=device,
+                   heads_q=8)  # fmt: skip
     cache = _written(b)
     poisoned = b.cache.clone().fill_(0xFF)
     ref.write_kv_cache(poisoned, b.key, b.value, b.slot_mapping, b.fmt)
     block_n = 16 if device == "cpu" else 64
-    swapped = kernels.PagedConfig(16, block_n, 4, 2, keys_on_m=True)
+    decode = kernels.PagedConfig(16, block_n, 4, 2, keys_on_m=True)
+    prefill = kernels.PagedConfig(16 if device == "cpu" else 64, block_n, 4, 2, keys_on_m=True)
+    swapped = dict(decode_config=decode, prefill_config=prefill, exp_mode=exp_mode)
     args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
-    for window, splits in ((None, 1), (None, 4), (20, 2), (3, 1)):
+    for window, splits in ((None, 4), (20, 2), (3, 1)):
         expected = ref.paged_attention(*args, softmax_scale=0.125, window=window,
                                        exp_mode=exp_mode)  # fmt: skip
-        out = kernels.paged_attention(*args, window=window, exp_mode=exp_mode,
-                                      num_splits=splits, decode_config=swapped)  # fmt: skip
+        out = kernels.paged_attention(*args, window=window, num_splits=splits, **swapped)
         _assert_close(out, expected, b.fmt)
         again = kernels.paged_attention(b.q, poisoned, *args[2:], window=window,
-                                        exp_mode=exp_mode, num_splits=splits,
-                                        decode_config=swapped)  # fmt: skip
+                                        num_splits=splits, **swapped)  # fmt: skip
         assert torch.equal(out, again)
 
 
-def test_keys_on_m_is_a_decode_option_for_8bit_caches() -> None:
+def test_keys_on_m_needs_an_8bit_cache() -> None:
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
     swapped = kernels.PagedConfig(16, 64, keys_on_m=True)
-    with pytest.raises(ValueError, match="keys_on_m needs an 8-bit cache"):
-        kernels.plan_paged(KVPageFormat("nvfp4", 64), 8, 2, qsl, 100, device="cpu",
-                           decode_config=swapped)  # fmt: skip
-    with pytest.raises(ValueError, match="keys_on_m is a decode option"):
-        kernels.plan_paged(KVPageFormat("fp8", 64), 8, 2, qsl, 100, device="cpu",
-                           prefill_config=swapped)  # fmt: skip
+    for which in ("decode_config", "prefill_config"):
+        with pytest.raises(ValueError, match="keys_on_m needs an 8-bit cache"):
+            kernels.plan_paged(KVPageFormat("nvfp4", 64), 8, 2, qsl, 100, device="cpu",
+                               **{which: swapped})  # fmt: skip
     plan = kernels.plan_paged(KVPageFormat("fp8", 64), 8, 2, qsl, 100, device="cpu",
-                              decode_config=swapped)  # fmt: skip
-    assert plan.decode.keys_on_m
+                              decode_config=swapped, prefill_config=swapped)  # fmt: skip
+    assert plan.decode.keys_on_m and plan.prefill.keys_on_m
 
 
 def test_plan_splits_mixed_batches() -> None:

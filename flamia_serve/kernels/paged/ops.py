@@ -76,8 +76,8 @@ class PagedLayout:
 @dataclass(frozen=True)
 class PagedConfig:
     """Tile shape of one launch: ``block_m`` rows (query tokens × GQA group), ``block_n``
-    keys per step. ``keys_on_m`` (decodes from the 8-bit caches only): swap the MMA operands
-    so the keys fill M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``)."""
+    keys per step. ``keys_on_m`` (8-bit caches only): swap the MMA operands so the keys fill
+    M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``)."""
 
     block_m: int
     block_n: int
@@ -250,9 +250,7 @@ def plan_paged_counts(
     for cfg in (decode_cfg, prefill_cfg):
         if cfg.block_m % group_p2 or cfg.block_m < 16:
             raise ValueError(f"block_m must be >= 16 and a multiple of the GQA group, got {cfg}")
-    if prefill_cfg.keys_on_m:
-        raise ValueError(f"keys_on_m is a decode option, got prefill_config={prefill_cfg}")
-    if decode_cfg.keys_on_m and fmt.dtype not in (KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC):
+    if (decode_cfg.keys_on_m or prefill_cfg.keys_on_m) and not fmt.dtype.v_dim_major:
         raise ValueError(f"keys_on_m needs an 8-bit cache (fp8, fp8_static), got {fmt.dtype}")
     splits = num_splits or _splits_for(fmt, heads_kv, num_decodes, max_seq_len, decode_cfg,
                                        torch.device(device))  # fmt: skip
@@ -372,7 +370,8 @@ def run_paged_attention(
             *args, out, out.stride(0), out.stride(1), out, out, 0,
             num_decodes, rest, qk_scale, win, v_scale,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=1, DECODE=False,
-            KEYS_ON_M=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            KEYS_ON_M=cfg.keys_on_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **common,
         )  # fmt: skip
     return out
 

@@ -346,19 +346,20 @@ def _attend_tile(
 
 @triton.jit
 def _attend_tile_keys_on_m(
-    tile, m_i, l_i, acc_t, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh, kv_lo, kv_hi,
+    tile, m_i, l_i, acc_t, q_op, row_scale, pos, bt_row, codes_ptr, scales_ptr, kvh, kv_lo,
+    kv_hi, window,
     HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, REGION_CODES: tl.constexpr,
     REGION_SCALES: tl.constexpr, SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr,
     SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, V_COL: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr, MASKED: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
+    MASKED: tl.constexpr, ROW_MASK: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_attend_tile` of a decode from an 8-bit cache with A and B swapped: the keys
-    fill the MMA's M side (``Sᵀ = K̂·Q̂ᵀ``, ``Oᵀ += V̂ᵀ·P̂ᵀ``, both FP8 warpgroup MMAs reading
-    K̂ and the V̂ᵀ page rows straight from shared memory) and the few query rows its N side.
-    ``acc_t`` is ``Oᵀ`` ``[D, BLOCK_M]``; same numerics and masking as :func:`_attend_tile`
-    (a decode row sees exactly the keys in ``[kv_lo, kv_hi)``)."""
-    _, n_ok, blk, off = _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE, BLOCK_N, MASKED)
+    """:func:`_attend_tile` from an 8-bit cache with A and B swapped: the keys fill the
+    MMA's M side (``Sᵀ = K̂·Q̂ᵀ``, ``Oᵀ += V̂ᵀ·P̂ᵀ``, both FP8 warpgroup MMAs reading K̂ and
+    the V̂ᵀ page rows straight from shared memory; P̂ᵀ goes to shared memory as the B operand
+    with no change of register layout) and the query rows its N side. ``acc_t`` is ``Oᵀ``
+    ``[D, BLOCK_M]``; same numerics and masking as :func:`_attend_tile`."""
+    n, n_ok, blk, off = _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE, BLOCK_N, MASKED)
     cols = tl.arange(0, D)
     k_region = blk * (2 * HKV) + kvh
     v_region = k_region + HKV
@@ -374,8 +375,11 @@ def _attend_tile_keys_on_m(
             ev = tl.where(n_ok, ev, 0)
         x = x * exp2i(ek)[:, None] + ev.to(tl.float32)[:, None]
         ev_neg_pow2 = exp2i(-ev)
-    if MASKED:
-        x = tl.where(n_ok[:, None], x, float("-inf"))
+    if MASKED or ROW_MASK:
+        allowed = n_ok[:, None] & (n[:, None] <= pos[None, :])
+        if HAS_WINDOW:
+            allowed &= n[:, None] > pos[None, :] - window
+        x = tl.where(allowed, x, float("-inf"))
     m_new = tl.maximum(m_i, tl.math.ceil(tl.max(x, axis=0)))
     alpha = exp2i(tl.maximum(m_i - m_new, -127.0).to(tl.int32))
     p_op, l_term = _probabilities(x - m_new[None, :], ev_neg_pow2[:, None], KV_FMT, EXP_MODE,
@@ -413,7 +417,7 @@ def paged_attention_kernel(
     the token's index, ``part_tokens`` rows per split) for ``combine_splits_kernel``.
     ``qk_scale`` includes ``fp8_static``'s K scale; ``v_scale`` multiplies O (1 otherwise).
     Key tiles inside ``[kv_lo, kv_hi)`` run unmasked; at most one tile at each end is masked.
-    ``KEYS_ON_M`` (decodes from the 8-bit caches): :func:`_attend_tile_keys_on_m`.
+    ``KEYS_ON_M`` (8-bit caches): :func:`_attend_tile_keys_on_m`.
     """
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     pid = tl.program_id(0)
@@ -511,10 +515,10 @@ def paged_attention_kernel(
         for tile in range(lo, hi):
             if KEYS_ON_M:
                 m_i, l_i, acc = _attend_tile_keys_on_m(
-                    tile, m_i, l_i, acc, q_op, row_scale, bt_row, codes_ptr, scales_ptr, kvh,
-                    kv_lo, kv_hi, HKV, D, PAGE, REGION_CODES, REGION_SCALES, SCALE_BASE,
-                    CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, KV_FMT, EXP_MODE,
-                    run == 0 or run == 3, INTERPRET,
+                    tile, m_i, l_i, acc, q_op, row_scale, pos, bt_row, codes_ptr, scales_ptr,
+                    kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES, REGION_SCALES,
+                    SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, HAS_WINDOW, KV_FMT,
+                    EXP_MODE, run == 0 or run == 3, run != 1 or WINDOWED, INTERPRET,
                 )  # fmt: skip
             else:
                 m_i, l_i, acc, acc_odd = _attend_tile(
