@@ -121,8 +121,9 @@ def _nvfp4_halves(
     Each E2M1 nibble ``s e1 e0 m`` is re-encoded as the E4M3 byte ``s 0 0 e1 e0 m 0 0``
     (= value · 2^-6; subnormals map to subnormals), converted to FP16, and multiplied by
     its E4M3 block scale · 2^6 in FP16 — exact: ≤ 6 significant bits in [2^-10, 2688].
-    On the GPU the re-encoding and conversion of four bytes is one opaque asm block (see
-    ``_e4m3_to_f16``).
+    On the GPU the re-encoding and conversion of four bytes is one opaque asm block, so
+    Triton's layout pass cannot move a dot operand's layout change onto the 8-bit codes
+    (which it would then read from shared memory byte by byte).
     """
     scale = (scale_codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(tl.float16)
     if INTERPRET:
@@ -160,28 +161,6 @@ def _nvfp4_halves(
     lo = tl.reshape(tl.reshape(lo, (ROWS, D // 16, 8)) * scale[:, :, None], (ROWS, D // 2))
     hi = tl.reshape(tl.reshape(hi, (ROWS, D // 16, 8)) * scale[:, :, None], (ROWS, D // 2))
     return lo, hi
-
-
-@triton.jit
-def _e4m3_to_f16(codes, INTERPRET: tl.constexpr):
-    """Exact FP16 values of E4M3 bytes (uint8). On the GPU one opaque ``cvt`` per pair, so
-    Triton's layout pass cannot move a dot operand's layout change onto the 8-bit codes
-    (which it would then read from shared memory byte by byte)."""
-    if INTERPRET:
-        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        constraints="=r,=r,r",
-        args=[codes],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
-    )
 
 
 @triton.jit
@@ -250,20 +229,31 @@ def _probabilities(t, ev_neg_pow2, KV_FMT: tl.constexpr, EXP_MODE: tl.constexpr,
 
 
 @triton.jit
-def _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASKED: tl.constexpr):  # fmt: skip
-    """Keys ``n`` of a tile, which of them lie in ``[kv_lo, kv_hi)``, their cache blocks
-    (int64) and slots in the page. ``MASKED``: keys outside read a page of the sequence that
-    holds keys of the range instead (the page index is clamped), so every load stays
-    unmasked and 16 bytes wide without touching unallocated or evicted pages; the caller
-    discards what those keys load."""
+def _tile_addresses(
+    tile, bt_row, codes_ptr, scales_ptr, kvh, kv_lo, kv_hi,
+    HKV: tl.constexpr, PAGE: tl.constexpr, REGION_CODES: tl.constexpr,
+    REGION_SCALES: tl.constexpr, SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """Keys ``n`` of a tile, which of them lie in ``[kv_lo, kv_hi)``, and the first code and
+    scale of each key's K and V slot (``k_codes``, ``v_codes``, ``k_scales``, ``v_scales``).
+    ``MASKED``: keys outside read a page of the sequence that holds keys of the range
+    instead (the page index is clamped), so every load stays unmasked and 16 bytes wide
+    without touching unallocated or evicted pages; the caller discards what those keys
+    load."""
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (n < kv_hi) & (n >= kv_lo)
     page = n // PAGE
     if MASKED:
         page = tl.minimum(tl.maximum(page, kv_lo // PAGE), (kv_hi - 1) // PAGE)
-    blk = tl.load(bt_row + page).to(tl.int64)
-    return n, n_ok, blk, n % PAGE
+    k_region = tl.load(bt_row + page).to(tl.int64) * (2 * HKV) + kvh
+    v_region = k_region + HKV
+    off = n % PAGE
+    k_codes = codes_ptr + k_region * REGION_CODES + off * CODE_ROW
+    v_codes = codes_ptr + v_region * REGION_CODES + off * V_ROW
+    k_scales = scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
+    v_scales = scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
+    return n, n_ok, k_codes, v_codes, k_scales, v_scales
 
 
 @triton.jit
@@ -279,23 +269,20 @@ def _attend_tile(
     """One key tile of the online softmax: returns the updated ``(m, l, acc, acc_odd)``.
 
     ``MASKED`` (a tile that crosses ``kv_lo`` or ``kv_hi``): keys outside ``[kv_lo, kv_hi)``
-    load other keys' bytes (:func:`_tile_pages`), which never reach the result: their logits
+    load other keys' bytes (:func:`_tile_addresses`), which never reach the result: their logits
     are replaced by −inf, their V rows and V exponents by 0 (unwritten slots may hold NaN).
     Otherwise every key of the tile is a written slot of the sequence. ``ROW_MASK``: some
-    row must not see some key of the tile (causal diagonal, window); without it every row
-    sees every key. ``q_op``/``acc`` are the even halves for NVFP4 (``q_odd``/``acc_odd``
-    the odd ones).
+    row must not see some key of ``[kv_lo, kv_hi)`` in the tile (causal diagonal, window);
+    without it every row sees exactly those keys (a decode row always does).
+    ``q_op``/``acc`` are the even halves for NVFP4 (``q_odd``/``acc_odd`` the odd ones).
     """
-    n, n_ok, blk, off = _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE, BLOCK_N, MASKED)
+    n, n_ok, k_codes, v_codes, k_scales, v_scales = _tile_addresses(
+        tile, bt_row, codes_ptr, scales_ptr, kvh, kv_lo, kv_hi, HKV, PAGE, REGION_CODES,
+        REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, BLOCK_N, MASKED,
+    )  # fmt: skip
     cols = tl.arange(0, D)
     half_cols = tl.arange(0, D // 2)
     groups = tl.arange(0, D // 16)
-    k_region = blk * (2 * HKV) + kvh
-    v_region = k_region + HKV
-    k_codes = codes_ptr + k_region * REGION_CODES + off * CODE_ROW
-    v_codes = codes_ptr + v_region * REGION_CODES + off * V_ROW
-    k_scales = scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
-    v_scales = scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW
 
     if KV_FMT == NVFP4:
         kb = tl.load(k_codes[:, None] + half_cols[None, :])
@@ -314,11 +301,13 @@ def _attend_tile(
             ev = tl.where(n_ok, ev, 0)
         x = x * exp2i(ek)[None, :] + ev.to(tl.float32)[None, :]
         ev_neg_pow2 = exp2i(-ev)
-    if MASKED or ROW_MASK:
+    if ROW_MASK:
         allowed = n_ok[None, :] & (n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             allowed &= n[None, :] > pos[:, None] - window
         y = tl.where(allowed, x, float("-inf"))
+    elif MASKED:
+        y = tl.where(n_ok[None, :], x, float("-inf"))
     else:
         y = x
     m_new = tl.maximum(m_i, tl.math.ceil(tl.max(y, axis=1)))
@@ -359,27 +348,28 @@ def _attend_tile_keys_on_m(
     the V̂ᵀ page rows straight from shared memory; P̂ᵀ goes to shared memory as the B operand
     with no change of register layout) and the query rows its N side. ``acc_t`` is ``Oᵀ``
     ``[D, BLOCK_M]``; same numerics and masking as :func:`_attend_tile`."""
-    n, n_ok, blk, off = _tile_pages(tile, bt_row, kv_lo, kv_hi, PAGE, BLOCK_N, MASKED)
+    n, n_ok, k_codes, v_codes, k_scales, v_scales = _tile_addresses(
+        tile, bt_row, codes_ptr, scales_ptr, kvh, kv_lo, kv_hi, HKV, PAGE, REGION_CODES,
+        REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, BLOCK_N, MASKED,
+    )  # fmt: skip
     cols = tl.arange(0, D)
-    k_region = blk * (2 * HKV) + kvh
-    v_region = k_region + HKV
-    k_codes = codes_ptr + k_region * REGION_CODES + off * CODE_ROW
-    v_codes = codes_ptr + v_region * REGION_CODES + off * V_ROW
     s_t = _dot(tl.load(k_codes[:, None] + cols[None, :]), tl.trans(q_op), INTERPRET)
     x = s_t * row_scale[None, :]
     ev_neg_pow2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     if KV_FMT == FP8:
-        ek = tl.load(scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW)
-        ev = tl.load(scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW)
+        ek = tl.load(k_scales)
+        ev = tl.load(v_scales)
         if MASKED:
             ev = tl.where(n_ok, ev, 0)
         x = x * exp2i(ek)[:, None] + ev.to(tl.float32)[:, None]
         ev_neg_pow2 = exp2i(-ev)
-    if MASKED or ROW_MASK:
+    if ROW_MASK:
         allowed = n_ok[:, None] & (n[:, None] <= pos[None, :])
         if HAS_WINDOW:
             allowed &= n[:, None] > pos[None, :] - window
         x = tl.where(allowed, x, float("-inf"))
+    elif MASKED:
+        x = tl.where(n_ok[:, None], x, float("-inf"))
     m_new = tl.maximum(m_i, tl.math.ceil(tl.max(x, axis=0)))
     alpha = exp2i(tl.maximum(m_i - m_new, -127.0).to(tl.int32))
     p_op, l_term = _probabilities(x - m_new[None, :], ev_neg_pow2[:, None], KV_FMT, EXP_MODE,
@@ -503,6 +493,7 @@ def paged_attention_kernel(
     if not DECODE:
         free_hi = tl.minimum(tl.maximum((ctx0 + tok0 + 1) // BLOCK_N, full_lo), full_hi)
     WINDOWED: tl.constexpr = HAS_WINDOW and not DECODE
+    # a decode row sees exactly [kv_lo, kv_hi): its tiles need no row mask
     for run in tl.static_range(4):
         if run == 0:
             lo, hi = t_begin, full_lo
@@ -518,7 +509,8 @@ def paged_attention_kernel(
                     tile, m_i, l_i, acc, q_op, row_scale, pos, bt_row, codes_ptr, scales_ptr,
                     kvh, kv_lo, kv_hi, window, HKV, D, PAGE, REGION_CODES, REGION_SCALES,
                     SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL, BLOCK_N, HAS_WINDOW, KV_FMT,
-                    EXP_MODE, run == 0 or run == 3, run != 1 or WINDOWED, INTERPRET,
+                    EXP_MODE, run == 0 or run == 3, (run != 1 or WINDOWED) and not DECODE,
+                    INTERPRET,
                 )  # fmt: skip
             else:
                 m_i, l_i, acc, acc_odd = _attend_tile(
@@ -526,7 +518,7 @@ def paged_attention_kernel(
                     codes_ptr, scales_ptr, kvh, kv_lo, kv_hi, window, HKV, D, PAGE,
                     REGION_CODES, REGION_SCALES, SCALE_BASE, CODE_ROW, SCALE_ROW, V_ROW, V_COL,
                     BLOCK_N, HAS_WINDOW, KV_FMT, EXP_MODE, run == 0 or run == 3,
-                    run != 1 or WINDOWED, INTERPRET,
+                    (run != 1 or WINDOWED) and not DECODE, INTERPRET,
                 )  # fmt: skip
     if KEYS_ON_M:
         acc = tl.trans(acc)
