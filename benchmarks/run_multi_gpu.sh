@@ -16,12 +16,8 @@ step=${1:?step: dist, rl, tp, rl-tis or tp-trained}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 export HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$OUT/gpu_$step.txt"
-run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, print its tail
-  local name=$1 secs=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name exit $? ($(date +%T))"; tail -c 3000 "$OUT/$name.log"
-}
+RUN_TAIL="-c 3000"
+source "$(dirname "$0")/device_run.sh"
 case $step in
 dist)
   bash .stage/vllm/part1/install.sh > "$OUT/install1.log" 2>&1; echo "install part1: $?"

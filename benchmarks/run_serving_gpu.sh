@@ -8,12 +8,7 @@ set -uo pipefail
 export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 steps=",${1:-tests,tune},"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-run() {  # run NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name exit $? ($(date +%T))"; tail -n "${TAIL:-30}" "$OUT/$name.log"
-}
+source "$(dirname "$0")/device_run.sh"
 if [[ $steps == *,tests,* ]]; then
   run pytest_serving 300 python -m pytest -q tests/kernels/test_paged.py \
     tests/kernels/test_gpu_paged.py tests/numerics/test_serving_numerics.py

@@ -7,12 +7,7 @@ set -uo pipefail
 export PYTHONPATH=${FLAMIA_SITE:-/tmp/site_fa4}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 steps=",${1:-smoke,bench,host,numerics},"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-run() {  # run NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name exit $? ($(date +%T))"; tail -n 40 "$OUT/$name.log"
-}
+source "$(dirname "$0")/device_run.sh"
 if [[ $steps == *,smoke,* ]]; then
   run smoke 120 python - <<'PY'
 import torch

@@ -1,0 +1,10 @@
+# Sourced by the benchmarks/run_*.sh device scripts: run NAME SECONDS CMD... runs CMD with a
+# time limit, logs to $OUT/NAME.log and prints its exit status and tail (RUN_TAIL: tail's
+# options, default "-n 40").
+run() {
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  # shellcheck disable=SC2086  # RUN_TAIL holds tail's options
+  echo "=== $name exit $? ($(date +%T))"; tail ${RUN_TAIL:--n 40} "$OUT/$name.log"
+}
