@@ -1,12 +1,34 @@
-"""Host time of one eager FLAMIA attention call with a prebuilt plan (tiny pack, so the
-GPU work is negligible and the wall time per call is the host side: argument checks,
-allocations, Triton/CuTe launch binding). Also forward+backward.
+"""Host time of FLAMIA attention calls with a prebuilt plan (tiny pack): argument checks,
+allocations, Triton launch binding, autograd. Forward, and forward+backward.
 
-Usage: ``python benchmarks/host_time.py`` (writes ``results/host_time.json``).
+Each timed step starts on an idle GPU (synchronised before, not after, the timed call), so
+no launch waits for the GPU: the time from call to return is the host side alone. Steps
+of ``LAYERS`` attention calls (each layer's output is the next one's queries), per
+attention call (``host_us``, median over interleaved rounds: the machine's host speed
+drifts by tens of percent between runs, so variants are compared inside one run):
+
+* ``eager``: the eager path (``custom_ops.EagerAttention``, an autograd function);
+* ``eager-custom-op``: the eager call through the ``torch.library`` custom ops
+  (``FLAMIA_EAGER_CUSTOM_OPS=1``; the eager path before 2026-12-01);
+* ``compiled-cudagraphs``: the step through ``torch.compile(mode="reduce-overhead",
+  fullgraph=True)`` (the custom ops, replayed from CUDA graphs): what a training loop that
+  needs the host out of the way runs.
+
+Usage: ``python benchmarks/host_time.py [--breakdown] [--profile]`` (writes
+``results/host_time.json``; ``--breakdown`` prints the host time of each piece of one call
+alone, ``--profile`` writes cProfile's top functions of the eager steps to
+``host_time_profile_<pass>.txt``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,43 +38,154 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import write_results
+from benchmarks.common import graph_time, results_dir, write_results
 from flamia_serve import flamia_attn_varlen, plan_varlen
 from flamia_serve.probes import make_pack
 
+LAYERS = 8
+ROUNDS = 5
 
-def _per_call_us(fn, n: int = 300) -> float:
-    for _ in range(20):
+
+def _host_times(fn, n: int) -> list[float]:
+    """Seconds from call to return of ``n`` calls that each start on an idle GPU."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
+        times.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    return times
+
+
+@contextlib.contextmanager
+def _custom_ops(on: bool):
+    old = os.environ.get("FLAMIA_EAGER_CUSTOM_OPS")
+    os.environ["FLAMIA_EAGER_CUSTOM_OPS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FLAMIA_EAGER_CUSTOM_OPS"]
+        else:
+            os.environ["FLAMIA_EAGER_CUSTOM_OPS"] = old
+
+
+def _profile(name: str, fn, n: int = 100) -> None:
+    """cProfile of ``n`` calls of ``fn``, top functions by own and cumulative time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
     for _ in range(n):
         fn()
-    elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return elapsed / n * 1e6
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    path = results_dir() / f"host_time_profile_{name.replace('+', '_')}.txt"
+    path.write_text(f"{n} calls\n" + text.getvalue())
+    print(f"wrote {path}")
+
+
+def _breakdown(q, k, v, cu, plan, d_out) -> None:
+    """Host time of each piece of a forward+backward, called alone (printed)."""
+    from flamia_serve.kernels.attn_bwd.ops import attn_bwd, default_bwd_config
+    from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config
+    from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
+
+    cfg, bcfg = default_config(128, q.device), default_bwd_config(128, q.device)
+    blocks, columns = plan.token_blocks(cfg.column_align), plan.token_columns(cfg.column_align)
+    work = plan.work_list(cfg.block_m, cfg.block_n, True)
+    bwork = plan.key_work_list(bcfg.block_n, bcfg.block_m, True)
+    qkv = quantize_qkv(q, k, v, cu, blocks=blocks, with_transposed=True, columns=columns)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=32, causal=True, softmax_scale=0.088, work=work)
+    qdo = quantize_do(d_out, out, m, lse, cu, blocks=blocks)
+    x = torch.zeros(8, device="cuda", requires_grad=True)
+    pieces = {
+        "quantize_qkv": lambda: quantize_qkv(q, k, v, cu, blocks=blocks),
+        "quantize_qkv(with_transposed)": lambda: quantize_qkv(
+            q, k, v, cu, blocks=blocks, with_transposed=True, columns=columns),
+        "attn_fwd": lambda: attn_fwd(qkv, cu, heads_q=32, causal=True, softmax_scale=0.088,
+                                     work=work),
+        "quantize_do": lambda: quantize_do(d_out, out, m, lse, cu, blocks=blocks),
+        "attn_bwd": lambda: attn_bwd(qkv, qdo, m, lse, cu, heads_q=32, causal=True,
+                                     softmax_scale=0.088, work=bwork),
+        "torch.empty": lambda: torch.empty(128, 32, 128, device="cuda"),
+        "autograd backward of x.sum()": lambda: x.sum().backward(),
+    }  # fmt: skip
+    for name, fn in pieces.items():
+        print(f"  piece {name}: host {statistics.median(_host_times(fn, 100)) * 1e6:.1f} us")
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--breakdown", action="store_true", help="time each piece alone")
+    parser.add_argument("--profile", action="store_true", help="write cProfile breakdowns")
+    args = parser.parse_args()
     q, k, v, cu, ms = make_pack((64, 64), 32, 8, 128, seed=0, device="cuda")
     plan = plan_varlen(cu, 128, ms)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     d_out = torch.randn_like(q)
+    if args.breakdown:
+        _breakdown(q, k, v, cu, plan, d_out)
 
-    def fwd() -> None:
-        with torch.no_grad():
-            flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+    def layers(q, k, v):
+        for _ in range(LAYERS):
+            q = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+        return q
 
-    def fwd_bwd() -> None:
-        flamia_attn_varlen(*leaves, cu, ms, plan=plan).backward(d_out)
+    def loss(q, k, v):
+        return layers(q, k, v).float().square().mean()
 
+    compiled_layers = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
+    compiled_loss = torch.compile(loss, mode="reduce-overhead", fullgraph=True)
+
+    def no_grad(fn):
+        def run() -> None:
+            with torch.no_grad():
+                fn(q, k, v)
+
+        return run
+
+    variants = {  # (impl, pass) -> (step, eager custom ops)
+        ("eager", "fwd"): (no_grad(layers), False),
+        ("eager", "fwd+bwd"): (lambda: loss(*leaves).backward(), False),
+        ("eager-custom-op", "fwd"): (no_grad(layers), True),
+        ("eager-custom-op", "fwd+bwd"): (lambda: loss(*leaves).backward(), True),
+        ("compiled-cudagraphs", "fwd"): (no_grad(compiled_layers), False),
+        ("compiled-cudagraphs", "fwd+bwd"): (lambda: compiled_loss(*leaves).backward(), False),
+    }
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
+    for key, (step, ops) in list(variants.items()):
+        try:
+            with _custom_ops(ops):
+                for _ in range(5):  # compile, record and warm up the CUDA graphs
+                    step()
+        except Exception as exc:  # recorded; the other variants still count
+            print(f"{key}: failed: {type(exc).__name__}: {exc}"[:400])
+            del variants[key], samples[key]
+    for _ in range(ROUNDS):  # interleaved: every variant sees the same host conditions
+        for key, (step, ops) in variants.items():
+            with _custom_ops(ops):
+                samples[key] += _host_times(step, 30)
     rows = []
-    for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-        us = _per_call_us(fn)
-        rows.append({"workload": "2x64 tokens", "pass": name, "impl": "flamia-mxfp8-host",
-                     "ms": us / 1e3, "host_us": us, "tflops": None, "gbps": None})  # fmt: skip
-        print(f"{name}: {us:.1f} us per eager call (plan prebuilt)")
-    write_results("host_time", rows, {"note": "wall time per eager call, tiny pack"})
+    for (impl, pass_name), times in samples.items():
+        us = statistics.median(times) * 1e6 / LAYERS
+        rows.append({"workload": f"2x64 tokens, {LAYERS} layers", "pass": pass_name,
+                     "impl": f"flamia-mxfp8-{impl}", "ms": us / 1e3, "host_us": us,
+                     "tflops": None, "gbps": None})  # fmt: skip
+        print(f"{impl:20s} {pass_name:8s} host {us:7.1f} us per attention call")
+    gpu = graph_time(no_grad(layers), rep_ms=50)["ms"] * 1e3 / LAYERS
+    print(f"GPU time of the forward (graph replay): {gpu:.1f} us per attention call")
+    if args.profile:
+        for key in (("eager", "fwd"), ("eager", "fwd+bwd")):
+            _profile("_".join(key), variants[key][0])
+    write_results("host_time", rows, {
+        "note": "host time per attention call (median over interleaved rounds of steps of "
+                f"{LAYERS} calls, each starting on an idle GPU); plan prebuilt",
+        "gpu_us_per_forward_call": gpu,
+    })  # fmt: skip
     return 0
 
 

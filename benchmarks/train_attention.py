@@ -56,7 +56,15 @@ from benchmarks.common import (
     time_ms,
     write_results,
 )
-from benchmarks.workloads import HEAD_DIM, HKV, HQ, WORKLOADS, Workload, training_workload
+from benchmarks.workloads import (
+    HEAD_DIM,
+    HKV,
+    HQ,
+    PACK_FAMILIES,
+    WORKLOADS,
+    Workload,
+    training_workload,
+)
 
 Tensor = torch.Tensor
 QKV = tuple[Tensor, Tensor, Tensor]
@@ -130,7 +138,7 @@ def _flamia_loader(
             m = wl.max_seqlen
             plan = flamia_serve.plan_varlen(cu, wl.total_tokens, m)
             nvfp4 = resolve_recipe(recipe).qk_format == "nvfp4"
-            base = default_config(HEAD_DIM, cu.device, qk_nvfp4=nvfp4, kernel=kernel)
+            base = default_config(wl.head_dim, cu.device, qk_nvfp4=nvfp4, kernel=kernel)
             cfg = dataclasses.replace(base, two_pass=two_pass) if two_pass else base
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
@@ -172,7 +180,7 @@ def _load_flamia_quant() -> Builder:
 
     def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
         m = wl.max_seqlen
-        align = default_config(HEAD_DIM, cu.device).column_align  # the forward's layout
+        align = default_config(wl.head_dim, cu.device).column_align  # the forward's layout
         blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).token_blocks(align)
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
@@ -350,15 +358,20 @@ def load_impls(names: list[str]) -> list[Impl]:
 # ----------------------------------------------------------------------------- running
 
 
+def _heads(wl: Workload) -> dict[str, int]:
+    """The workload's attention shape, recorded in each row."""
+    return {"hq": wl.hq, "hkv": wl.hkv, "d": wl.head_dim, "docs": wl.num_docs}
+
+
 def make_inputs(wl: Workload, seed: int, device: torch.device) -> QKV:
-    """Random-normal BF16 q ``[T, HQ, D]``, k / v ``[T, HKV, D]`` (never zeros)."""
+    """Random-normal BF16 q ``[T, Hq, d]``, k / v ``[T, Hkv, d]`` (the workload's heads)."""
     g = torch.Generator(device=device).manual_seed(seed)
     t = wl.total_tokens
 
     def randn(h: int) -> Tensor:
-        return torch.randn(t, h, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
+        return torch.randn(t, h, wl.head_dim, generator=g, device=device, dtype=torch.bfloat16)
 
-    return randn(HQ), randn(HKV), randn(HKV)
+    return randn(wl.hq), randn(wl.hkv), randn(wl.hkv)
 
 
 def reference_fwd(q: Tensor, k: Tensor, v: Tensor, seqlens: list[int]) -> Tensor:
@@ -414,7 +427,7 @@ def bench_workload(
     raw0 = make_inputs(wl, seed=0, device=device)
     n_sets = num_input_sets(tensor_bytes(raw0))
     raw = [raw0] + [make_inputs(wl, seed=i, device=device) for i in range(1, n_sets)]
-    flops = wl.flops(HQ, HEAD_DIM)
+    flops = wl.flops()
     print(
         f"{wl.name}: T={wl.total_tokens} docs={wl.num_docs} max={wl.max_seqlen} input sets={n_sets}"
     )
@@ -442,7 +455,7 @@ def bench_workload(
         finally:
             arg_sets = None
             torch.cuda.empty_cache()
-        row = {"workload": wl.name, "pass": impl.pass_, "impl": impl.name, **t}
+        row = {"workload": wl.name, "pass": impl.pass_, "impl": impl.name, **_heads(wl), **t}
         if impl.pass_ == "fwd":
             row["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
             row["gbps"] = None
@@ -477,7 +490,7 @@ def bench_backward(
     raw0 = make_inputs(wl, seed=0, device=device)
     n_sets = min(num_input_sets(2 * tensor_bytes(raw0)), 8)
     raw = [raw0] + [make_inputs(wl, seed=i, device=device) for i in range(1, n_sets)]
-    flops = wl.flops(HQ, HEAD_DIM)
+    flops = wl.flops()
     rows = []
     for impl in impls:
         if impl.pass_ != "fwd" or not impl.applies(wl):
@@ -514,7 +527,7 @@ def bench_backward(
             torch.cuda.empty_cache()
         for pass_, t in timings.items():
             tflops = BWD_FLOPS[pass_] * flops / (t["ms"] * 1e-3) / 1e12
-            rows.append({"workload": wl.name, "pass": pass_, "impl": impl.name, **t,
+            rows.append({"workload": wl.name, "pass": pass_, "impl": impl.name, **_heads(wl), **t,
                          "tflops": tflops, "gbps": None})  # fmt: skip
             print(f"  {impl.name:20s} {pass_:8s} {t['ms']:8.4f} ms  {tflops:7.1f} TFLOP/s")
     return rows
@@ -556,7 +569,10 @@ def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="e.g. W1,W4,W7")
+    ap.add_argument(
+        "--workloads", default=",".join(WORKLOADS),
+        help=f"e.g. W1,W4,W7; also the pack families {','.join(PACK_FAMILIES)}",
+    )  # fmt: skip
     ap.add_argument("--impls", default=",".join(IMPLS), help=", ".join(IMPLS))
     ap.add_argument("--passes", default="fwd", help="comma list of fwd, fwd+bwd, bwd")
     ap.add_argument("--quick", action="store_true", help="short timing (warm-up 10, rep 50 ms)")
@@ -566,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         "--flex-workloads", default="W3,W6,W9", help="flex-docmask recompiles: limit its workloads"
     )
     args = ap.parse_args(argv)
-    workloads = _csv(args.workloads, WORKLOADS, "workloads")
+    workloads = _csv(args.workloads, WORKLOADS + PACK_FAMILIES, "workloads")
     names = _csv(args.impls, tuple(IMPLS), "impls")
     passes = _csv(args.passes, ("fwd", "fwd+bwd", "bwd"), "passes")
     if not torch.cuda.is_available():
@@ -578,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     if not impls:
         raise SystemExit("no impl could be loaded")
     extra: dict[str, Any] = {
-        "heads": {"hq": HQ, "hkv": HKV, "d": HEAD_DIM},
+        "heads": {"hq": HQ, "hkv": HKV, "d": HEAD_DIM, "note": "W1-W9; P1-P5 rows carry theirs"},
         "causal": True,
         "dtype": "bfloat16",
         "warmup_ms": warmup_ms,
@@ -592,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             extra["check_cos_vs_fp32"] = check_impls(impls, device)
         copy_row = copy_bandwidth(device)
-        flex_only = set(_csv(args.flex_workloads, WORKLOADS, "workloads"))
+        flex_only = set(_csv(args.flex_workloads, WORKLOADS + PACK_FAMILIES, "workloads"))
         for name in workloads:
             chosen = [i for i in impls if i.name != "flex-docmask" or name in flex_only]
             if "fwd" in passes:

@@ -80,7 +80,7 @@ def tune_workload(name: str, recipe: str, kernel: str = "triton") -> list[dict]:
     sets = [first] + [
         (randn(HQ), randn(HKV), randn(HKV)) for _ in range(num_input_sets(tensor_bytes(first)) - 1)
     ]
-    flops = wl.flops(HQ, HEAD_DIM)
+    flops = wl.flops()
     rows = []
     reference = None
     for cfg in configs(recipe, kernel):

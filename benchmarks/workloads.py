@@ -17,6 +17,17 @@ Skewed power law: after the first document of T/2, lengths follow a bounded cont
 power law ``p(L) ∝ L^-POWER_LAW_ALPHA`` on [64, 512] (alpha = 1.5, sampled by inverse CDF
 and floored to an integer), so short documents dominate while a tail reaches 512.
 
+Pack families beyond W1–W9 (issue 16: shapes a new user brings), each with its own heads
+and head dim:
+
+| name | heads Hq/Hkv, d | T | documents |
+|------|-----------------|---|-----------|
+| P1 | 32/8, 64 | 16384 | thousands of short ones: power law on [1, 2048], alpha 1.8 |
+| P2 | 32/8, 256 | 8192 | one |
+| P3 | 16/16 (MHA), 128 | 16384 | odd lengths uniform in [1, 4097] |
+| P4 | 32/8, 128 | 32768 | heavy-tailed: power law on [1, 8192], alpha 1.5 |
+| P5 | 32/8, 128 | 65536 | one |
+
 Imports only numpy and torch (no GPU, no triton needed).
 """
 
@@ -46,19 +57,33 @@ _TABLE: dict[str, tuple[int, str]] = {
     "W8": (16384, "skewed"),
     "W9": (32768, "skewed"),
 }
-_KIND_ID = {"single": 0, "uniform": 1, "skewed": 2}
+_KIND_ID = {"single": 0, "uniform": 1, "skewed": 2, "short": 3, "odd": 4, "heavy": 5}
 
 WORKLOADS: tuple[str, ...] = tuple(_TABLE)
+
+# name -> (T, kind, Hq, Hkv, d): the pack families
+_FAMILIES: dict[str, tuple[int, str, int, int, int]] = {
+    "P1": (16384, "short", 32, 8, 64),
+    "P2": (8192, "single", 32, 8, 256),
+    "P3": (16384, "odd", 16, 16, 128),
+    "P4": (32768, "heavy", 32, 8, 128),
+    "P5": (65536, "single", 32, 8, 128),
+}
+PACK_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
 
 @dataclass
 class Workload:
-    """One packed microbatch: document lengths that sum to ``total_tokens``."""
+    """One packed microbatch: document lengths that sum to ``total_tokens``, and the heads
+    and head dim of its attention."""
 
     name: str
     total_tokens: int
     seqlens: list[int]
     kind: str = "single"
+    hq: int = HQ
+    hkv: int = HKV
+    head_dim: int = HEAD_DIM
 
     @property
     def max_seqlen(self) -> int:
@@ -75,9 +100,9 @@ class Workload:
         cu = np.concatenate([[0], np.cumsum(self.seqlens)])
         return torch.tensor(cu, dtype=torch.int32, device=device)
 
-    def flops(self, hq: int = HQ, d: int = HEAD_DIM) -> float:
+    def flops(self) -> float:
         """Causal forward FLOPs of this workload (DESIGN section 6)."""
-        return causal_flops(self.seqlens, hq, d)
+        return causal_flops(self.seqlens, self.hq, self.head_dim)
 
 
 def causal_flops(seqlens: list[int], hq: int, d: int) -> float:
@@ -113,21 +138,33 @@ def document_lengths(total: int, kind: str, seed: int = SEED) -> list[int]:
         return _fill([], total, lambda: int(rng.integers(256, 4096, endpoint=True)))
     if kind == "skewed":
         return _fill([total // 2], total, lambda: _power_law(rng, 64, 512, POWER_LAW_ALPHA))
+    if kind == "short":
+        return _fill([], total, lambda: _power_law(rng, 1, 2048, 1.8))
+    if kind == "odd":
+        return _fill([], total, lambda: 2 * int(rng.integers(0, 2048, endpoint=True)) + 1)
+    if kind == "heavy":
+        return _fill([], total, lambda: _power_law(rng, 1, 8192, POWER_LAW_ALPHA))
     raise ValueError(f"unknown workload kind {kind!r}")
 
 
 def training_workload(name: str) -> Workload:
-    """Build standard workload ``name`` (``"W1"`` .. ``"W9"``)."""
-    if name not in _TABLE:
-        raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
-    total, kind = _TABLE[name]
+    """Build workload ``name``: standard (``"W1"`` .. ``"W9"``) or a pack family (``"P1"`` ..)."""
+    if name in _TABLE:
+        total, kind = _TABLE[name]
+        heads = (HQ, HKV, HEAD_DIM)
+    elif name in _FAMILIES:
+        total, kind, *heads = _FAMILIES[name]
+    else:
+        raise ValueError(
+            f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS + PACK_FAMILIES)}"
+        )
     lens = document_lengths(total, kind)
     assert sum(lens) == total and min(lens) >= 1
-    return Workload(name=name, total_tokens=total, seqlens=lens, kind=kind)
+    return Workload(name, total, lens, kind, *heads)
 
 
 if __name__ == "__main__":
-    for _name in WORKLOADS:
+    for _name in WORKLOADS + PACK_FAMILIES:
         _w = training_workload(_name)
         print(
             f"{_w.name}: T={_w.total_tokens:6d} kind={_w.kind:8s} docs={_w.num_docs:4d} "

@@ -1,9 +1,10 @@
 """Public FLAMIA attention entry points (kernel path): packed varlen and batched.
 
-Differentiable: the forward and backward run as ``torch.library`` custom ops
-(``flamia_serve.custom_ops``) with a registered autograd formula, so ``loss.backward()``,
-``torch.compile(fullgraph=True)`` and CUDA graphs work. The plain-PyTorch twin with the
-same numerics is ``flamia_serve.reference.attention``.
+Differentiable (``flamia_serve.custom_ops``): eager calls run an autograd function, and
+under ``torch.compile`` the same implementation runs as ``torch.library`` custom ops with a
+registered autograd formula, so ``loss.backward()``, ``torch.compile(fullgraph=True)`` and
+CUDA graphs work. The plain-PyTorch twin with the same numerics is
+``flamia_serve.reference.attention``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 
 import torch
 
-from flamia_serve import custom_ops  # noqa: F401  (registers torch.ops.flamia.*)
+from flamia_serve.custom_ops import AttnCall, EagerAttention, attention_forward, op_arguments
 from flamia_serve.kernels.attn_bwd.ops import (
     BwdConfig,
     attn_bwd,
@@ -92,6 +93,11 @@ def flamia_attn_varlen(
             and backward). Inside ``torch.compile`` a missing plan is built unvalidated.
         config / bwd_config: kernel tiles (defaults per head dim and device).
 
+    Eager calls run ``custom_ops.EagerAttention``, traced ones (``torch.compile``) the
+    ``flamia::attn_varlen_fwd``/``_bwd`` custom ops: one implementation.
+    ``FLAMIA_EAGER_CUSTOM_OPS=1`` sends eager calls through the custom ops too (checks,
+    host-time comparisons).
+
     Returns:
         ``O [T, Hq, d]`` in the input dtype (and the statistics when asked). Gradients flow
         to q, k, v (dQ is accumulated with FP32 atomics: not bitwise repeatable).
@@ -109,21 +115,25 @@ def flamia_attn_varlen(
         plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen, validate=False)
     cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4")
     bcfg = bwd_config or default_bwd_config(shape.head_dim, q.device)
-    work = plan.work_list(cfg.block_m, cfg.block_n, bool(causal))
+    causal = bool(causal)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    bwd_work: list[torch.Tensor] = []
+    bwd_work, columns = None, None
     if needs_grad:
         check_bwd_config(bcfg, rec)
-        bw = plan.key_work_list(bcfg.block_n, bcfg.block_m, bool(causal))
-        bwd_work = [bw.doc, bw.tile, bw.count]
-    blocks = plan.token_blocks(cfg.column_align)
-    out, m_rows, lse_rows = torch.ops.flamia.attn_varlen_fwd(
-        q, k, v, cu_seqlens,
-        [blocks.start, blocks.length, blocks.v_t_start, blocks.doc_v_t_start],
-        [work.doc, work.tile, work.count], bwd_work,
-        bool(causal), rec.name, bool(exact_causal), scale, cfg.to_ints(), bcfg.to_ints(),
+        bwd_work = plan.key_work_list(bcfg.block_n, bcfg.block_m, causal)
+        columns = None if compiling else plan.token_columns(cfg.column_align)
+    call = AttnCall(
+        plan.token_blocks(cfg.column_align), cfg.column_align,
+        plan.work_list(cfg.block_m, cfg.block_n, causal), bwd_work, causal, rec,
+        bool(exact_causal), scale, cfg, bcfg, columns,
     )  # fmt: skip
-    return (out, m_rows, lse_rows) if return_stats else out
+    if compiling or os.environ.get("FLAMIA_EAGER_CUSTOM_OPS", "0") == "1":
+        stats = torch.ops.flamia.attn_varlen_fwd(q, k, v, cu_seqlens, *op_arguments(call))
+    elif needs_grad:
+        stats = EagerAttention.apply(q, k, v, cu_seqlens, call)
+    else:
+        stats = attention_forward(q, k, v, cu_seqlens, call)
+    return stats if return_stats else stats[0]
 
 
 def flamia_attn(

@@ -1,34 +1,163 @@
-"""``torch.library`` custom ops of the kernel path, with a registered autograd formula.
+"""The kernel path's forward and backward, as ``torch.library`` custom ops (traced by
+``torch.compile``) and as an eager ``torch.autograd.Function`` over the same implementation.
 
-``flamia::attn_varlen_fwd`` quantizes Q/K/V and runs the forward kernel; its backward is
-``flamia::attn_varlen_bwd``, which quantizes Q/K/V again (the same kernel on the same
-inputs: the same codes, bit for bit, now with the column-layout copies the backward
-reads), quantizes dO (dÔ, Ĝ, D in one launch) and runs the backward kernel. Saving BF16
-Q/K/V instead of their FP8 copies keeps the saved state that of any attention op; the
-re-quantization costs one memory-bound launch.
+``attention_forward`` quantizes Q/K/V and runs the forward kernel; ``attention_backward``
+quantizes Q/K/V again (the same kernel on the same inputs: the same codes, bit for bit, now
+with the column-layout copies the backward reads), quantizes dO (dÔ, Ĝ, D in one launch)
+and runs the backward kernel. Saving BF16 Q/K/V instead of their FP8 copies keeps the saved
+state that of any attention op; the re-quantization costs one memory-bound launch.
 
-Both ops have fake implementations, so ``torch.compile(fullgraph=True)`` traces a model
-that calls them, forward and backward. Schedules (token blocks, work lists) arrive as
-tensors from a ``VarlenPlan`` and kernel configs as int lists, so nothing here reads the
-GPU on the host. Callers go through ``flamia_serve.attention``, which validates.
+Two ways in, one implementation:
+
+* ``flamia::attn_varlen_fwd`` / ``flamia::attn_varlen_bwd`` (custom ops with fake
+  implementations and a registered autograd formula): what ``torch.compile(fullgraph=True)``
+  traces. Their arguments are tensors, tensor lists and ints (schedules from a
+  ``VarlenPlan``, kernel configs as int lists), so nothing reads the GPU on the host.
+* ``EagerAttention`` (``torch.autograd.Function``): the eager call. It skips the custom-op
+  dispatcher's Python layers (a no-op custom op with these arguments measured ~130 µs of
+  host time per call on a CPU, an autograd function ~20 µs) and takes the plan's cached
+  objects as they are.
+
+Callers go through ``flamia_serve.attention``, which validates.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch.autograd.function import once_differentiable
 
 from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd
 from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import TokenBlocks, WorkList
-from flamia_serve.numerics import RECIPES
+from flamia_serve.numerics import RECIPES, Recipe
 
 Tensors = list[torch.Tensor]
 
 
-def _work(tensors: Tensors, block_m: int, block_n: int, causal: bool, by_keys: bool) -> WorkList:
-    doc, tile, count = tensors
-    return WorkList(doc, tile, count, block_m, block_n, causal, by_keys)
+@dataclass(frozen=True)
+class AttnCall:
+    """The non-tensor part of one call: schedules (from a plan), options and kernel configs.
+
+    ``column_align``: documents start at multiples of it in the column layout (the
+    forward's ``FwdConfig.column_align``); ``blocks``: the token-block table of that layout;
+    ``work``/``bwd_work``: the forward's query-tile and the backward's key-tile lists
+    (``bwd_work`` None when no gradient is needed); ``config`` None in a backward-only call;
+    ``columns``: int64 ``[T]``, each token's column in the layout (the backward's;
+    ``VarlenPlan.token_columns``, built when None).
+    """
+
+    blocks: TokenBlocks
+    column_align: int
+    work: WorkList | None
+    bwd_work: WorkList | None
+    causal: bool
+    recipe: Recipe
+    exact_causal: bool
+    softmax_scale: float
+    config: FwdConfig | None
+    bwd_config: BwdConfig
+    columns: torch.Tensor | None = None
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, call: AttnCall
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(O [T, Hq, d], M [T, Hq], lse [T, Hq])`` of checked inputs."""
+    if call.config is None or call.config.column_align != call.column_align:
+        raise ValueError("attention_forward needs the forward config of call.column_align")
+    qkv = quantize_qkv(
+        q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
+        blocks=call.blocks, column_align=call.column_align,
+    )  # fmt: skip
+    return attn_fwd(
+        qkv, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
+        softmax_scale=call.softmax_scale, out_dtype=q.dtype, config=call.config, work=call.work,
+    )  # fmt: skip
+
+
+def attention_backward(
+    d_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    call: AttnCall,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dQ, dK, dV)`` in the input dtype (``flamia_serve.reference.attention_backward``)."""
+    if call.bwd_work is None:
+        raise RuntimeError("flamia attention: the forward ran without gradients enabled")
+    align = call.column_align
+    qkv = quantize_qkv(
+        q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
+        blocks=call.blocks, with_transposed=True, column_align=align, columns=call.columns,
+    )  # fmt: skip
+    qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe,
+                      blocks=call.blocks, column_align=align)  # fmt: skip
+    return attn_bwd(
+        qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
+        softmax_scale=call.softmax_scale, recipe=call.recipe, out_dtype=q.dtype,
+        config=call.bwd_config, work=call.bwd_work,
+    )  # fmt: skip
+
+
+class EagerAttention(torch.autograd.Function):
+    """Eager autograd of ``attention_forward``/``attention_backward``:
+    ``apply(q, k, v, cu_seqlens, call) -> (O, M, lse)``, gradients to q, k, v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, call: AttnCall):
+        out, m_rows, lse_rows = attention_forward(q, k, v, cu_seqlens, call)
+        ctx.save_for_backward(q, k, v, out, m_rows, lse_rows, cu_seqlens)
+        ctx.call = call
+        ctx.mark_non_differentiable(m_rows, lse_rows)
+        return out, m_rows, lse_rows
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, _d_m, _d_lse):
+        dq, dk, dv = attention_backward(d_out, *ctx.saved_tensors, ctx.call)
+        return dq, dk, dv, None, None
+
+
+# ---- custom ops: the same calls with tensor-list / int arguments ------------------------
+
+
+def _op_call(
+    blocks: Tensors,
+    work: Tensors,
+    bwd_work: Tensors,
+    causal: bool,
+    recipe: str,
+    exact_causal: bool,
+    softmax_scale: float,
+    config: list[int],
+    bwd_config: list[int],
+) -> AttnCall:
+    cfg, bcfg = FwdConfig.from_ints(config), BwdConfig.from_ints(bwd_config)
+    fwd_work = WorkList(*work, cfg.block_m, cfg.block_n, causal)
+    back = WorkList(*bwd_work, bcfg.block_m, bcfg.block_n, causal, True) if bwd_work else None
+    return AttnCall(TokenBlocks(*blocks), cfg.column_align, fwd_work, back, causal,
+                    RECIPES[recipe], exact_causal, softmax_scale, cfg, bcfg)  # fmt: skip
+
+
+def op_arguments(call: AttnCall) -> tuple:
+    """The custom ops' non-tensor arguments for ``call`` (inverse of ``_op_call``)."""
+    b, w, bw = call.blocks, call.work, call.bwd_work
+    if w is None or call.config is None:
+        raise ValueError("op_arguments needs a forward call (work list and config)")
+    return (
+        [b.start, b.length, b.v_t_start, b.doc_v_t_start],
+        [w.doc, w.tile, w.count],
+        [bw.doc, bw.tile, bw.count] if bw is not None else [],
+        call.causal, call.recipe.name, call.exact_causal, call.softmax_scale,
+        call.config.to_ints(), call.bwd_config.to_ints(),
+    )  # fmt: skip
 
 
 @torch.library.custom_op("flamia::attn_varlen_fwd", mutates_args=())
@@ -49,15 +178,9 @@ def attn_varlen_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``; ``bwd_work``/``bwd_config`` are carried
     for the backward only."""
-    cfg = FwdConfig.from_ints(config)
-    qkv = quantize_qkv(
-        q, k, v, cu_seqlens, recipe=RECIPES[recipe], exact_causal=exact_causal,
-        blocks=TokenBlocks(*blocks), column_align=cfg.column_align,
-    )  # fmt: skip
-    return attn_fwd(
-        qkv, cu_seqlens, heads_q=q.shape[1], causal=causal, softmax_scale=softmax_scale,
-        out_dtype=q.dtype, config=cfg, work=_work(work, cfg.block_m, cfg.block_n, causal, False),
-    )  # fmt: skip
+    call = _op_call(blocks, work, bwd_work, causal, recipe, exact_causal, softmax_scale, config,
+                    bwd_config)  # fmt: skip
+    return attention_forward(q, k, v, cu_seqlens, call)
 
 
 @attn_varlen_fwd.register_fake
@@ -86,22 +209,16 @@ def attn_varlen_bwd(
     config: list[int],
     column_align: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dQ, dK, dV)`` in the input dtype (``flamia_serve.reference.attention_backward``);
-    ``blocks`` and ``column_align`` are the forward's (its ``FwdConfig.column_align``)."""
-    rec = RECIPES[recipe]
-    cfg = BwdConfig.from_ints(config)
-    token_blocks = TokenBlocks(*blocks)
-    qkv = quantize_qkv(
-        q, k, v, cu_seqlens, recipe=rec, exact_causal=exact_causal, blocks=token_blocks,
-        with_transposed=True, column_align=column_align,
+    """``(dQ, dK, dV)`` in the input dtype; ``work``/``config`` are the backward's key-tile
+    list and ``BwdConfig``, ``blocks`` and ``column_align`` the forward's (its
+    ``FwdConfig.column_align``)."""
+    bcfg = BwdConfig.from_ints(config)
+    call = AttnCall(
+        TokenBlocks(*blocks), column_align, None,
+        WorkList(*work, bcfg.block_m, bcfg.block_n, causal, True), causal, RECIPES[recipe],
+        exact_causal, softmax_scale, None, bcfg,
     )  # fmt: skip
-    qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=rec,
-                      blocks=token_blocks, column_align=column_align)  # fmt: skip
-    return attn_bwd(
-        qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=causal,
-        softmax_scale=softmax_scale, recipe=rec, out_dtype=q.dtype, config=cfg,
-        work=_work(work, cfg.block_m, cfg.block_n, causal, True),
-    )  # fmt: skip
+    return attention_backward(d_out, q, k, v, out, m_rows, lse_rows, cu_seqlens, call)
 
 
 @attn_varlen_bwd.register_fake

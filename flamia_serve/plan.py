@@ -19,14 +19,14 @@ from flamia_serve.kernels.schedule import (
     token_block_table,
 )
 from flamia_serve.numerics.checks import check_cu_seqlens, check_max_seqlen
-from flamia_serve.numerics.operands import V_T_ALIGN
+from flamia_serve.numerics.operands import V_T_ALIGN, token_columns
 
 
 @dataclass(frozen=True)
 class VarlenPlan:
     """Schedules of one pack; ``work_list`` builds (and caches) one per tile shape,
     ``token_blocks`` one token-block table per column alignment (``blocks``: the default,
-    ``V_T_ALIGN``)."""
+    ``V_T_ALIGN``), ``token_columns`` the tokens' columns in that layout."""
 
     cu_seqlens: torch.Tensor
     total_tokens: int
@@ -34,6 +34,7 @@ class VarlenPlan:
     blocks: TokenBlocks
     _work: dict[tuple[int, int, bool], WorkList] = field(default_factory=dict, repr=False)
     _blocks: dict[int, TokenBlocks] = field(default_factory=dict, repr=False)
+    _columns: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def token_blocks(self, align: int) -> TokenBlocks:
         """The token-block table whose documents start at multiples of ``align`` columns
@@ -44,6 +45,14 @@ class VarlenPlan:
             self._blocks[align] = token_block_table(self.cu_seqlens, self.total_tokens,
                                                     align=align)  # fmt: skip
         return self._blocks[align]
+
+    def token_columns(self, align: int) -> torch.Tensor:
+        """int64 ``[T]``: each token's column in the layout of ``token_blocks(align)``."""
+        if align not in self._columns:
+            self._columns[align] = token_columns(
+                self.cu_seqlens, self.token_blocks(align).doc_v_t_start, self.total_tokens
+            )
+        return self._columns[align]
 
     def work_list(self, block_m: int, block_n: int, causal: bool) -> WorkList:
         """The forward's list of query tiles (built once per tile shape)."""

@@ -6,6 +6,7 @@ for bit (tests compare them).
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 
@@ -24,6 +25,13 @@ def _jit_int_rule(fn: types.FunctionType) -> triton.JITFunction:
 
 #: ``operands.v_t_key`` inside kernels: the token stored at a column of the column layout
 v_t_key = _jit_int_rule(operands.v_t_key)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query costs host time on
+    every call otherwise)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def round_debug_p_(buffer: torch.Tensor) -> None:

@@ -26,7 +26,6 @@ Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazil
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -43,6 +42,7 @@ from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 from quack import copy_utils, layout_utils, sm90_utils
 
+from flamia_serve.kernels._common import sm_count
 from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.numerics import P_HAT_EXP
 from flamia_serve.numerics.operands import KernelQKV
@@ -720,10 +720,6 @@ def attn_fwd_sm90(
             options="--enable-tvm-ffi",
         )  # fmt: skip
     fp8_as_bytes = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
-    sms = _sm_count(out.device)
+    sms = sm_count(out.device)
     _COMPILED[key](*fp8_as_bytes, qk_scale, max(1, min(work.num_slots * heads_q, sms)))
 
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import interpreted, round_debug_p_
+from flamia_serve.kernels._common import interpreted, round_debug_p_, sm_count
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
 from flamia_serve.kernels.schedule import WorkList, build_work_list
 from flamia_serve.numerics.operands import V_T_ALIGN, KernelQKV
@@ -127,7 +127,7 @@ def default_config(
 def _persistent_programs(device: torch.device, cfg: FwdConfig) -> int:
     if device.type != "cuda":
         return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count * cfg.programs_per_sm
+    return sm_count(device) * cfg.programs_per_sm
 
 
 def attn_fwd(
@@ -210,7 +210,8 @@ def attn_fwd(
     if debug_p is not None and cfg.kernel != "triton":
         raise ValueError("debug_p needs the Triton forward (config.kernel='triton')")
     dbg_p, dbg_m = debug_p if debug_p is not None else (m_rows, m_rows)
-    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    # the persistent grid's item counter (never read otherwise)
+    ticket = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.persistent else work.count
     grid = (_persistent_programs(dev, cfg) if cfg.persistent else work.num_slots * heads_q,)
     attn_fwd_kernel[grid](
         qkv.q_codes, qkv.q_exp, qkv.k_codes, qkv.k_exp,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from flamia_serve.kernels._common import interpreted
+from flamia_serve.kernels._common import interpreted, sm_count
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
     paged_attention_kernel,
@@ -106,7 +106,7 @@ def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedCon
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return sm_count(device)
     return 132
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from flamia_serve.kernels._common import interpreted
+from flamia_serve.kernels._common import interpreted, sm_count
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
 from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
 from flamia_serve.numerics import NVFP4Tensor, Recipe, resolve_recipe
@@ -34,12 +36,18 @@ def _nvfp4_empty(total: int, heads: int, d: int, device: torch.device) -> NVFP4T
     )
 
 
+@functools.cache
+def _nvfp4_placeholder(device: torch.device) -> NVFP4Tensor:
+    """Empty NVFP4 buffers for the kernel's NVFP4 pointers when it writes none (one per
+    device, never read or written: saves six allocations per call)."""
+    return _nvfp4_empty(0, 1, 16, device)
+
+
 def _num_programs(device: torch.device, items: int, programs_per_sm: int) -> int:
     """Persistent grid: ``programs_per_sm`` per SM (2 under the CPU interpreter)."""
     if device.type != "cuda":
         return min(items, 2)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(items, sms * programs_per_sm))
+    return max(1, min(items, sm_count(device) * programs_per_sm))
 
 
 def _column_copy(codes: torch.Tensor, columns: torch.Tensor, t_pad: int) -> torch.Tensor:
@@ -62,6 +70,7 @@ def quantize_qkv(
     blocks: TokenBlocks | None = None,
     with_transposed: bool = False,
     column_align: int = V_T_ALIGN,
+    columns: torch.Tensor | None = None,
     num_warps: int = 4,
     programs_per_sm: int = 32,
 ) -> KernelQKV:
@@ -75,7 +84,8 @@ def quantize_qkv(
     the kernel, per-token (``exact_causal``) codes came out scrambled in some head-dim
     columns on the H200 (Triton 3.6, FP8 tile stored transposed). ``column_align``: documents
     start at multiples of it in the column layout (``FwdConfig.column_align`` of the forward
-    that will read it; ``blocks``, when given, must come from a table with the same one).
+    that will read it; ``blocks``, when given, must come from a table with the same one);
+    ``columns``: the tokens' columns in that layout (``token_columns``; a plan caches them).
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -107,8 +117,8 @@ def quantize_qkv(
     v_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     kv_factors = torch.empty(heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
     nvfp4 = rec.qk_format == "nvfp4"
-    q4 = _nvfp4_empty(total if nvfp4 else 0, heads_q, d, dev)
-    k4 = _nvfp4_empty(total if nvfp4 else 0, heads_kv, d, dev)
+    q4 = _nvfp4_empty(total, heads_q, d, dev) if nvfp4 else _nvfp4_placeholder(dev)
+    k4 = _nvfp4_empty(total, heads_kv, d, dev) if nvfp4 else _nvfp4_placeholder(dev)
     if total > 0:
         grid = (_num_programs(dev, blocks.num_slots * (heads_q + 2 * heads_kv), programs_per_sm),)
         quantize_qkv_kernel[grid](
@@ -125,7 +135,8 @@ def quantize_qkv(
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
     q_t = k_t = None
     if with_transposed:
-        columns = token_columns(cu_seqlens, blocks.doc_v_t_start, total)
+        if columns is None:
+            columns = token_columns(cu_seqlens, blocks.doc_v_t_start, total)
         q_t = _column_copy(q_codes, columns, t_pad)
         k_t = _column_copy(k_codes, columns, t_pad)
     return KernelQKV(
