@@ -138,7 +138,8 @@ def _flamia_loader(
             m = wl.max_seqlen
             plan = flamia_serve.plan_varlen(cu, wl.total_tokens, m)
             nvfp4 = resolve_recipe(recipe).qk_format == "nvfp4"
-            base = default_config(wl.head_dim, cu.device, qk_nvfp4=nvfp4, kernel=kernel)
+            base = default_config(wl.head_dim, cu.device, qk_nvfp4=nvfp4, kernel=kernel,
+                                  mean_doc_len=wl.total_tokens / wl.num_docs)  # fmt: skip
             cfg = dataclasses.replace(base, two_pass=two_pass) if two_pass else base
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
@@ -180,7 +181,8 @@ def _load_flamia_quant() -> Builder:
 
     def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
         m = wl.max_seqlen
-        align = default_config(wl.head_dim, cu.device).column_align  # the forward's layout
+        mean = wl.total_tokens / wl.num_docs
+        align = default_config(wl.head_dim, cu.device, mean_doc_len=mean).column_align  # fwd's
         blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).token_blocks(align)
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Any:

@@ -113,7 +113,9 @@ def flamia_attn_varlen(
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
     if plan is None:
         plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen, validate=False)
-    cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4")
+    docs = cu_seqlens.numel() - 1  # a shape: no host read
+    cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
+                                   mean_doc_len=shape.total_tokens / max(docs, 1))  # fmt: skip
     bcfg = bwd_config or default_bwd_config(shape.head_dim, q.device)
     causal = bool(causal)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))

@@ -23,8 +23,10 @@ import pytest
 import torch
 
 from flamia_serve import flamia_attn, flamia_attn_varlen
+from flamia_serve.kernels.attn_fwd import ops as fwd_ops
 from flamia_serve.kernels.attn_fwd.ops import (
     CUTE_CONFIG,
+    SHORT_DOCUMENTS,
     FwdConfig,
     attn_fwd,
     cute_available,
@@ -34,6 +36,21 @@ from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.kernels.schedule import build_work_list
 from flamia_serve.probes import cross_document_leakage, future_leakage, make_pack
 from flamia_serve.reference import attention_forward
+
+
+def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None:
+    """Where the CuTe kernel runs, packs of very short documents still get the Triton
+    kernel (its 64-row tiles and 16-column alignment waste less on them)."""
+    monkeypatch.setattr(fwd_ops, "_cute_available", lambda device: True)
+    for var in ("FLAMIA_FWD_KERNEL", "FLAMIA_FWD_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    gpu = torch.device("cuda")
+    assert default_config(64, gpu) == CUTE_CONFIG
+    assert default_config(128, gpu, mean_doc_len=float(SHORT_DOCUMENTS)) == CUTE_CONFIG
+    assert default_config(64, gpu, mean_doc_len=13.7).kernel == "triton"
+    assert default_config(64, gpu, mean_doc_len=13.7, kernel="cute") == CUTE_CONFIG
+    assert default_config(256, gpu, mean_doc_len=4096.0).kernel == "triton"  # d=256
+
 
 CASES = [
     # lens, hq, hkv, d, recipe, causal
