@@ -51,7 +51,8 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
 def main() -> None:
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        for d, causal, tile_n in ((128, True, 128), (64, True, 128), (128, False, 128)):
+        for d, causal, tile_n in ((128, True, 128), (64, True, 128), (128, False, 128),
+                                  (256, True, 64)):  # fmt: skip
             kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, True, True)
             cute.compile(
                 kernel, *_fake_args(1024, 8, 2, d), Float32(0.1), Int32(1),

@@ -18,7 +18,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.common import Rotating, num_input_sets, tensor_bytes, time_ms, write_results
-from benchmarks.workloads import HEAD_DIM, HKV, HQ, training_workload
+from benchmarks.workloads import training_workload
 
 CONFIGS = [
     # block_m, block_n, num_warps, num_stages, persistent, two_pass, maxnreg, programs/SM
@@ -42,18 +42,27 @@ CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap, ticket (kernel="cute"
     (128, 128, 3, False, True),
     (192, 64, 2, False, True),
 ]
+CUTE_CONFIGS_D256 = [  # d = 256 (workload P2): the 64x256 output accumulator limits the tiles
+    (128, 64, 2, False, True),
+    (128, 64, 3, False, True),
+    (64, 64, 2, False, True),
+    (64, 64, 3, False, True),
+    (64, 128, 2, False, True),
+    (128, 128, 2, False, True),
+]
 
 
-def configs(recipe: str, kernel: str) -> list:
-    """The ``FwdConfig`` list swept for a recipe and kernel."""
-    from flamia_serve.kernels.attn_fwd.ops import FwdConfig
+def configs(recipe: str, kernel: str, head_dim: int = 128) -> list:
+    """The ``FwdConfig`` list swept for a recipe, kernel and head dim."""
+    from flamia_serve.kernels.attn_fwd.ops import FwdConfig, default_config
 
     if kernel == "cute":  # after the Triton default, which the others are compared with
-        return [FwdConfig()] + [
+        triton = default_config(head_dim, torch.device("cuda"), kernel="triton")
+        return [triton] + [
             FwdConfig(
                 bm, bn, num_stages=st, overlap=ov, persistent=ticket, kernel="cute", maxnreg=None
             )
-            for bm, bn, st, ov, ticket in CUTE_CONFIGS
+            for bm, bn, st, ov, ticket in (CUTE_CONFIGS_D256 if head_dim >= 256 else CUTE_CONFIGS)
         ]
     return [FwdConfig(*e) for e in (NVFP4_CONFIGS if recipe.startswith("mixed") else CONFIGS)]
 
@@ -73,17 +82,18 @@ def tune_workload(name: str, recipe: str, kernel: str = "triton") -> list[dict]:
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def randn(heads: int) -> torch.Tensor:
-        shape = (wl.total_tokens, heads, HEAD_DIM)
+        shape = (wl.total_tokens, heads, wl.head_dim)
         return torch.randn(shape, generator=gen, device=dev, dtype=torch.bfloat16)
 
-    first = (randn(HQ), randn(HKV), randn(HKV))
+    first = (randn(wl.hq), randn(wl.hkv), randn(wl.hkv))
     sets = [first] + [
-        (randn(HQ), randn(HKV), randn(HKV)) for _ in range(num_input_sets(tensor_bytes(first)) - 1)
+        (randn(wl.hq), randn(wl.hkv), randn(wl.hkv))
+        for _ in range(num_input_sets(tensor_bytes(first)) - 1)
     ]
     flops = wl.flops()
     rows = []
     reference = None
-    for cfg in configs(recipe, kernel):
+    for cfg in configs(recipe, kernel, wl.head_dim):
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: FwdConfig = cfg):
             return flamia_serve.flamia_attn_varlen(
@@ -109,7 +119,8 @@ def tune_workload(name: str, recipe: str, kernel: str = "triton") -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workloads", default="W3,W6,W9")
+    ap.add_argument("--workloads", default="W3,W6,W9", help="W1..W9 or pack families P1..P5")
+    ap.add_argument("--name", default=None, help="results file stem")
     ap.add_argument("--recipe", default="mxfp8")
     ap.add_argument("--kernel", default="triton", choices=("triton", "cute"))
     args = ap.parse_args()
@@ -117,7 +128,7 @@ def main() -> int:
     for name in args.workloads.split(","):
         rows += tune_workload(name, args.recipe, args.kernel)
     suffix = "_cute" if args.kernel == "cute" else ""
-    write_results(f"tune_fwd_{args.recipe}{suffix}", rows)
+    write_results(args.name or f"tune_fwd_{args.recipe}{suffix}", rows)
     return 0
 
 

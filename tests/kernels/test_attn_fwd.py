@@ -49,7 +49,9 @@ def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None
     assert default_config(128, gpu, mean_doc_len=float(SHORT_DOCUMENTS)) == CUTE_CONFIG
     assert default_config(64, gpu, mean_doc_len=13.7).kernel == "triton"
     assert default_config(64, gpu, mean_doc_len=13.7, kernel="cute") == CUTE_CONFIG
-    assert default_config(256, gpu, mean_doc_len=4096.0).kernel == "triton"  # d=256
+    assert default_config(256, gpu, mean_doc_len=4096.0) == fwd_ops.CUTE_CONFIG_D256
+    assert default_config(256, gpu, kernel="triton").num_warps == 8  # d=256: two warpgroups
+    assert default_config(128, gpu, qk_nvfp4=True).kernel == "triton"
 
 
 CASES = [
@@ -197,10 +199,10 @@ def test_empty_pack_and_empty_documents(device) -> None:
 
 def test_fwd_config_errors(device) -> None:
     """Configs a kernel cannot run are refused by name before anything launches."""
-    q, k, v, cu, _ms = make_pack((40, 9), 2, 1, 256, seed=1, device=device)
+    q, k, v, cu, _ms = make_pack((40, 9), 2, 1, 32, seed=1, device=device)
     qkv = quantize_qkv(q, k, v, cu)
     args = dict(heads_q=2, causal=True, softmax_scale=0.1)
-    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+    with pytest.raises(ValueError, match="head_dim 64, 128 or 256"):
         attn_fwd(qkv, cu, config=FwdConfig(128, 128, kernel="cute"), **args)
     q, k, v, cu, _ms = make_pack((40, 9), 2, 1, 64, seed=1, device=device)
     qkv = quantize_qkv(q, k, v, cu)

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from flamia_serve import flamia_attn_varlen
-from flamia_serve.kernels.attn_fwd.ops import CUTE_CONFIG, FwdConfig, attn_fwd, cute_available
+from flamia_serve.kernels.attn_fwd.ops import (
+    CUTE_CONFIG,
+    CUTE_CONFIG_D256,
+    FwdConfig,
+    attn_fwd,
+    cute_available,
+    default_config,
+)
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.probes import cross_document_leakage, future_leakage, make_pack
 from flamia_serve.reference import attention_float64, attention_forward
@@ -43,8 +50,24 @@ CASES = [
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize(("lens", "hq", "hkv", "d"), CASES, ids=[str(i) for i in range(len(CASES))])
 def test_cute_fwd_matches_reference(lens, hq, hkv, d, causal, exact, config) -> None:
+    _check_cute(lens, hq, hkv, d, causal, exact, CONFIGS[config])
+
+
+D256_CONFIGS = {
+    "default": CUTE_CONFIG_D256,
+    "one-warpgroup": FwdConfig(64, 64, num_stages=2, kernel="cute", overlap=False),
+}
+
+
+@pytest.mark.parametrize("config", D256_CONFIGS, ids=list(D256_CONFIGS))
+@pytest.mark.parametrize("exact", [False, True], ids=["token_block", "exact_causal"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cute_fwd_d256_matches_reference(causal, exact, config) -> None:
+    _check_cute((1, 300, 1000, 129, 0, 31), 8, 2, 256, causal, exact, D256_CONFIGS[config])
+
+
+def _check_cute(lens, hq, hkv, d, causal, exact, cfg) -> None:
     q, k, v, cu, ms = make_pack(lens, hq, hkv, d, seed=21, device="cuda")
-    cfg = CONFIGS[config]
     qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, column_align=cfg.column_align)
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
     ref = attention_forward(
@@ -69,11 +92,14 @@ def test_cute_three_warpgroups(causal) -> None:
     _check_close(out, m, lse, *ref)
 
 
-def test_cute_is_the_default_here_and_agrees_with_triton() -> None:
-    q, k, v, cu, ms = make_pack((500, 1500, 77), 8, 2, 128, seed=22, device="cuda")
+@pytest.mark.parametrize("d", [128, 256])
+def test_cute_is_the_default_here_and_agrees_with_triton(d) -> None:
+    q, k, v, cu, ms = make_pack((500, 1500, 77), 8, 2, d, seed=22, device="cuda")
+    assert default_config(d, q.device).kernel == "cute"
+    triton = default_config(d, q.device, kernel="triton")
     with torch.no_grad():
         cute_out = flamia_attn_varlen(q, k, v, cu, ms)
-        triton_out = flamia_attn_varlen(q, k, v, cu, ms, config=FwdConfig())
+        triton_out = flamia_attn_varlen(q, k, v, cu, ms, config=triton)
     diff = (cute_out.float() - triton_out.float()).norm() / triton_out.float().norm()
     assert float(diff) < 1e-2
 

@@ -69,8 +69,8 @@ class FlamiaFwdSm90:
         overlap: bool,
         ticket: bool,
     ) -> None:
-        if head_dim not in (64, 128):
-            raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64 and 128")
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
         self.d = head_dim
         self.heads_q = heads_q
         self.group = heads_q // heads_kv

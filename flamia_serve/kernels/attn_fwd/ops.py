@@ -29,7 +29,7 @@ class FwdConfig:
     work list through an atomic ticket with ``programs_per_sm`` programs per SM (measured
     10-15% slower under the same cap: the item loop keeps more values live).
 
-    ``kernel="cute"`` (sm_90, d in {64, 128}, E4M3 Q/K, one pass): the warp-specialized CuTe
+    ``kernel="cute"`` (sm_90, d in {64, 128, 256}, E4M3 Q/K, one pass): the warp-specialized CuTe
     DSL kernel of ``cute_sm90.py``, one CTA per SM taking items after its first by atomic
     ticket (``persistent=True``) or by a static stride of the grid size (``False``);
     ``block_m`` = 64 rows per consumer warpgroup (64, 128 or 192), ``block_n`` 64 or 128
@@ -78,6 +78,15 @@ class FwdConfig:
 CUTE_CONFIG = FwdConfig(
     128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
 )
+#: its default at d = 256 (the 64x256 FP32 output accumulator of each warpgroup leaves room
+#: for 64-key tiles only)
+CUTE_CONFIG_D256 = FwdConfig(
+    128, 64, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
+)
+
+
+def _cute_config(head_dim: int) -> FwdConfig:
+    return CUTE_CONFIG_D256 if head_dim >= 256 else CUTE_CONFIG
 
 
 @torch.compiler.assume_constant_result
@@ -111,7 +120,7 @@ def default_config(
 ) -> FwdConfig:
     """Kernel and tiles per head dim and Q/K format; small tiles under the CPU interpreter.
 
-    ``kernel=None`` picks the CuTe kernel where it runs (sm_90, d in {64, 128}, E4M3 Q/K,
+    ``kernel=None`` picks the CuTe kernel where it runs (sm_90, d in {64, 128, 256}, E4M3 Q/K,
     packages installed, documents of at least ``SHORT_DOCUMENTS`` tokens on average when
     ``mean_doc_len`` is given; ``FLAMIA_FWD_KERNEL=triton`` opts out), else Triton;
     ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
@@ -120,23 +129,23 @@ def default_config(
     if kernel not in (None, "triton", "cute"):
         raise ValueError(f"kernel must be None, 'triton' or 'cute', got {kernel!r}")
     if kernel == "cute":
-        return CUTE_CONFIG
+        return _cute_config(head_dim)
     if device.type != "cuda":
         return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, persistent=True)
     override = os.environ.get("FLAMIA_FWD_CONFIG")
     if override:
         bm, bn, warps, stages = (int(x) for x in override.split(","))
         return FwdConfig(bm, bn, warps, stages)
-    if head_dim >= 256:  # two warpgroups split the 256 output columns: no register spills
-        return FwdConfig(64, 64, num_warps=8, num_stages=2, persistent=True, maxnreg=None)
+    # Triton at d = 256: two warpgroups split the 256 output columns (no register spills)
+    triton_d256 = FwdConfig(64, 64, num_warps=8, num_stages=2, persistent=True, maxnreg=None)
     if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
-        return FwdConfig(128, 64, num_warps=8, num_stages=3, maxnreg=None)
+        return triton_d256 if head_dim >= 256 else FwdConfig(128, 64, 8, 3, maxnreg=None)
     prefer_triton = os.environ.get("FLAMIA_FWD_KERNEL", "") == "triton"
     short = mean_doc_len is not None and mean_doc_len < SHORT_DOCUMENTS
-    if kernel is None and not (prefer_triton or short) and head_dim in (64, 128):
+    if kernel is None and not (prefer_triton or short) and head_dim in (64, 128, 256):
         if _cute_available(device):
-            return CUTE_CONFIG
-    return FwdConfig()
+            return _cute_config(head_dim)
+    return triton_d256 if head_dim >= 256 else FwdConfig()
 
 
 def _persistent_programs(device: torch.device, cfg: FwdConfig) -> int:
@@ -175,9 +184,9 @@ def attn_fwd(
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
     if cfg.kernel not in ("triton", "cute"):
         raise ValueError(f"config.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
-    if cfg.kernel == "cute" and (qkv.q4 is not None or cfg.two_pass or d not in (64, 128)):
+    if cfg.kernel == "cute" and (qkv.q4 is not None or cfg.two_pass or d not in (64, 128, 256)):
         raise ValueError(
-            "config.kernel='cute' runs E4M3 Q/K (recipe mxfp8), one pass, head_dim 64 or 128"
+            "config.kernel='cute' runs E4M3 Q/K (recipe mxfp8), one pass, head_dim 64, 128 or 256"
         )
     if cfg.kernel == "cute" and (cfg.block_m not in (64, 128, 192) or cfg.block_n not in (64, 128)):
         raise ValueError(
