@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of the training-path checks and measurements (H200), results under $OUT.
-#   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain
+#   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -32,7 +32,12 @@ if [[ $steps == *,bench,* ]]; then
     --flex-workloads W3
 fi
 if [[ $steps == *,host,* ]]; then
-  run host_time 90 python benchmarks/host_time.py
+  run host_time 120 python benchmarks/host_time.py --breakdown
+fi
+if [[ $steps == *,packs,* ]]; then  # the pack families P1-P5 (~60 s with FA4 compiled)
+  run train_attention_packs 300 python benchmarks/train_attention.py --quick \
+    --workloads P1,P2,P3,P4,P5 --impls flamia-mxfp8,flamia-mxfp8-quant,fa4,fa2-varlen,cudnn-sdpa \
+    --name train_attention_packs
 fi
 if [[ $steps == *,numerics,* ]]; then
   run bwd_numerics 150 python benchmarks/bwd_numerics.py

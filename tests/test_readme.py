@@ -83,10 +83,10 @@ def test_docs_are_self_contained(doc: Path) -> None:
 
 def test_readme_defines_the_workloads() -> None:
     text = README.read_text()
-    for name in ("W1", "W4", "W7", "W9", "B·L", "S1-1x8192+0"):
+    for name in ("W1", "W4", "W7", "W9", "P1–P5", "B·L", "S1-1x8192+0"):
         assert name in text
     design = (ROOT / "docs" / "DESIGN.md").read_text()
     for n in range(1, 11):
         assert f"**N{n} —" in design
-    for name in ("W1", "W9", "B{b}-L{l}", "S1-1x8192+0", "MIX-32dec@4096+2x2048+1024"):
+    for name in ("W1", "W9", "P1–P5", "B{b}-L{l}", "S1-1x8192+0", "MIX-32dec@4096+2x2048+1024"):
         assert name in design

@@ -98,8 +98,11 @@ def _check_close(out, m, lse, ref_out, ref_m, ref_lse) -> None:
 def test_fwd_matches_reference(lens, hq, hkv, d, recipe, causal, two_pass, device) -> None:
     q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=7, device=device)
     qkv = quantize_qkv(q, k, v, cu, recipe=recipe)
-    base = default_config(d, q.device, qk_nvfp4=recipe != "mxfp8")
-    cfg = FwdConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, True, two_pass)
+    # the Triton kernel's default tiles, also where the CuTe kernel is the default (its own
+    # GPU tests: test_gpu_cute.py)
+    base = default_config(d, q.device, qk_nvfp4=recipe != "mxfp8", kernel="triton")
+    cfg = FwdConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, True, two_pass,
+                    base.maxnreg)  # fmt: skip
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5, config=cfg)
     ref = attention_forward(
         qkv.to_reference(), cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5
@@ -125,7 +128,7 @@ def test_fwd_key_tiles_spanning_exponent_blocks(exact, causal, device) -> None:
 def test_fwd_not_persistent_same_result(device) -> None:
     q, k, v, cu, _ms = make_pack((50, 20), 2, 1, 64, seed=3, device=device)
     qkv = quantize_qkv(q, k, v, cu)
-    base = default_config(64, q.device)
+    base = default_config(64, q.device, kernel="triton")
     outs = []
     for persistent in (True, False):
         cfg = FwdConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, persistent)
