@@ -128,26 +128,9 @@ class EagerAttention(torch.autograd.Function):
 # ---- custom ops: the same calls with tensor-list / int arguments ------------------------
 
 
-def _op_call(
-    blocks: Tensors,
-    work: Tensors,
-    bwd_work: Tensors,
-    causal: bool,
-    recipe: str,
-    exact_causal: bool,
-    softmax_scale: float,
-    config: list[int],
-    bwd_config: list[int],
-) -> AttnCall:
-    cfg, bcfg = FwdConfig.from_ints(config), BwdConfig.from_ints(bwd_config)
-    fwd_work = WorkList(*work, cfg.block_m, cfg.block_n, causal)
-    back = WorkList(*bwd_work, bcfg.block_m, bcfg.block_n, causal, True) if bwd_work else None
-    return AttnCall(TokenBlocks(*blocks), cfg.column_align, fwd_work, back, causal,
-                    RECIPES[recipe], exact_causal, softmax_scale, cfg, bcfg)  # fmt: skip
-
-
 def op_arguments(call: AttnCall) -> tuple:
-    """The custom ops' non-tensor arguments for ``call`` (inverse of ``_op_call``)."""
+    """The custom ops' non-tensor arguments for ``call`` (``attn_varlen_fwd`` rebuilds the
+    call from them)."""
     b, w, bw = call.blocks, call.work, call.bwd_work
     if w is None or call.config is None:
         raise ValueError("op_arguments needs a forward call (work list and config)")
@@ -178,8 +161,11 @@ def attn_varlen_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``; ``bwd_work``/``bwd_config`` are carried
     for the backward only."""
-    call = _op_call(blocks, work, bwd_work, causal, recipe, exact_causal, softmax_scale, config,
-                    bwd_config)  # fmt: skip
+    cfg, bcfg = FwdConfig.from_ints(config), BwdConfig.from_ints(bwd_config)
+    fwd_work = WorkList(*work, cfg.block_m, cfg.block_n, causal)
+    back = WorkList(*bwd_work, bcfg.block_m, bcfg.block_n, causal, True) if bwd_work else None
+    call = AttnCall(TokenBlocks(*blocks), cfg.column_align, fwd_work, back, causal,
+                    RECIPES[recipe], exact_causal, softmax_scale, cfg, bcfg)  # fmt: skip
     return attention_forward(q, k, v, cu_seqlens, call)
 
 

@@ -84,6 +84,10 @@ CUTE_CONFIG_D256 = FwdConfig(
     128, 64, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
 )
 
+#: the Triton kernel's default at d = 256: two warpgroups split the 256 output columns (no
+#: register spills)
+TRITON_CONFIG_D256 = FwdConfig(64, 64, num_warps=8, num_stages=2, persistent=True, maxnreg=None)
+
 
 def _cute_config(head_dim: int) -> FwdConfig:
     return CUTE_CONFIG_D256 if head_dim >= 256 else CUTE_CONFIG
@@ -136,16 +140,14 @@ def default_config(
     if override:
         bm, bn, warps, stages = (int(x) for x in override.split(","))
         return FwdConfig(bm, bn, warps, stages)
-    # Triton at d = 256: two warpgroups split the 256 output columns (no register spills)
-    triton_d256 = FwdConfig(64, 64, num_warps=8, num_stages=2, persistent=True, maxnreg=None)
     if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
-        return triton_d256 if head_dim >= 256 else FwdConfig(128, 64, 8, 3, maxnreg=None)
+        return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig(128, 64, 8, 3, maxnreg=None)
     prefer_triton = os.environ.get("FLAMIA_FWD_KERNEL", "") == "triton"
     short = mean_doc_len is not None and mean_doc_len < SHORT_DOCUMENTS
     if kernel is None and not (prefer_triton or short) and head_dim in (64, 128, 256):
         if _cute_available(device):
             return _cute_config(head_dim)
-    return triton_d256 if head_dim >= 256 else FwdConfig()
+    return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig()
 
 
 def _persistent_programs(device: torch.device, cfg: FwdConfig) -> int:
