@@ -288,3 +288,37 @@ def test_backward_op_reads_the_cute_layout(device) -> None:
             assert torch.equal(a, b)
         else:
             assert _rel(b, a) <= 1e-5
+
+
+def test_attn_call_errors(device) -> None:
+    """The implementations behind both entry points refuse calls they cannot run: a forward
+    without its config (or with one of another column layout), custom-op arguments of a
+    backward-only call, a backward of a forward that ran without gradients."""
+    import dataclasses
+
+    from flamia_serve.custom_ops import (
+        AttnCall,
+        attention_backward,
+        attention_forward,
+        op_arguments,
+    )
+    from flamia_serve.kernels.attn_fwd.ops import default_config
+    from flamia_serve.numerics import RECIPES
+
+    q, k, v, cu, ms = make_pack((20, 40), 4, 2, 64, device=device)
+    plan = plan_varlen(cu, q.shape[0], ms)
+    cfg, bcfg = default_config(64, q.device), default_bwd_config(64, q.device)
+    call = AttnCall(
+        plan.token_blocks(cfg.column_align), cfg.column_align,
+        plan.work_list(cfg.block_m, cfg.block_n, True), None, True, RECIPES["mxfp8"], False,
+        0.125, cfg, bcfg,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="needs the forward config"):
+        attention_forward(q, k, v, cu, dataclasses.replace(call, config=None))
+    with pytest.raises(ValueError, match="needs the forward config"):
+        attention_forward(q, k, v, cu, dataclasses.replace(call, column_align=128))
+    with pytest.raises(ValueError, match="needs a forward call"):
+        op_arguments(dataclasses.replace(call, work=None))
+    out, m, lse = attention_forward(q, k, v, cu, call)
+    with pytest.raises(RuntimeError, match="without gradients"):
+        attention_backward(torch.randn_like(q), q, k, v, out, m, lse, cu, call)
