@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call of the training-path checks and measurements (H200), results under $OUT.
-#   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs
+#   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
+#                                                                 # cutebwd, cutebwd-check
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -26,10 +27,17 @@ for recipe in ("mxfp8", "mixed_nvfp4"):
     print(recipe, "kernel vs reference rel err O/dQ/dK/dV:", [f"{r:.2e}" for r in rel])
 PY
 fi
+if [[ $steps == *,cutebwd,* ]]; then  # the CuTe backward against the reference and Triton
+  run pytest_gpu_cute_bwd 200 python -m pytest -q -m gpu -W ignore::DeprecationWarning \
+    tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py
+fi
 if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \
     --passes fwd,fwd+bwd,bwd --impls "${FLAMIA_IMPLS:-flamia-mxfp8,fa4,cudnn-sdpa,fa2-varlen,flex-docmask}" \
     --flex-workloads W3
+fi
+if [[ $steps == *,cutebwd-check,* ]]; then  # both backward kernels, same operands and run
+  run bwd_kernels 200 python benchmarks/check_bwd_kernels.py
 fi
 if [[ $steps == *,host,* ]]; then
   run host_time 120 python benchmarks/host_time.py --breakdown
@@ -46,6 +54,7 @@ if [[ $steps == *,tests,* ]]; then
   run pytest_kernels 540 python -m pytest -q tests/kernels/test_common.py \
     tests/kernels/test_quant.py tests/kernels/test_attn_fwd.py tests/kernels/test_attn_bwd.py \
     tests/kernels/test_gpu_bwd.py tests/kernels/test_gpu.py tests/kernels/test_gpu_cute.py \
+    tests/kernels/test_gpu_cute_bwd.py \
     tests/kernels/test_paged.py tests/kernels/test_gpu_paged.py tests/test_nonfinite.py \
     tests/test_readme.py
 fi

@@ -116,13 +116,15 @@ def flamia_attn_varlen(
     docs = cu_seqlens.numel() - 1  # a shape: no host read
     cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
                                    mean_doc_len=shape.total_tokens / max(docs, 1))  # fmt: skip
-    bcfg = bwd_config or default_bwd_config(shape.head_dim, q.device)
+    bcfg = bwd_config or default_bwd_config(
+        shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4", column_align=cfg.column_align
+    )
     causal = bool(causal)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     bwd_work, columns = None, None
     if needs_grad:
         check_bwd_config(bcfg, rec)
-        bwd_work = plan.key_work_list(bcfg.block_n, bcfg.block_m, causal)
+        bwd_work = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, causal)
         columns = None if compiling else plan.token_columns(cfg.column_align)
     call = AttnCall(
         plan.token_blocks(cfg.column_align), cfg.column_align,

@@ -199,6 +199,8 @@ class KernelDO:
     row_factor: torch.Tensor
     doc_v_t_start: torch.Tensor
     cu_seqlens: torch.Tensor
+    #: documents start at multiples of this in the column layout (``check_column_align``)
+    column_align: int = V_T_ALIGN
 
     def to_reference(self) -> QuantizedDO:
         column = token_columns(self.cu_seqlens, self.doc_v_t_start, self.do_codes.shape[0])

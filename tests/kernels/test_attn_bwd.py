@@ -322,3 +322,43 @@ def test_attn_call_errors(device) -> None:
     out, m, lse = attention_forward(q, k, v, cu, call)
     with pytest.raises(RuntimeError, match="without gradients"):
         attention_backward(torch.randn_like(q), q, k, v, out, m, lse, cu, call)
+
+
+def test_bwd_refuses_dO_quantized_on_another_column_layout(device) -> None:
+    """qkv on the CuTe forward's 128-column layout, qdo on the default 16: a clear error
+    naming both layouts (Ĝ's columns would be read at qkv's positions: garbage)."""
+    q, k, v, cu, _ = make_pack((70, 5), 2, 1, 64, seed=1, device=device)
+    qkv = quantize_qkv(q, k, v, cu, with_transposed=True, column_align=128)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125)
+    qdo = quantize_do(torch.randn_like(out), out, m, lse, cu)
+    with pytest.raises(ValueError, match=r"column_align 16.*not qkv's \(128"):
+        attn_bwd(qkv, qdo, m, lse, cu, heads_q=2, causal=True, softmax_scale=0.125)
+    qdo = quantize_do(torch.randn_like(out), out, m, lse, cu, column_align=128)
+    # Ĝ's columns between a document's 16-padded and 128-padded end are zero codes
+    pad = qdo.g_t.view(torch.uint8)[:, :, 80:128]
+    assert int(pad.count_nonzero()) == 0
+
+
+def test_bwd_config_kernel_choice_and_round_trip(device) -> None:
+    """Off sm_90 (or without the cute extra) the default is Triton; an explicit CuTe config
+    is refused with the reason; configs survive the custom op's int encoding."""
+    q, k, v, cu, _ = make_pack((40,), 2, 1, 64, seed=1, device=device)
+    qkv = quantize_qkv(q, k, v, cu, with_transposed=True, column_align=128)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125)
+    qdo = quantize_do(torch.randn_like(out), out, m, lse, cu, column_align=128)
+    cute = BwdConfig(kernel="cute")
+    if device == "cpu":
+        assert default_bwd_config(64, torch.device("cpu")).kernel == "triton"
+        with pytest.raises(ValueError, match="sm_90 GPU"):
+            attn_bwd(qkv, qdo, m, lse, cu, heads_q=2, causal=True, softmax_scale=0.125,
+                     config=cute)  # fmt: skip
+    with pytest.raises(ValueError, match="with_dq=False"):
+        attn_bwd(qkv, qdo, m, lse, cu, heads_q=2, causal=True, softmax_scale=0.125,
+                 config=cute, with_dq=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"\(block_m, block_n\) = \(32, 64\)"):
+        attn_bwd(qkv, qdo, m, lse, cu, heads_q=2, causal=True, softmax_scale=0.125,
+                 config=BwdConfig(block_n=128, kernel="cute"),
+                 recipe=Recipe("wide", dq_ds_block=(32, 128)))  # fmt: skip
+    for cfg in (cute, BwdConfig(), BwdConfig(kernel="cute", overlap=True, num_stages=3)):
+        assert BwdConfig.from_ints(cfg.to_ints()) == cfg
+    assert cute.work_block_n == 128 and BwdConfig().work_block_n == 64

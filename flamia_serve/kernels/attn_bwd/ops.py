@@ -9,6 +9,7 @@ import torch
 
 from flamia_serve.kernels._common import interpreted, round_debug_p_
 from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
+from flamia_serve.kernels.attn_fwd.ops import _cute_available, cute_available
 from flamia_serve.kernels.schedule import WorkList, build_key_work_list
 from flamia_serve.numerics import Recipe, resolve_recipe
 from flamia_serve.numerics.operands import KernelDO, KernelQKV
@@ -23,6 +24,13 @@ class BwdConfig:
     ``block_m`` queries per step must equal the recipe's token block (one dÔ/Ĝ/Q exponent
     per step) and ``block_n`` keys per tile the width of ``recipe.dq_ds_block`` (one dS
     exponent per step and tile in dQ = dS·K̂).
+
+    ``kernel="triton"``: the portable kernel (CPU interpreter), one program per ``block_n``
+    keys. ``kernel="cute"`` (sm_90, E4M3 Q/K, d 64 or 128, a layout whose column alignment
+    is a multiple of 128): the CuTe DSL kernel of ``cute_sm90.py``, one CTA per 128 keys
+    (two warpgroups of ``block_n`` = 64 keys), ``num_stages`` query steps in flight,
+    ``overlap`` (its MMAs issued in sets, see ``FlamiaBwdSm90``); ``num_warps``/``maxnreg``
+    are Triton's.
     """
 
     block_m: int = 32
@@ -30,23 +38,57 @@ class BwdConfig:
     num_warps: int = 4
     num_stages: int = 2
     maxnreg: int | None = None
+    kernel: str = "triton"  # "triton" | "cute"
+    overlap: bool = False
+
+    @property
+    def work_block_n(self) -> int:
+        """Keys per item of the key work list this backward reads."""
+        return 2 * self.block_n if self.kernel == "cute" else self.block_n
 
     def to_ints(self) -> list[int]:
         """The config as ints (what the custom op carries)."""
-        return [self.block_m, self.block_n, self.num_warps, self.num_stages, self.maxnreg or 0]
+        return [self.block_m, self.block_n, self.num_warps, self.num_stages, self.maxnreg or 0,
+                int(self.kernel == "cute"), int(self.overlap)]  # fmt: skip
 
     @classmethod
     def from_ints(cls, xs: list[int]) -> BwdConfig:
-        bm, bn, warps, stages, maxnreg = xs
-        return cls(bm, bn, warps, stages, maxnreg or None)
+        bm, bn, warps, stages, maxnreg, cute, overlap = xs
+        return cls(bm, bn, warps, stages, maxnreg or None, "cute" if cute else "triton",
+                   bool(overlap))  # fmt: skip
 
 
-def default_bwd_config(head_dim: int, device: torch.device) -> BwdConfig:
-    """One warpgroup up to d=128, two at d=256 (its 64x256 dK/dV accumulators). H200,
-    T=8192 causal, d=128: 4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``)
-    although 4 warps spill a little (``tests/kernels/sm90_compile.py -v``)."""
+#: the CuTe backward's default on sm_90 (H200, T=8192 causal d=128: 10.5 ms serial, 11.1 ms
+#: with ``overlap``, which spills 160 bytes; 3 or 4 stages within 2%:
+#: ``results/bwd_kernels.json``)
+CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
+
+
+def cute_bwd_runs(head_dim: int, qk_nvfp4: bool, column_align: int) -> bool:
+    """The CuTe backward's operand limits (the device aside)."""
+    return head_dim in (64, 128) and not qk_nvfp4 and column_align % 128 == 0
+
+
+def default_bwd_config(
+    head_dim: int,
+    device: torch.device,
+    *,
+    qk_nvfp4: bool = False,
+    column_align: int = 128,
+    kernel: str | None = None,
+) -> BwdConfig:
+    """The CuTe kernel where it runs (``cute_bwd_runs`` on an sm_90 GPU with the ``cute``
+    extra; ``column_align`` is the forward's layout), else the Triton kernel: one warpgroup
+    up to d=128, two at d=256 (its 64x256 dK/dV accumulators). H200, T=8192 causal, d=128:
+    4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``) although 4 warps spill
+    a little (``tests/kernels/sm90_compile.py -v``). ``kernel="triton"`` forces Triton."""
+    if kernel not in (None, "triton"):
+        raise ValueError(f"kernel must be None or 'triton', got {kernel!r}")
     if device.type != "cuda":
         return BwdConfig(num_warps=4, num_stages=1)
+    if kernel is None and cute_bwd_runs(head_dim, qk_nvfp4, column_align):
+        if _cute_available(device):
+            return CUTE_BWD_CONFIG
     return BwdConfig(num_warps=4 if head_dim <= 128 else 8)
 
 
@@ -61,6 +103,13 @@ def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
         raise ValueError(
             f"backward tile (block_m, block_n) = ({cfg.block_m}, {cfg.block_n}) must equal "
             f"the recipe's dq_ds_block {recipe.dq_ds_block}"
+        )
+    if cfg.kernel not in ("triton", "cute"):
+        raise ValueError(f"backward config.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
+    if cfg.kernel == "cute" and (cfg.block_m, cfg.block_n) != (32, 64):
+        raise ValueError(
+            f"backward config.kernel='cute' takes (block_m, block_n) = (32, 64), got "
+            f"({cfg.block_m}, {cfg.block_n})"
         )
     if cfg.block_n % recipe.ds_block[1]:
         raise ValueError(
@@ -99,22 +148,55 @@ def attn_bwd(
     rec = resolve_recipe(recipe)
     if qkv.q_t is None or qkv.k_t is None:
         raise ValueError("qkv lacks q_t/k_t: quantize with with_transposed=True for the backward")
+    if qdo.column_align != qkv.column_align or qdo.g_t.shape[-1] != qkv.v_t.shape[-1]:
+        raise ValueError(
+            f"qdo's column layout (column_align {qdo.column_align}, {qdo.g_t.shape[-1]} columns) "
+            f"is not qkv's ({qkv.column_align}, {qkv.v_t.shape[-1]}): pass quantize_do the "
+            "column_align (or blocks) that quantize_qkv used"
+        )
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
-    cfg = config or default_bwd_config(d, dev)
+    nvfp4 = qkv.q4 is not None and qkv.k4 is not None
+    cfg = config or default_bwd_config(d, dev, qk_nvfp4=nvfp4, column_align=qkv.column_align)
+    if cfg.kernel == "cute" and not with_dq:
+        if config is not None:
+            raise ValueError("config.kernel='cute' always computes dQ (with_dq=False is Triton's)")
+        cfg = default_bwd_config(d, dev, kernel="triton")
     check_bwd_config(cfg, rec)
+    if cfg.kernel == "cute" and not cute_bwd_runs(d, nvfp4, qkv.column_align):
+        raise ValueError(
+            "backward config.kernel='cute' runs E4M3 Q/K (recipe mxfp8), head_dim 64 or 128, "
+            f"on a layout with a column alignment that is a multiple of 128 (got head_dim {d}, "
+            f"NVFP4 Q/K {nvfp4}, column_align {qkv.column_align}); use kernel='triton'"
+        )
+    if cfg.kernel == "cute" and not cute_available(dev):
+        raise ValueError(
+            "backward config.kernel='cute' needs an sm_90 GPU with nvidia-cutlass-dsl and "
+            'flash-attn-4 (pip install "flamia-serve[cute]"); use kernel="triton"'
+        )
     if work is None or (work.block_m, work.block_n, work.causal, work.by_keys) != (
-        cfg.block_m, cfg.block_n, causal, True,
+        cfg.block_m, cfg.work_block_n, causal, True,
     ):  # fmt: skip
         work = build_key_work_list(
-            cu_seqlens, total, block_n=cfg.block_n, block_m=cfg.block_m, causal=causal
+            cu_seqlens, total, block_n=cfg.work_block_n, block_m=cfg.block_m, causal=causal
         )
+    if cfg.kernel == "cute":
+        from flamia_serve.kernels.attn_bwd.cute_sm90 import attn_bwd_sm90
+
+        dq, dk, dv = attn_bwd_sm90(
+            qkv, qdo, m_rows, lse_rows, cu_seqlens, work, heads_q=heads_q, causal=causal,
+            softmax_scale=softmax_scale, qk_scale=softmax_scale * LOG2E * qkv.qk_rescale,
+            dk_keys=rec.ds_block[1], out_dtype=out_dtype, debug_p=debug_p,
+            num_stages=cfg.num_stages, overlap=cfg.overlap,
+        )  # fmt: skip
+        if debug_p is not None:
+            round_debug_p_(debug_p)
+        return dq, dk, dv
     dq_acc = torch.zeros(total, heads_q, d, dtype=torch.float32, device=dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
     if total == 0:
         return dq_acc.to(out_dtype), dk, dv
-    nvfp4 = qkv.q4 is not None and qkv.k4 is not None
     q4_args, k4_args = qkv.nvfp4_kernel_args()
     grid = (work.num_slots * heads_kv,)
     attn_bwd_kernel[grid](

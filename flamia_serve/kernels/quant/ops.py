@@ -179,8 +179,11 @@ def quantize_do(
     t_pad = v_t_length(total, cu_seqlens.numel() - 1, column_align)
     do_codes = torch.empty(total, heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
     do_exp = _head_major_exponents(total, heads_q, dev)
-    g_t = torch.empty(heads_q, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
-    g_t[:, :, total:].zero_()
+    if column_align == V_T_ALIGN:  # as quantize_qkv's v_t
+        g_t = torch.empty(heads_q, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
+        g_t[:, :, total:].zero_()
+    else:  # the kernel writes each document up to 16 columns; the rest of its span is 0
+        g_t = torch.zeros(heads_q, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
     g_exp = torch.empty(heads_q, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     delta = _head_major_exponents(total, heads_q, dev, torch.float32)
     row_factor = _head_major_exponents(total, heads_q, dev, torch.float32)
@@ -196,5 +199,6 @@ def quantize_do(
             num_warps=num_warps,
         )  # fmt: skip
     return KernelDO(
-        do_codes, do_exp, g_t, g_exp, delta, row_factor, blocks.doc_v_t_start, cu_seqlens
+        do_codes, do_exp, g_t, g_exp, delta, row_factor, blocks.doc_v_t_start, cu_seqlens,
+        column_align,
     )

@@ -1,0 +1,84 @@
+"""Compile the CuTe DSL training backward for sm_90a on a CPU machine (no GPU, fake tensors).
+
+Same setup as ``compile_cute_sm90.py`` (a Python 3.12 venv with the CuTe DSL / FA4 wheels):
+
+    FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD \\
+        /tmp/cute312/bin/python benchmarks/compile_cute_bwd_sm90.py [--keep DIR]
+
+Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there (for
+``cuobjdump -res-usage``: registers and spill stack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+from cutlass import Float32, Int32, cute
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from flamia_serve.kernels.attn_bwd.cute_sm90 import DQ_SLACK, FlamiaBwdSm90, to_cute_tensor
+
+
+def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
+    """Fake CUDA tensors with the launcher's shapes, dtypes, strides and alignments."""
+    t_pad = total + 128 + 64
+    u8, i16, i32 = torch.uint8, torch.int16, torch.int32
+    tensors = [
+        (torch.empty(total, heads_q, d, dtype=u8), 16),  # Q codes
+        (torch.empty(total, heads_kv, d, dtype=u8), 16),  # K codes
+        (torch.empty(total, heads_kv, d, dtype=u8), 16),  # V codes
+        (torch.empty(total, heads_q, d, dtype=u8), 16),  # dO codes
+        (torch.empty(heads_q, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # q_t
+        (torch.empty(heads_kv, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # k_t
+        (torch.empty(heads_q, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # g_t
+        (torch.empty(heads_q, total, dtype=i16), 4),  # Q exponents
+        (torch.empty(heads_kv, 3, t_pad), 16),  # K/V factors
+        (torch.empty(heads_q, total, dtype=i16), 4),  # dO exponents
+        (torch.empty(heads_q, t_pad, dtype=i16), 4),  # G exponents
+        (torch.empty(heads_q, total), 4),  # delta
+        (torch.empty(total, heads_q), 4),  # M
+        (torch.empty(total, heads_q), 4),  # lse
+        (torch.empty(3, dtype=i32), 4),  # cu_seqlens
+        (torch.empty(2, dtype=i32), 4),  # document column starts
+        (torch.empty(64, dtype=i32), 4),  # work list: documents
+        (torch.empty(64, dtype=i32), 4),  # work list: tiles
+        (torch.empty(1, dtype=i32), 4),  # work count
+        (torch.empty(heads_q, total + DQ_SLACK, d), 16),  # dQ accumulator
+        (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dK
+        (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dV
+        (torch.empty(1, 1, 1), 4),  # debug P
+    ]
+    return [
+        to_cute_tensor(t, assumed_align=a, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1))
+        for t, a in tensors
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", type=Path, default=None)
+    args = parser.parse_args()
+    options = "--enable-tvm-ffi" + (" --keep-cubin" if args.keep else "")
+    with FakeTensorMode():
+        torch.set_default_device("cuda")
+        for d, causal, overlap in ((128, True, True), (128, True, False), (64, True, True),
+                                   (128, False, True)):  # fmt: skip
+            kernel = FlamiaBwdSm90(d, 8, 2, causal, 32, 2, False, overlap)
+            compiled = cute.compile(
+                kernel, *_fake_args(1024, 8, 2, d), Float32(0.1), Float32(0.1), Int32(1),
+                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options,
+            )  # fmt: skip
+            print(f"cute backward d={d} causal={causal} overlap={overlap}: compiled")
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                for cubin in Path(".").glob("*.cubin"):
+                    name = f"bwd_d{d}_causal{int(causal)}_overlap{int(overlap)}.cubin"
+                    shutil.move(str(cubin), args.keep / name)
+            del compiled
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,747 @@
+"""FP8 attention backward for Hopper (sm_90a) in CuTe DSL: the fast path of ``attn_bwd``.
+
+Same numerics as the Triton kernel beside it (its module docstring defines every product;
+twin: ``flamia_serve.reference.attention_backward``), with the same scale blocks: one dÔ /
+Ĝ / Q exponent per 32-query step, dK's dS exponent per 32 keys x step, dQ's per 64 keys x
+step.
+
+Design: one CTA per (128-key tile, K/V head) of the longest-first key work list. A producer
+warp TMA-loads the tile's K̂ and V̂ (token-major) and K̂ᵀ (column layout) once, then for every
+query head of the GQA group and every 32-query step Q̂, dÔ (token-major) and Q̂ᵀ, Ĝᵀ (column
+layout) into a ring of shared-memory stages. Two consumer warpgroups each own 64 keys (keys
+on the MMAs' M) and take every step:
+
+* ``Sᵀ = K̂·Q̂ᵀ`` and ``dPᵀ = V̂·dÔᵀ`` (FP8 ``wgmma`` from shared memory), P̂ rebuilt as the
+  forward built it, ``dSᵀ = P ∘ (dP − D)``;
+* ``dV += (P̂ᵀ·Ĝ)·2^eG`` and ``dK += (dŜᵀ·Q̂)·2^ek``: A from registers (the column layout's
+  permutation makes the accumulator fragment the A fragment as it is), promoted to FP32 once
+  per step, in 64-column halves of the head dimension (registers);
+* ``dQᵀ = K̂ᵀ·dŜᵀ``: dŜ goes to shared memory transposed, the product to an FP32 staging
+  tile that one thread adds to ``dq_acc [Hq, T + 32, d]`` with a bulk reduce-add (so dQ is
+  summed in no fixed order: not bitwise repeatable).
+
+Validity: rows past the document are masked by selects (the token-major tiles may hold the
+next document's codes, which a select, unlike a zero weight, keeps out even when they are
+NaN); the column-layout tiles hold zeros there (the layout's column alignment is a multiple
+of 128, checked by the launcher).
+
+Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazily by
+``ops.attn_bwd`` only on sm_90 when they are installed.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+import torch
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils import LayoutEnum
+from flash_attn.cute import pipeline as fa_pipeline
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+from quack import copy_utils, layout_utils, sm90_utils
+
+from flamia_serve.kernels.cute_sm90_common import (
+    FP8,
+    accumulator_to_a,
+    column_offset,
+    e4m3_exponent,
+    e4m3_value,
+    pow2,
+    v_t_position,
+)
+from flamia_serve.kernels.schedule import WorkList
+from flamia_serve.numerics import P_HAT_EXP
+from flamia_serve.numerics.operands import KernelDO, KernelQKV
+
+#: queries per step (one token block), keys per consumer warpgroup, warpgroups per CTA
+STEP = 32
+WG_KEYS = 64
+NUM_WG = 2
+TILE_N = WG_KEYS * NUM_WG
+#: rows of slack after the last token in ``dq_acc`` (a step's bulk add may run past T)
+DQ_SLACK = STEP
+# named barriers (0 is __syncthreads), one of each per consumer warpgroup
+_BAR_AMAX = 1
+_BAR_DS = 3
+_BAR_DQ = 5
+
+
+class FlamiaBwdSm90:
+    """Compiled once per (head dim, heads, causal, dK key block, stages, debug, overlap).
+
+    ``overlap``: a step issues the two dV pieces before its exponent exchange and the dK
+    and dQ pieces together, waiting once for each set (more registers live); without it
+    every piece is waited for and promoted in turn."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        heads_q: int,
+        heads_kv: int,
+        causal: bool,
+        dk_keys: int,
+        num_stages: int,
+        debug_p: bool,
+        overlap: bool = False,
+    ) -> None:
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64 and 128")
+        if dk_keys not in (16, 32, 64):
+            raise ValueError(f"dk_keys {dk_keys}: the CuTe backward supports 16, 32 and 64")
+        self.d = head_dim
+        self.halves = head_dim // 64  # dK/dV products in 64-column pieces
+        self.heads_q = heads_q
+        self.heads_kv = heads_kv
+        self.group = heads_q // heads_kv
+        self.causal = causal
+        self.dk_keys = dk_keys
+        self.num_stages = num_stages
+        self.debug_p = debug_p
+        self.overlap = overlap
+        self.num_threads = 128 * (NUM_WG + 1)
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T, Hq, d) e4m3
+        mK: cute.Tensor,  # (T, Hkv, d) e4m3
+        mV: cute.Tensor,  # (T, Hkv, d) e4m3
+        mDO: cute.Tensor,  # (T, Hq, d) e4m3
+        mQt: cute.Tensor,  # (d, t_pad, Hq) e4m3, column layout
+        mKt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, column layout
+        mGt: cute.Tensor,  # (d, t_pad, Hq) e4m3, column layout
+        mQexp: cute.Tensor,  # (Hq, T) int16
+        mFactors: cute.Tensor,  # (Hkv, 3, t_pad) f32: 2^eK, eV, 2^-eV
+        mDOexp: cute.Tensor,  # (Hq, T) int16
+        mGexp: cute.Tensor,  # (Hq, t_pad) int16
+        mDelta: cute.Tensor,  # (Hq, T) f32
+        mM: cute.Tensor,  # (T, Hq) f32
+        mLSE: cute.Tensor,  # (T, Hq) f32
+        mCu: cute.Tensor,  # (B+1,) int32
+        mVtStart: cute.Tensor,  # (B,) int32
+        mItemDoc: cute.Tensor,  # (N,) int32
+        mItemTile: cute.Tensor,  # (N,) int32
+        mCount: cute.Tensor,  # (1,) int32
+        mDQ: cute.Tensor,  # (Hq, T + DQ_SLACK, d) f32, zeroed
+        mDK: cute.Tensor,  # (T, Hkv, d) bf16/fp16
+        mDV: cute.Tensor,  # (T, Hkv, d) bf16/fp16
+        mDbg: cute.Tensor,  # (Hq, T, T) f32 (debug_p only)
+        qk_scale: Float32,
+        softmax_scale: Float32,
+        n_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        d = self.d
+        mQ, mDO = (layout_utils.select(t, [0, 2, 1]) for t in (mQ, mDO))  # (T, d, H)
+        mK, mV = (layout_utils.select(t, [0, 2, 1]) for t in (mK, mV))
+        halves = self.halves
+        rows_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (WG_KEYS, d), NUM_WG)
+        # column-layout tiles in 64-row pieces of the head dimension: (warpgroup or stage,
+        # piece) -> index wg·halves + piece
+        cols_layout = sm90_utils.make_smem_layout(
+            FP8, LayoutEnum.ROW_MAJOR, (64, WG_KEYS), NUM_WG * halves
+        )
+        step_layout = sm90_utils.make_smem_layout(
+            FP8, LayoutEnum.ROW_MAJOR, (STEP, d), self.num_stages
+        )
+        step_t_layout = sm90_utils.make_smem_layout(
+            FP8, LayoutEnum.ROW_MAJOR, (64, STEP), self.num_stages * halves
+        )
+        ds_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (STEP, WG_KEYS), NUM_WG)
+        dq_layout = cute.make_layout((STEP, d, NUM_WG), stride=(d, 1, STEP * d))
+        amax_layout = cute.make_layout((2, 4, NUM_WG))
+        mma_kw = dict(atom_layout_mnk=(1, 1, 1))
+        # Sᵀ / dPᵀ: keys x queries, contraction over d (A and B from shared memory)
+        tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
+            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            tiler_mn=(WG_KEYS, STEP), **mma_kw,
+        )  # fmt: skip
+        # dV / dK pieces: keys x 64 head columns, contraction over the step (A in registers)
+        tiled_mma_kv = sm90_helpers.make_trivial_tiled_mma(
+            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            tiler_mn=(WG_KEYS, 64), a_source=warpgroup.OperandSource.RMEM, **mma_kw,
+        )  # fmt: skip
+        # dQᵀ pieces: 64 head columns x queries, contraction over the warpgroup's keys
+        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            tiler_mn=(64, STEP), **mma_kw,
+        )  # fmt: skip
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+
+        def atom(tensor, layout, box):
+            return cpasync.make_tiled_tma_atom(
+                tma_load, tensor, cute.select(layout, mode=[0, 1]), box, 1
+            )
+
+        atom_k, tma_k = atom(mK, rows_layout, (WG_KEYS, d))
+        atom_v, tma_v = atom(mV, rows_layout, (WG_KEYS, d))
+        atom_kt, tma_kt = atom(mKt, cols_layout, (64, WG_KEYS))
+        atom_q, tma_q = atom(mQ, step_layout, (STEP, d))
+        atom_do, tma_do = atom(mDO, step_layout, (STEP, d))
+        atom_qt, tma_qt = atom(mQt, step_t_layout, (64, STEP))
+        atom_gt, tma_gt = atom(mGt, step_t_layout, (64, STEP))
+        self.kv_bytes = 3 * NUM_WG * WG_KEYS * d
+        self.step_bytes = 4 * STEP * d
+        stages = self.num_stages
+
+        @cute.struct
+        class Storage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
+            sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
+            sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
+            sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
+            sQt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_t_layout)], 1024]
+            sGt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_t_layout)], 1024]
+            sDS: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(ds_layout)], 1024]
+            sDQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128]
+
+        self.kernel(
+            (tma_k, tma_v, tma_kt, tma_q, tma_do, tma_qt, tma_gt),
+            (atom_k, atom_v, atom_kt, atom_q, atom_do, atom_qt, atom_gt),
+            mQexp, mFactors, mDOexp, mGexp, mDelta, mM, mLSE, mCu, mVtStart, mItemDoc,
+            mItemTile, mCount, mDQ, mDK, mDV, mDbg, qk_scale, softmax_scale,
+            (rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout,
+             amax_layout),
+            (tiled_mma_s, tiled_mma_kv, tiled_mma_dq), Storage,
+        ).launch(
+            grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+            min_blocks_per_mp=1,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(
+        self,
+        tmas: tuple,
+        atoms: tuple,
+        mQexp: cute.Tensor,
+        mFactors: cute.Tensor,
+        mDOexp: cute.Tensor,
+        mGexp: cute.Tensor,
+        mDelta: cute.Tensor,
+        mM: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCu: cute.Tensor,
+        mVtStart: cute.Tensor,
+        mItemDoc: cute.Tensor,
+        mItemTile: cute.Tensor,
+        mCount: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDV: cute.Tensor,
+        mDbg: cute.Tensor,
+        qk_scale: Float32,
+        softmax_scale: Float32,
+        layouts: tuple,
+        mmas: tuple,
+        Storage: cutlass.Constexpr,
+    ):
+        rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout, amax_layout = (
+            layouts
+        )
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for a in atoms:
+                cpasync.prefetch_descriptor(a)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_WG * 4)
+        pipe_kv = fa_pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=tma_warp,
+            consumer_group=mma_warps, tx_count=self.kv_bytes, defer_sync=True,
+        )  # fmt: skip
+        pipe_step = fa_pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_step.data_ptr(), num_stages=self.num_stages,
+            producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.step_bytes,
+            defer_sync=True,
+        )  # fmt: skip
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        smem_tensors = [
+            getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+            for name, layout in (
+                ("sK", rows_layout), ("sV", rows_layout), ("sKt", cols_layout),
+                ("sQ", step_layout), ("sDO", step_layout), ("sQt", step_t_layout),
+                ("sGt", step_t_layout), ("sDS", ds_layout),
+            )
+        ]  # fmt: skip
+        sDQ = storage.sDQ.get_tensor(dq_layout)
+        sAmax = storage.sAmax.get_tensor(amax_layout)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        cta = cute.arch.block_idx()[0]
+        item = cta // self.heads_kv
+        hk = cta - item * self.heads_kv
+        if item < mCount[0]:
+            doc = mItemDoc[item]
+            doc_start = mCu[doc]
+            item_ctx = dict(
+                doc_start=doc_start, seqlen=mCu[doc + 1] - doc_start, vt_start=mVtStart[doc],
+                key0=mItemTile[item] * TILE_N, hk=hk,
+            )  # fmt: skip
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(24)
+                if warp_idx == 0:
+                    self.produce(item_ctx, tmas, atoms, smem_tensors, pipe_kv, pipe_step)
+            else:
+                cute.arch.setmaxregister_increase(240)
+                self.consume(
+                    item_ctx, mmas, smem_tensors, sDQ, sAmax, pipe_kv, pipe_step, mQexp,
+                    mFactors, mDOexp, mGexp, mDelta, mM, mLSE, mDQ, mDK, mDV, mDbg, qk_scale,
+                    softmax_scale,
+                )  # fmt: skip
+
+    @cute.jit
+    def first_step(self, key0: Int32) -> Int32:
+        """First query of the item's steps: the tile's first key (causal) or 0."""
+        lo = Int32(0)
+        if const_expr(self.causal):
+            lo = key0
+        return lo
+
+    @cute.jit
+    def produce(self, w, tmas, atoms, smem, pipe_kv, pipe_step):
+        """TMA loads: the key tile once, then Q̂, dÔ, Q̂ᵀ, Ĝᵀ per head and step."""
+        tma_k, tma_v, tma_kt, tma_q, tma_do, tma_qt, tma_gt = tmas
+        atom_k, atom_v, atom_kt, atom_q, atom_do, atom_qt, atom_gt = atoms
+        sK, sV, sKt, sQ, sDO, sQt, sGt, _ = smem
+        doc_start, vt_start, hk, key0 = w["doc_start"], w["vt_start"], w["hk"], w["key0"]
+        halves = self.halves
+
+        kv_bar = pipe_kv.sync_object_full.get_barrier(0)
+        pipe_kv.producer_acquire_w_index_phase(0, Int32(1))
+        load_k = _rows_copy(atom_k, tma_k, hk, (WG_KEYS, self.d), sK, doc_start)
+        load_v = _rows_copy(atom_v, tma_v, hk, (WG_KEYS, self.d), sV, doc_start)
+        for wg in cutlass.range_constexpr(NUM_WG):
+            load_k(src_idx=key0 // WG_KEYS + wg, dst_idx=wg, tma_bar_ptr=kv_bar)
+            load_v(src_idx=key0 // WG_KEYS + wg, dst_idx=wg, tma_bar_ptr=kv_bar)
+            for hf in cutlass.range_constexpr(halves):
+                load_kt = _cols_copy(atom_kt, tma_kt, hk, (64, WG_KEYS), sKt, hf, vt_start)
+                load_kt(src_idx=key0 // WG_KEYS + wg, dst_idx=wg * halves + hf, tma_bar_ptr=kv_bar)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        lo = self.first_step(key0)
+        n_steps = cute.ceil_div(w["seqlen"] - lo, STEP)
+        for g in cutlass.range(self.group, unroll=1):
+            h = hk * self.group + g
+            load_q = _rows_copy(atom_q, tma_q, h, (STEP, self.d), sQ, doc_start)
+            load_do = _rows_copy(atom_do, tma_do, h, (STEP, self.d), sDO, doc_start)
+            loads_t = [
+                (_cols_copy(atom_qt, tma_qt, h, (64, STEP), sQt, hf, vt_start),
+                 _cols_copy(atom_gt, tma_gt, h, (64, STEP), sGt, hf, vt_start))
+                for hf in range(halves)
+            ]  # fmt: skip
+            for i in cutlass.range(n_steps, unroll=1):
+                pipe_step.producer_acquire(state)
+                bar = pipe_step.producer_get_barrier(state)
+                at = lo // STEP + i
+                load_q(src_idx=at, dst_idx=state.index, tma_bar_ptr=bar)
+                load_do(src_idx=at, dst_idx=state.index, tma_bar_ptr=bar)
+                for hf in cutlass.range_constexpr(halves):
+                    piece = state.index * halves + hf
+                    loads_t[hf][0](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
+                    loads_t[hf][1](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
+                state.advance()
+
+    @cute.jit
+    def consume(
+        self, w, mmas, smem, sDQ, sAmax, pipe_kv, pipe_step, mQexp, mFactors, mDOexp, mGexp,
+        mDelta, mM, mLSE, mDQ, mDK, mDV, mDbg, qk_scale, softmax_scale,
+    ):  # fmt: skip
+        """The two key warpgroups: every step of every head of the group, then dK/dV."""
+        tiled_mma_s, tiled_mma_kv, tiled_mma_dq = mmas
+        sK, sV, sKt, sQ, sDO, sQt, sGt, sDS = smem
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        t = tidx - wg * 128  # thread in its warpgroup
+        thr_s = tiled_mma_s.get_slice(t)
+        thr_kv = tiled_mma_kv.get_slice(t)
+        thr_dq = tiled_mma_dq.get_slice(t)
+        wg_s = tiled_mma_s.get_slice(0)
+        wg_kv = tiled_mma_kv.get_slice(0)
+        wg_dq = tiled_mma_dq.get_slice(0)
+        d = self.d
+        _, tSrK, tSrQ = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, STEP, d), sK, sQ)
+        _, tPrV, tPrDO = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, STEP, d), sV, sDO)
+        # dV / dK / dQᵀ in 64-column pieces of the head dimension (B / A index: stage or
+        # warpgroup · halves + piece)
+        _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(wg_kv, (WG_KEYS, 64, STEP), None, sGt)
+        _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, (WG_KEYS, 64, STEP), None, sQt)
+        _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, (64, STEP, WG_KEYS), sKt, sDS)
+        acc_dk = []
+        acc_dv = []
+        for _hf in cutlass.range_constexpr(self.halves):
+            acc_dk.append(cute.make_rmem_tensor(thr_kv.partition_shape_C((WG_KEYS, 64)), Float32))
+            acc_dv.append(cute.make_rmem_tensor(thr_kv.partition_shape_C((WG_KEYS, 64)), Float32))
+        # this thread's rows (keys) and columns (queries) of a step's score tile
+        tScS = layout_utils.reshape_acc_to_mn(
+            thr_s.partition_C(cute.make_identity_tensor((WG_KEYS, STEP)))
+        )
+        n_rows = cute.size(tScS, mode=[0])
+        n_cols = cute.size(tScS, mode=[1])
+        col0 = tScS[0, 0][1]
+        warp = t // 32
+        seqlen = w["seqlen"]
+        key0 = w["key0"] + wg * WG_KEYS  # this warpgroup's first key
+        hk = w["hk"]
+        # per key row: 2^eK, eV, 2^-eV, 2^eV
+        kfac = cute.make_rmem_tensor(n_rows, Float32)
+        ev = cute.make_rmem_tensor(n_rows, Float32)
+        vinv = cute.make_rmem_tensor(n_rows, Float32)
+        vfac = cute.make_rmem_tensor(n_rows, Float32)
+        key = cute.make_rmem_tensor(n_rows, Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            key[r] = key0 + tScS[r, 0][0]
+            kfac[r] = Float32(0.0)
+            ev[r] = Float32(0.0)
+            vinv[r] = Float32(0.0)
+            vfac[r] = Float32(0.0)
+            if key[r] < seqlen:
+                col = w["vt_start"] + v_t_position(key[r])
+                kfac[r] = mFactors[hk, 0, col]
+                ev[r] = mFactors[hk, 1, col]
+                vinv[r] = mFactors[hk, 2, col]
+                vfac[r] = pow2(Int32(ev[r]))
+        for hf in cutlass.range_constexpr(self.halves):
+            acc_dk[hf].fill(0.0)
+            acc_dv[hf].fill(0.0)
+        pipe_kv.consumer_wait_w_index_phase(0, Int32(0))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        lo = self.first_step(w["key0"])
+        n_steps = cute.ceil_div(seqlen - lo, STEP)
+        # a warpgroup whose keys all lie past the document, or (causal) whose first key
+        # follows every query of a step, only keeps the stages in step
+        wg_live = key0 < seqlen
+        ctx = dict(
+            w=w, wg=wg, t=t, warp=warp, col0=col0, key=key, kfac=kfac, ev=ev, vinv=vinv,
+            vfac=vfac, tScS=tScS, n_rows=n_rows, n_cols=n_cols, tSrK=tSrK, tSrQ=tSrQ,
+            tPrV=tPrV, tPrDO=tPrDO, frag_p=frag_p, frag_ds=frag_ds, tVrG=tVrG, tKrQ=tKrQ,
+            tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS,
+            sDQ=sDQ, sAmax=sAmax, thr_dq=thr_dq, mmas=mmas, seqlen=seqlen, key0=key0,
+        )  # fmt: skip
+        for g in cutlass.range(self.group, unroll=1):
+            h = hk * self.group + g
+            for i in cutlass.range(n_steps, unroll=1):
+                i0 = lo + i * STEP
+                pipe_step.consumer_wait(state, pipe_step.consumer_try_wait(state))
+                live = wg_live
+                if const_expr(self.causal):
+                    live = wg_live and i0 + STEP > key0
+                if live:
+                    self.step(
+                        ctx, state.index, h, i0, mQexp, mDOexp, mGexp, mDelta, mM, mLSE, mDQ,
+                        mDbg, qk_scale, softmax_scale,
+                    )  # fmt: skip
+                pipe_step.consumer_release(state)
+                state.advance()
+        if t == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.store_dkv(ctx, thr_kv, mDK, mDV, softmax_scale)
+
+    @cute.jit
+    def step(
+        self, ctx, stage, h, i0, mQexp, mDOexp, mGexp, mDelta, mM, mLSE, mDQ, mDbg, qk_scale,
+        softmax_scale,
+    ):  # fmt: skip
+        """One 32-query step of one head for this warpgroup's 64 keys."""
+        tiled_mma_s, tiled_mma_kv, tiled_mma_dq = ctx["mmas"]
+        w = ctx["w"]
+        wg = ctx["wg"]
+        doc_start = w["doc_start"]
+        seqlen = ctx["seqlen"]
+        n_rows, n_cols = ctx["n_rows"], ctx["n_cols"]
+        acc_s = sm90_utils.gemm_zero_init(
+            tiled_mma_s, (WG_KEYS, STEP), ctx["tSrK"], ctx["tSrQ"], A_idx=wg, B_idx=stage,
+            wg_wait=-1,
+        )  # fmt: skip
+        acc_dp = sm90_utils.gemm_zero_init(
+            tiled_mma_s, (WG_KEYS, STEP), ctx["tPrV"], ctx["tPrDO"], A_idx=wg, B_idx=stage,
+            wg_wait=-1,
+        )  # fmt: skip
+        # per query column, while the MMAs run
+        q = cute.make_rmem_tensor(n_cols, Int32)
+        qfac = cute.make_rmem_tensor(n_cols, Float32)  # qk_scale · 2^eQ
+        q8fac = cute.make_rmem_tensor(n_cols, Float32)  # 2^eQ
+        ref = cute.make_rmem_tensor(n_cols, Float32)  # M − 8
+        f = cute.make_rmem_tensor(n_cols, Float32)  # 2^(M − 8 − lse)
+        delta = cute.make_rmem_tensor(n_cols, Float32)
+        for j in cutlass.range_constexpr(n_cols):
+            q[j] = i0 + ctx["col0"] + column_offset(j)
+            eq = Int32(0)
+            m = Float32(0.0)
+            lse = Float32(0.0)
+            dl = Float32(0.0)
+            if q[j] < seqlen:
+                tok = doc_start + q[j]
+                eq = Int32(mQexp[h, tok])
+                m = mM[tok, h]
+                lse = mLSE[tok, h]
+                dl = mDelta[h, tok]
+            q8fac[j] = pow2(eq)
+            qfac[j] = q8fac[j] * qk_scale
+            ref[j] = m - P_HAT_EXP
+            f[j] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
+            delta[j] = dl
+        do_fac = pow2(Int32(mDOexp[h, doc_start + i0]))
+        g_fac = pow2(Int32(mGexp[h, w["vt_start"] + i0]))
+        warpgroup.wait_group(0)
+        s_mn = layout_utils.reshape_acc_to_mn(acc_s)
+        dp_mn = layout_utils.reshape_acc_to_mn(acc_dp)
+        amax_k = Float32(0.0)
+        amax_q = Float32(0.0)
+        for r in cutlass.range_constexpr(n_rows):
+            key = ctx["key"][r]
+            kfac = ctx["kfac"][r]
+            ev = ctx["ev"][r]
+            vinv = ctx["vinv"][r]
+            dp_fac = ctx["vfac"][r] * do_fac
+            for j in cutlass.range_constexpr(n_cols):
+                y = s_mn[r, j] * (qfac[j] * kfac) + ev
+                ok = key < seqlen and q[j] < seqlen
+                if const_expr(self.causal):
+                    ok = ok and q[j] >= key
+                y = y if ok else -Float32.inf
+                p = cute.math.exp2(y - ref[j], fastmath=True)
+                if const_expr(self.debug_p):
+                    if key < seqlen and q[j] < seqlen:
+                        mDbg[h, doc_start + q[j], doc_start + key] = p
+                pv = e4m3_value(p)
+                ds = pv * vinv * f[j] * (dp_mn[r, j] * dp_fac - delta[j])
+                ds = Float32(0.0) if pv == Float32(0.0) else ds
+                s_mn[r, j] = p
+                dp_mn[r, j] = ds
+                dsk = ds * q8fac[j]
+                amax_k = fa_utils.fmax(amax_k, abs(dsk))
+                amax_q = fa_utils.fmax(amax_q, abs(ds * kfac))
+        # P̂ into the A fragment of dV's product; dV += (P̂ᵀ·Ĝ)·2^eG, one piece at a time
+        # (overlap: all pieces issued now, promoted after the exponent exchange below)
+        accumulator_to_a(acc_s, ctx["frag_p"])
+        acc_v = []
+        for hf in cutlass.range_constexpr(self.halves):
+            acc_v.append(
+                sm90_utils.gemm_zero_init(
+                    tiled_mma_kv, (WG_KEYS, 64), ctx["frag_p"], ctx["tVrG"],
+                    B_idx=stage * self.halves + hf, wg_wait=-1 if const_expr(self.overlap) else 0,
+                )
+            )  # fmt: skip
+            if const_expr(not self.overlap):
+                self.promote(ctx["acc_dv"][hf], acc_v[hf], g_fac)
+        # block exponents: dK per (dk_keys keys x step), dQ per (64 keys x step)
+        amax_k = cute.arch.warp_reduction_max(amax_k, threads_in_group=32)
+        amax_q = cute.arch.warp_reduction_max(amax_q, threads_in_group=32)
+        sAmax = ctx["sAmax"]
+        warp = ctx["warp"]
+        if ctx["t"] % 32 == 0:
+            sAmax[0, warp, wg] = amax_k
+            sAmax[1, warp, wg] = amax_q
+        cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)
+        # rows of a warp are 16 keys: a dK block of dk_keys keys spans dk_keys // 16 warps
+        per_block = self.dk_keys // 16
+        first = warp // per_block * per_block if const_expr(per_block > 1) else warp
+        block_amax = sAmax[0, first, wg]
+        for k in cutlass.range_constexpr(1, max(per_block, 1)):
+            block_amax = fa_utils.fmax(block_amax, sAmax[0, first + k, wg])
+        tile_amax = fa_utils.fmax(
+            fa_utils.fmax(sAmax[1, 0, wg], sAmax[1, 1, wg]),
+            fa_utils.fmax(sAmax[1, 2, wg], sAmax[1, 3, wg]),
+        )
+        ek = e4m3_exponent(block_amax)
+        eb = e4m3_exponent(tile_amax)
+        k_inv = pow2(-ek)
+        b_inv = pow2(-eb)
+        # dŜ for dK (registers, A fragment) and dŜ for dQ (shared memory, transposed)
+        ds_q = cute.make_rmem_tensor(cute.size(acc_s), Float32)
+        ds_q_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds_q.iterator, acc_s.layout))
+        for r in cutlass.range_constexpr(n_rows):
+            kfac = ctx["kfac"][r]
+            for j in cutlass.range_constexpr(n_cols):
+                ds = dp_mn[r, j]
+                s_mn[r, j] = ds * q8fac[j] * k_inv
+                ds_q_mn[r, j] = ds * kfac * b_inv
+        accumulator_to_a(acc_s, ctx["frag_ds"])
+        ds8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
+        ds8.store(ds_q.load().to(FP8))
+        ds8_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds8.iterator, acc_s.layout))
+        sDS = ctx["sDS"]
+        tScS = ctx["tScS"]
+        for r in cutlass.range_constexpr(n_rows):
+            for j in cutlass.range_constexpr(n_cols):
+                # K̂ᵀ holds the keys in the column layout's order: dŜ's columns follow it
+                sDS[tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
+        if ctx["t"] == 0:  # the previous step's dQ tile has left shared memory
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
+        if const_expr(self.overlap):
+            warpgroup.wait_group(0)
+            for hf in cutlass.range_constexpr(self.halves):
+                self.promote(ctx["acc_dv"][hf], acc_v[hf], g_fac)
+        # dK += (dŜᵀ·Q̂)·2^ek and dQᵀ = K̂ᵀ·dŜᵀ, one piece of the head dimension at a time
+        ek_fac = pow2(ek)
+        dq_fac = pow2(eb) * softmax_scale
+        sDQ = ctx["sDQ"]
+        thr_dq = ctx["thr_dq"]
+        tQcQ = layout_utils.reshape_acc_to_mn(
+            thr_dq.partition_C(cute.make_identity_tensor((64, STEP)))
+        )
+        wait = -1 if const_expr(self.overlap) else 0
+        acc_k = []
+        for hf in cutlass.range_constexpr(self.halves):
+            acc_k.append(
+                sm90_utils.gemm_zero_init(
+                    tiled_mma_kv, (WG_KEYS, 64), ctx["frag_ds"], ctx["tKrQ"],
+                    B_idx=stage * self.halves + hf, wg_wait=wait,
+                )
+            )  # fmt: skip
+            if const_expr(not self.overlap):
+                self.promote(ctx["acc_dk"][hf], acc_k[hf], ek_fac)
+        acc_q = []
+        for hf in cutlass.range_constexpr(self.halves):
+            acc_q.append(
+                sm90_utils.gemm_zero_init(
+                    tiled_mma_dq, (64, STEP), ctx["tQrK"], ctx["tQrS"],
+                    A_idx=wg * self.halves + hf, B_idx=wg, wg_wait=wait,
+                )
+            )  # fmt: skip
+        if const_expr(self.overlap):  # dK's groups first, then dQ's
+            warpgroup.wait_group(self.halves)
+            for hf in cutlass.range_constexpr(self.halves):
+                self.promote(ctx["acc_dk"][hf], acc_k[hf], ek_fac)
+            warpgroup.wait_group(0)
+        for hf in cutlass.range_constexpr(self.halves):
+            acc_q_mn = layout_utils.reshape_acc_to_mn(acc_q[hf])
+            for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[1])):
+                    row, col = tQcQ[r, j]
+                    # queries past the document: zero (the tile is added to the next
+                    # document's rows, and 0·NaN from a bad key would carry over)
+                    val = acc_q_mn[r, j] * dq_fac
+                    sDQ[col, hf * 64 + row, wg] = val if i0 + col < seqlen else Float32(0.0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
+        if ctx["t"] == 0:
+            copy_utils.cpasync_reduce_bulk_add_f32(
+                sDQ[None, None, wg].iterator, mDQ[h, doc_start + i0, None].iterator,
+                STEP * self.d * 4,
+            )  # fmt: skip
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def promote(self, acc: cute.Tensor, part: cute.Tensor, scale: Float32) -> None:
+        """``acc += part · scale`` (FP32: the per-step promotion of an FP8 product)."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            acc[e] = acc[e] + part[e] * scale
+
+    @cute.jit
+    def store_dkv(self, ctx, thr_kv, mDK, mDV, softmax_scale):
+        """dK·softmax_scale and dV·2^-eV in the output dtype, rows inside the document."""
+        w = ctx["w"]
+        tKcK = layout_utils.reshape_acc_to_mn(
+            thr_kv.partition_C(cute.make_identity_tensor((WG_KEYS, 64)))
+        )
+        dk_pairs = cute.recast_tensor(mDK, Int32)
+        dv_pairs = cute.recast_tensor(mDV, Int32)
+        for hf in cutlass.range_constexpr(self.halves):
+            dk_mn = layout_utils.reshape_acc_to_mn(ctx["acc_dk"][hf])
+            dv_mn = layout_utils.reshape_acc_to_mn(ctx["acc_dv"][hf])
+            for r in cutlass.range_constexpr(cute.size(dk_mn, mode=[0])):
+                key = ctx["key"][r]
+                if key < ctx["seqlen"]:
+                    tok = w["doc_start"] + key
+                    vinv = ctx["vinv"][r]
+                    for c in cutlass.range_constexpr(0, cute.size(dk_mn, mode=[1]), 2):
+                        at = (hf * 64 + tKcK[0, c][1]) // 2
+                        dk_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
+                            dk_mn[r, c] * softmax_scale, dk_mn[r, c + 1] * softmax_scale,
+                            mDK.element_type,
+                        )  # fmt: skip
+                        dv_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
+                            dv_mn[r, c] * vinv, dv_mn[r, c + 1] * vinv, mDV.element_type
+                        )
+
+
+def _rows_copy(atom, tma, head, box, smem, doc_start):
+    """TMA copy of token-major tiles of a document (source index: tile of the document)."""
+    g = cute.local_tile(cute.domain_offset((doc_start, 0), tma[None, None, head]), box, (None, 0))
+    return copy_utils.tma_get_copy_fn(atom, 0, cute.make_layout(1), g, smem)[0]
+
+
+def _cols_copy(atom, tma, head, box, smem, piece, vt_start):
+    """TMA copy of column-layout tiles, head-dimension rows ``64·piece ..`` (source index:
+    column tile of the document)."""
+    g = cute.local_tile(
+        cute.domain_offset((64 * piece, vt_start), tma[None, None, head]), box, (0, None)
+    )
+    return copy_utils.tma_get_copy_fn(atom, 0, cute.make_layout(1), g, smem)[0]
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def attn_bwd_sm90(
+    qkv: KernelQKV,
+    qdo: KernelDO,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    work: WorkList,
+    *,
+    heads_q: int,
+    causal: bool,
+    softmax_scale: float,
+    qk_scale: float,
+    dk_keys: int,
+    out_dtype: torch.dtype,
+    debug_p: torch.Tensor | None = None,
+    num_stages: int = 2,
+    overlap: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dQ [T, Hq, d], dK, dV [T, Hkv, d])`` in ``out_dtype`` from quantized operands
+    (``ops.attn_bwd``'s contract); ``work`` is a key-tile list with ``block_n = TILE_N``;
+    the column layout's alignment must be a multiple of ``TILE_N``."""
+    total, heads_kv, d = qkv.k_codes.shape
+    dev = qkv.k_codes.device
+    dq_acc = torch.zeros(heads_q, total + DQ_SLACK, d, dtype=torch.float32, device=dev)
+    dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
+    dv = torch.empty_like(dk)
+    v_codes = qkv.v_t[:, :, qkv.key_columns()].permute(2, 0, 1).contiguous()
+    dbg = debug_p if debug_p is not None else torch.empty(1, 1, 1, device=dev)
+    aligned = (
+        (qkv.q_codes, 16), (qkv.k_codes, 16), (v_codes, 16), (qdo.do_codes, 16),
+        (qkv.q_t.permute(1, 2, 0), 16), (qkv.k_t.permute(1, 2, 0), 16),
+        (qdo.g_t.permute(1, 2, 0), 16), (qkv.q_exp.t(), 4), (qkv.kv_factors, 16),
+        (qdo.do_exp.t(), 4), (qdo.g_exp, 4), (qdo.delta.t(), 4), (m_rows.contiguous(), 4),
+        (lse_rows.contiguous(), 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),
+        (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),
+    )  # fmt: skip
+    key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, overlap,
+           out_dtype)  # fmt: skip
+    if key not in _COMPILED:
+        kernel = FlamiaBwdSm90(d, heads_q, heads_kv, causal, dk_keys, num_stages,
+                               debug_p is not None, overlap)  # fmt: skip
+        fake = [
+            to_cute_tensor(
+                t, assumed_align=align, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1)
+            )
+            for t, align in aligned
+        ]
+        _COMPILED[key] = cute.compile(
+            kernel, *fake, Float32(qk_scale), Float32(softmax_scale), Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi",
+        )  # fmt: skip
+    tensors = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t, _ in aligned]
+    if total:
+        _COMPILED[key](*tensors, qk_scale, softmax_scale, work.num_slots * heads_kv)
+    dq = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
+    dq.copy_(dq_acc[:, :total].permute(1, 0, 2))
+    return dq, dk, dv

@@ -1,0 +1,78 @@
+"""CuTe DSL helpers shared by the sm_90 forward and backward kernels: the bit-level rules of
+``numerics.formats`` (twins of ``kernels._common``'s Triton helpers, operation for operation)
+and the register-fragment bookkeeping of Hopper ``wgmma`` accumulators.
+
+Requires ``nvidia-cutlass-dsl``; imported only by the CuTe kernels.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+FP8 = cutlass.Float8E4M3FN
+
+
+def column_offset(j: int) -> int:
+    """Column of a thread's accumulator value ``j`` (row-major mn view of a Hopper
+    accumulator: pairs of adjacent columns, 8 apart) relative to its first, ``col0``."""
+    return j % 2 + 8 * (j // 2)
+
+
+@cute.jit
+def pow2(e: Int32) -> Float32:
+    """float32 ``2**e`` for int32 ``e`` in [-126, 127], built from the exponent field."""
+    return Int32((e + 127) << 23).bitcast(Float32)
+
+
+@cute.jit
+def e4m3_value(x: Float32) -> Float32:
+    """float32 value of ``E4M3(x)`` (round to nearest even) for ``0 <= x <= 448`` from
+    integer and float operations (twin of ``kernels._common.e4m3_value``)."""
+    bits = x.bitcast(Int32)
+    normal = Int32((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).bitcast(Float32)
+    subnormal = (x + Float32(24576.0)) - Float32(24576.0)
+    return subnormal if x < Float32(0.015625) else normal
+
+
+@cute.jit
+def e4m3_exponent(amax: Float32) -> Int32:
+    """int32 ``ceil(log2(amax / 448))`` clamped to [-127, 127], -127 for zero (twin of
+    ``kernels._common.pow2_exponent_ceil`` with E4M3's 448 = 1.75·2^8)."""
+    bits = amax.bitcast(Int32)
+    ea = ((bits >> 23) & 0xFF) - 127
+    ma = bits & 0x7FFFFF
+    e = ea - 8
+    e = e + 1 if ma > 0x600000 else e
+    e = Int32(-127) if ea == -127 else e
+    e = Int32(-127) if e < -127 else e
+    return Int32(127) if e > 127 else e
+
+
+@cute.jit
+def v_t_position(key: Int32) -> Int32:
+    """Column of document-local token ``key`` inside its document's span of the column
+    layout (twin of ``numerics.operands.v_t_position``)."""
+    k = key & 15
+    return (key - k) + (((k >> 1) & 3) << 2) + ((k >> 3) << 1) + (k & 1)
+
+
+@cute.jit
+def accumulator_to_a(acc: cute.Tensor, frag: cute.Tensor) -> None:
+    """E4M3 of an FP32 ``wgmma`` accumulator (M x N) into the register A fragment of an
+    ``M x K=N`` FP8 ``wgmma`` whose B operand stores its K columns in the column layout's
+    order (``operands.v_t_position``). Accumulator value (c, h, n8) is column ``8·n8 + 2q +
+    c`` of row half h; A value (i, h, g, b) is column-layout position ``32b + 16g + 4q + i``,
+    which holds token ``32b + 16g + 8·(i // 2) + 2q + i % 2``: the same token for n8 = 4b +
+    2g + i // 2, c = i % 2, so the values move with no data exchange between threads."""
+    k_blocks = cute.size(acc, mode=[0]) // 16
+    acc_as_a = cute.make_tensor(
+        acc.iterator,
+        cute.make_layout((((2, 2), 2, 2), 1, k_blocks), stride=(((1, 4), 2, 8), 0, 16)),
+    )
+    a = cute.make_tensor(
+        frag.iterator,
+        cute.make_layout((((2, 2), 2, 2), 1, k_blocks), stride=(((1, 2), 4, 8), 0, 16)),
+    )
+    a.store(acc_as_a.load().to(FP8))

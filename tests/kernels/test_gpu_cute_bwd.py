@@ -1,0 +1,127 @@
+"""CuTe DSL backward (sm_90) against the reference twin and the Triton backward: run on the
+H200 (``pytest -m gpu``) with ``nvidia-cutlass-dsl`` and ``flash-attn-4``; skipped elsewhere.
+
+Same tolerance as the Triton backward's GPU tests (``test_attn_bwd``): relative error 3e-2
+against the reference backward (dQ is summed by bulk adds in no fixed order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia_serve import flamia_attn_varlen
+from flamia_serve.kernels.attn_bwd.ops import (
+    CUTE_BWD_CONFIG,
+    BwdConfig,
+    attn_bwd,
+    default_bwd_config,
+)
+from flamia_serve.kernels.attn_fwd.ops import attn_fwd, cute_available
+from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
+from flamia_serve.numerics import RECIPES
+from flamia_serve.probes import make_pack
+from flamia_serve.reference import attention_backward
+from tests.kernels.test_attn_bwd import _grads, _rel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not cute_available(torch.device("cuda")),
+        reason="needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4",
+    ),
+]
+
+# lens (1-token documents, lengths not multiples of 32/64/128, an empty one), hq, hkv, d,
+# causal, exact_causal
+CASES = [
+    ((1, 300, 1000, 129, 0, 31), 4, 2, 64, True, False),
+    ((1, 300, 1000, 129, 31), 8, 1, 128, True, False),
+    ((257, 64, 700), 4, 4, 128, False, False),
+    ((500, 3, 77, 128), 8, 2, 64, False, True),
+    ((2048, 1, 130), 16, 4, 128, True, True),
+]
+
+
+def _operands(lens, hq, hkv, d, causal, exact, seed=5):
+    q, k, v, cu, _ = make_pack(lens, hq, hkv, d, seed=seed, device="cuda")
+    d_out = make_pack(lens, hq, hkv, d, seed=seed + 1, device="cuda")[0]
+    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True, column_align=128)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
+    return qkv, quantize_do(d_out, out, m, lse, cu, column_align=128), m, lse, cu, d_out, out
+
+
+def _bwd(ops, hq, d, causal, config, debug_p=None):
+    qkv, qdo, m, lse, cu = ops[:5]
+    return attn_bwd(qkv, qdo, m, lse, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5,
+                    config=config, debug_p=debug_p)  # fmt: skip
+
+
+@pytest.mark.parametrize(("lens", "hq", "hkv", "d", "causal", "exact"), CASES)
+def test_cute_bwd_matches_reference(lens, hq, hkv, d, causal, exact) -> None:
+    ops = _operands(lens, hq, hkv, d, causal, exact)
+    qkv, qdo, m, lse, cu, d_out, out = ops
+    got = _bwd(ops, hq, d, causal, CUTE_BWD_CONFIG)
+    triton = _bwd(ops, hq, d, causal, BwdConfig())
+    ref = attention_backward(d_out, out, m, lse, qkv.to_reference(), cu, RECIPES["mxfp8"],
+                             causal=causal,
+                             softmax_scale=d**-0.5, qdo=qdo.to_reference())  # fmt: skip
+    for name, g, t, r in zip(("dq", "dk", "dv"), got, triton, ref, strict=True):
+        assert g.shape == r.shape and g.dtype == t.dtype, name
+        assert bool(torch.isfinite(g).all()), name
+        assert _rel(g, r) <= 3e-2, (name, _rel(g, r))
+        assert _rel(g, t.float()) <= 3e-2, (name, _rel(g, t.float()))
+
+
+def test_cute_bwd_rebuilds_the_same_p_hat_as_triton() -> None:
+    """The P̂ each backward rebuilds (debug hook), on one quantization: the same codes."""
+    lens, hq, d = (100, 1, 45, 130), 4, 64
+    ops = _operands(lens, hq, 2, d, True, False)
+    t = sum(lens)
+    bufs = [torch.zeros(hq, t, t, device="cuda") for _ in range(2)]
+    _bwd(ops, hq, d, True, CUTE_BWD_CONFIG, bufs[0])
+    _bwd(ops, hq, d, True, BwdConfig(), bufs[1])
+    assert int((bufs[1] != 0).sum()) > 1000
+    assert torch.equal(bufs[0], bufs[1])
+
+
+def test_cute_bwd_is_the_default_on_its_layout() -> None:
+    dev = torch.device("cuda")
+    assert default_bwd_config(128, dev, column_align=128).kernel == "cute"
+    assert default_bwd_config(128, dev, column_align=64).kernel == "triton"
+    assert default_bwd_config(64, dev, qk_nvfp4=True).kernel == "triton"
+    assert default_bwd_config(256, dev).kernel == "triton"
+    q, k, v, cu, _ = make_pack((70,), 2, 1, 64, device="cuda")
+    qkv = quantize_qkv(q, k, v, cu, with_transposed=True)  # column alignment 16
+    out, m, lse = attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125)
+    qdo = quantize_do(torch.randn_like(out), out, m, lse, cu)
+    with pytest.raises(ValueError, match="column alignment"):
+        attn_bwd(qkv, qdo, m, lse, cu, heads_q=2, causal=True, softmax_scale=0.125,
+                 config=CUTE_BWD_CONFIG)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "d"])
+def test_cute_bwd_never_crosses_a_document(name: str) -> None:
+    """A NaN at the first and the last token of document 1 (the CuTe kernel's token-major
+    tiles load past a document's end) leaves the gradients of documents 0 and 2 as they
+    were: dK/dV bit for bit, dQ up to its summation order."""
+    docs, start, end = (40, 200, 30), 40, 240
+    q, k, v, cu, ms = make_pack(docs, 4, 2, 128, seed=7, device="cuda")
+    d_out = torch.randn_like(q)
+
+    def grads(tensors):
+        return _grads(lambda *a: flamia_attn_varlen(*a, cu, ms), *tensors[:3], tensors[3])
+
+    clean = grads([q, k, v, d_out])
+    bad = [x.clone() for x in (q, k, v, d_out)]
+    i = "qkvd".index(name)
+    bad[i][start, 0] = float("nan")
+    bad[i][end - 1, 1] = float("nan")
+    dirty = grads(bad)
+    other = torch.ones(sum(docs), dtype=torch.bool, device="cuda")
+    other[start:end] = False
+    for label, a, b in zip(("o", "dq", "dk", "dv"), dirty, clean, strict=True):
+        assert bool(torch.isfinite(a[other]).all()), label
+        if label == "dq":
+            assert _rel(a[other], b[other]) <= 1e-2, label
+        else:
+            assert torch.equal(a[other], b[other]), label
