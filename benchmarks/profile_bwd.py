@@ -1,8 +1,9 @@
 """One backward kernel launch of a pack, for ``ncu`` and variant timing.
 
 ``python benchmarks/profile_bwd.py [--tokens 8192] [--warps 8] [--stages 2] [--no-dq]
-[--full]`` times ``attn_bwd`` (operands prequantized) and prints ms and TFLOP/s; under
-``ncu -k regex:attn_bwd_kernel --launch-skip 1 --launch-count 1`` profile the second launch.
+[--full] [--kernel cute]`` times ``attn_bwd`` (operands prequantized, on the CuTe forward's
+128-column layout) and prints ms and TFLOP/s; under ``ncu -k regex:attn_bwd_kernel
+--launch-skip 1 --launch-count 1`` (CuTe: ``regex:FlamiaBwd``) profile the second launch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-dq", action="store_true")
     ap.add_argument("--full", action="store_true", help="non-causal")
     ap.add_argument("--once", action="store_true", help="two launches only (for ncu)")
+    ap.add_argument("--kernel", choices=["triton", "cute"], default="triton")
     args = ap.parse_args(argv)
     t, d, hq, hkv = args.tokens, args.d, 32, 8
     causal = not args.full
@@ -40,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         return torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
 
     q, k, v, d_out = randn(hq), randn(hkv), randn(hkv), randn(hq)
-    qkv = quantize_qkv(q, k, v, cu, with_transposed=True)
+    qkv = quantize_qkv(q, k, v, cu, with_transposed=True, column_align=128)
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
-    qdo = quantize_do(d_out, out, m, lse, cu)
-    cfg = BwdConfig(num_warps=args.warps, num_stages=args.stages)
+    qdo = quantize_do(d_out, out, m, lse, cu, column_align=128)
+    cfg = BwdConfig(num_warps=args.warps, num_stages=args.stages, kernel=args.kernel)
 
     def run() -> None:
         attn_bwd(qkv, qdo, m, lse, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5,
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ms = time_ms(run, warmup_ms=10, rep_ms=100)["ms"]
     flops = 2.5 * 4 * (t * t / (2 if causal else 1)) * hq * d
-    print(f"T={t} d={d} causal={causal} warps={args.warps} stages={args.stages} "
+    print(f"{args.kernel} T={t} d={d} causal={causal} warps={args.warps} stages={args.stages} "
           f"dq={not args.no_dq}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s")  # fmt: skip
     return 0
 

@@ -140,6 +140,9 @@ def test_cute_zero_future_and_cross_document_leakage() -> None:
 
 def test_cute_rejects_what_it_does_not_run() -> None:
     q, k, v, cu, _ms = make_pack((64,), 2, 1, 256, seed=1, device="cuda")
-    qkv = quantize_qkv(q, k, v, cu)
-    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+    qkv = quantize_qkv(q, k, v, cu)  # 16-column layout: whole 128-key tiles would overrun
+    with pytest.raises(ValueError, match="column_align=128"):
+        attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.1, config=CUTE_CONFIG)
+    qkv = quantize_qkv(q, k, v, cu, recipe="mixed_nvfp4", column_align=128)
+    with pytest.raises(ValueError, match="E4M3 Q/K"):
         attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.1, config=CUTE_CONFIG)

@@ -43,11 +43,17 @@ from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels._common import sm_count
+from flamia_serve.kernels.cute_sm90_common import (
+    FP8,
+    accumulator_to_a,
+    column_offset,
+    e4m3_value,
+    pow2,
+)
 from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.numerics import P_HAT_EXP
 from flamia_serve.numerics.operands import KernelQKV
 
-FP8 = cutlass.Float8E4M3FN
 # named barriers (0 is __syncthreads): the tensor-core turns of consumer warpgroups 0..2
 _BAR_TURN = 1
 _WORK_STAGES = 2  # work items the producer warp may publish ahead of the consumers
@@ -390,7 +396,7 @@ class FlamiaFwdSm90:
             thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         )
         n_rows = cute.size(tScS, mode=[0])
-        # this thread's key columns are col0 + _column_offset(j), col0 = 2·(lane % 4); their
+        # this thread's key columns are col0 + column_offset(j), col0 = 2·(lane % 4); their
         # exponent factors sit at 2·col0 + _factor_offset(j) (v_t's permuted columns)
         col0 = tScS[0, 0][1]
         ctx = SimpleNamespace(
@@ -432,7 +438,7 @@ class FlamiaFwdSm90:
             qe = Int32(0)
             if ctx.row[r] < w.seqlen:
                 qe = Int32(mQexp[w.head, w.doc_start + ctx.row[r]])
-            ctx.qfac[r] = _pow2(qe) * qk_scale
+            ctx.qfac[r] = pow2(qe) * qk_scale
         ctx.m_run.fill(-Float32.inf)
         ctx.l_run.fill(0.0)
         ctx.acc_O.fill(0.0)
@@ -542,9 +548,9 @@ class FlamiaFwdSm90:
         # this thread's factors: 4 adjacent floats per 16-key group, from column 2·col0
         thr_factors = cute.domain_offset((2 * ctx.col0, 0), factors)
         for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            key = n * self.tile_n + ctx.col0 + _column_offset(j)
+            key = n * self.tile_n + ctx.col0 + column_offset(j)
             if const_expr(self.k_exp_block > 1):  # one K exponent per aligned key block
-                k_scale = factors[_column_offset(j) // self.k_exp_block * self.k_exp_block, 0]
+                k_scale = factors[column_offset(j) // self.k_exp_block * self.k_exp_block, 0]
             else:
                 k_scale = thr_factors[_factor_offset(j), 0]
             v_exp = thr_factors[_factor_offset(j), 1]
@@ -573,33 +579,20 @@ class FlamiaFwdSm90:
         for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             v_inv = thr_factors[_factor_offset(j), 2]
             if const_expr(mask):
-                key = n * self.tile_n + ctx.col0 + _column_offset(j)
+                key = n * self.tile_n + ctx.col0 + column_offset(j)
                 v_inv = v_inv if key < ctx.seqlen else Float32(0.0)
             for r in cutlass.range_constexpr(n_rows):
                 p = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
                 s_mn[r, j] = p
-                l_tile[r, j % 2] += _e4m3_value(p) * v_inv  # l sums P̂ itself (N3)
+                l_tile[r, j % 2] += e4m3_value(p) * v_inv  # l sums P̂ itself (N3)
         for r in cutlass.range_constexpr(n_rows):
             ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + (l_tile[r, 0] + l_tile[r, 1])
 
     @cute.jit
     def stage_p(self, ctx, acc_S):
-        """P̂ = E4M3(P) into the A fragment of the next ``P̂·V̂`` (registers). Accumulator value
-        (c, h, n8) is key column ``8·n8 + 2q + c`` of row half h; A value (i, h, g, b) is
-        ``v_t`` column ``32b + 16g + 4q + i``, which holds key ``32b + 16g + 8·(i // 2) + 2q
-        + i % 2`` (``v_t_position``): the same key for n8 = 4b + 2g + i // 2, c = i % 2."""
-        k_blocks = cute.size(acc_S, mode=[0]) // 16
-        acc_as_a = cute.make_tensor(
-            acc_S.iterator,
-            cute.make_layout(
-                (((2, 2), 2, 2), 1, k_blocks), stride=(((1, 4), 2, 8), 0, 16)
-            ),
-        )  # fmt: skip
-        p_hat = cute.make_tensor(
-            ctx.tOrP.iterator,
-            cute.make_layout((((2, 2), 2, 2), 1, k_blocks), stride=(((1, 2), 4, 8), 0, 16)),
-        )
-        p_hat.store(acc_as_a.load().to(FP8))
+        """P̂ = E4M3(P) into the A fragment of the next ``P̂·V̂`` (registers; ``v_t``'s column
+        order makes this a register view: ``accumulator_to_a``)."""
+        accumulator_to_a(acc_S, ctx.tOrP)
 
     @cute.jit
     def turn_wait(self, wg):
@@ -636,33 +629,11 @@ class FlamiaFwdSm90:
                     mLSE[tok, w.head] = m - P_HAT_EXP + cute.math.log2(ctx.l_run[r], fastmath=True)
 
 
-def _column_offset(j: int) -> int:
-    """Key column of a thread's score value ``j`` (row-major mn view of a Hopper
-    accumulator: pairs of adjacent columns, 8 apart) relative to its first, ``col0``."""
-    return j % 2 + 8 * (j // 2)
-
-
 def _factor_offset(j: int) -> int:
     """Column, relative to ``2·col0``, of the factors of that key in ``v_t``'s permuted
-    order (``v_t_position(col0 + _column_offset(j)) - 2·col0``; col0 = 2q < 8)."""
+    order (``v_t_position(col0 + column_offset(j)) - 2·col0``; col0 = 2q < 8)."""
     n8 = j // 2
     return 16 * (n8 // 2) + 2 * (n8 % 2) + j % 2
-
-
-@cute.jit
-def _pow2(e: Int32) -> Float32:
-    """float32 ``2**e`` for int32 ``e`` in [-126, 127], built from the exponent field."""
-    return Int32((e + 127) << 23).bitcast(Float32)
-
-
-@cute.jit
-def _e4m3_value(x: Float32) -> Float32:
-    """float32 value of ``E4M3(x)`` (round to nearest even) for ``0 <= x <= 448`` from
-    integer and float operations (twin of ``kernels._common.e4m3_value``)."""
-    bits = x.bitcast(Int32)
-    normal = Int32((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).bitcast(Float32)
-    subnormal = (x + Float32(24576.0)) - Float32(24576.0)
-    return subnormal if x < Float32(0.015625) else normal
 
 
 _COMPILED: dict[tuple, object] = {}
@@ -722,4 +693,3 @@ def attn_fwd_sm90(
     fp8_as_bytes = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
     sms = sm_count(out.device)
     _COMPILED[key](*fp8_as_bytes, qk_scale, max(1, min(work.num_slots * heads_q, sms)))
-
