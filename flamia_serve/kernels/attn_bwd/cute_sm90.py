@@ -290,6 +290,8 @@ class FlamiaBwdSm90:
                 key0=mItemTile[item] * TILE_N, hk=hk,
             )  # fmt: skip
             if warp_idx < 4:
+                # the launch allocates 168 registers x 384 threads; 128·24 + 256·240 fits it
+                # exactly (more for either side and setmaxnreg.inc waits forever)
                 cute.arch.setmaxregister_decrease(24)
                 if warp_idx == 0:
                     self.produce(item_ctx, tmas, atoms, smem_tensors, pipe_kv, pipe_step)
