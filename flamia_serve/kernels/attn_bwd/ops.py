@@ -158,6 +158,13 @@ def attn_bwd(
     dev = qkv.k_codes.device
     nvfp4 = qkv.q4 is not None and qkv.k4 is not None
     cfg = config or default_bwd_config(d, dev, qk_nvfp4=nvfp4, column_align=qkv.column_align)
+    if cfg.kernel == "cute" and heads_q * (total + 32) * d >= 2**31:
+        if config is not None:  # the CuTe kernel addresses its dQ buffer with int32
+            raise ValueError(
+                f"config.kernel='cute' takes heads_q·(T + 32)·head_dim < 2^31, got "
+                f"{heads_q}·{total + 32}·{d}; use kernel='triton'"
+            )
+        cfg = default_bwd_config(d, dev, kernel="triton")
     if cfg.kernel == "cute" and not with_dq:
         if config is not None:
             raise ValueError("config.kernel='cute' always computes dQ (with_dq=False is Triton's)")
