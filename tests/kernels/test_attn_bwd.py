@@ -365,3 +365,23 @@ def test_bwd_config_kernel_choice_and_round_trip(device) -> None:
     for cfg in (cute, BwdConfig(), BwdConfig(kernel="cute", overlap=True, num_stages=3)):
         assert BwdConfig.from_ints(cfg.to_ints()) == cfg
     assert cute.work_block_n == 128 and BwdConfig().work_block_n == 64
+
+
+def test_default_bwd_config_follows_the_forward_layout(monkeypatch) -> None:
+    """Where the CuTe kernels run, the backward is CuTe exactly when the forward's layout is
+    128-column aligned and Q/K are E4M3 at d 64/128; the Triton kernel otherwise (and with
+    ``kernel="triton"``); without the cute extra, always Triton."""
+    from flamia_serve.kernels.attn_bwd import ops as bwd_ops
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(bwd_ops, "_cute_available", lambda device: True)
+    assert default_bwd_config(128, gpu, column_align=128) == bwd_ops.CUTE_BWD_CONFIG
+    assert default_bwd_config(64, gpu, column_align=256).kernel == "cute"
+    for kw in (dict(column_align=16), dict(column_align=64), dict(qk_nvfp4=True),
+               dict(kernel="triton")):  # fmt: skip
+        assert default_bwd_config(128, gpu, **kw).kernel == "triton", kw
+    assert default_bwd_config(256, gpu, column_align=128) == BwdConfig(num_warps=8)
+    with pytest.raises(ValueError, match="kernel must be None or 'triton'"):
+        default_bwd_config(128, gpu, kernel="cute")
+    monkeypatch.setattr(bwd_ops, "_cute_available", lambda device: False)
+    assert default_bwd_config(128, gpu, column_align=128) == BwdConfig()
