@@ -16,14 +16,16 @@ import shutil
 from pathlib import Path
 
 import torch
-from cutlass import Float32, Int32, cute
+from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from flamia_serve.kernels.attn_bwd.cute_sm90 import DQ_SLACK, FlamiaBwdSm90, to_cute_tensor
+from flamia_serve.kernels.attn_bwd.cute_sm90 import DQ_SLACK, FlamiaBwdSm90
+from flamia_serve.kernels.cute_sm90_common import TVM_FFI, compile_kernel
 
 
 def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
-    """Fake CUDA tensors with the launcher's shapes, dtypes, strides and alignments."""
+    """(fake CUDA tensor, byte alignment) pairs with the launcher's shapes, dtypes, strides
+    and alignments."""
     t_pad = total + 128 + 64
     u8, i16, i32 = torch.uint8, torch.int16, torch.int32
     tensors = [
@@ -51,26 +53,27 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
         (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dV
         (torch.empty(1, 1, 1), 4),  # debug P
     ]
-    return [
-        to_cute_tensor(t, assumed_align=a, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1))
-        for t, a in tensors
-    ]
+    return tensors
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", type=Path, default=None)
     args = parser.parse_args()
-    options = "--enable-tvm-ffi" + (" --keep-cubin" if args.keep else "")
+    options = TVM_FFI + (" --keep-cubin" if args.keep else "")
     with FakeTensorMode():
         torch.set_default_device("cuda")
         for d, causal, overlap in ((128, True, True), (128, True, False), (64, True, True),
                                    (128, False, True)):  # fmt: skip
             kernel = FlamiaBwdSm90(d, 8, 2, causal, 32, 2, False, overlap)
-            compiled = cute.compile(
-                kernel, *_fake_args(1024, 8, 2, d), Float32(0.1), Float32(0.1), Int32(1),
-                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options,
-            )  # fmt: skip
+            compiled = compile_kernel(
+                kernel,
+                _fake_args(1024, 8, 2, d),
+                Float32(0.1),
+                Float32(0.1),
+                Int32(1),
+                options=options,
+            )
             print(f"cute backward d={d} causal={causal} overlap={overlap}: compiled")
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)

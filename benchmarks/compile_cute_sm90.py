@@ -16,14 +16,16 @@ Prints one line per compiled configuration.
 from __future__ import annotations
 
 import torch
-from cutlass import Float32, Int32, cute
+from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from flamia_serve.kernels.attn_fwd.cute_sm90 import FlamiaFwdSm90, to_cute_tensor
+from flamia_serve.kernels.attn_fwd.cute_sm90 import FlamiaFwdSm90
+from flamia_serve.kernels.cute_sm90_common import compile_kernel
 
 
 def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
-    """Fake CUDA tensors with the launcher's shapes, dtypes, strides and alignments."""
+    """(fake CUDA tensor, byte alignment) pairs with the launcher's shapes, dtypes, strides
+    and alignments."""
     t_pad = total + 16 + 64
     u8, i32 = torch.uint8, torch.int32
     tensors = [
@@ -42,10 +44,7 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
         (torch.empty(total, heads_q), 4),  # M
         (torch.empty(total, heads_q), 4),  # lse
     ]
-    return [
-        to_cute_tensor(t, assumed_align=a, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1))
-        for t, a in tensors
-    ]
+    return tensors
 
 
 def main() -> None:
@@ -54,11 +53,7 @@ def main() -> None:
         for d, causal, tile_n in ((128, True, 128), (64, True, 128), (128, False, 128),
                                   (256, True, 64)):  # fmt: skip
             kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, True, True)
-            cute.compile(
-                kernel, *_fake_args(1024, 8, 2, d), Float32(0.1), Int32(1),
-                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                options="--enable-tvm-ffi",
-            )  # fmt: skip
+            compile_kernel(kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1))
             print(f"cute forward d={d} causal={causal} tile 128x{tile_n}: compiled")
 
 

@@ -9,9 +9,34 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import Float32, Int32
+from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 
 FP8 = cutlass.Float8E4M3FN
+TVM_FFI = "--enable-tvm-ffi"
+
+
+def cute_tensor(t: torch.Tensor, align: int):
+    """``t`` as a CuTe tensor whose contiguous (stride-1) dim is its leading one, assumed
+    ``align``-byte aligned (for compiling against fake or real tensors)."""
+    return to_cute_tensor(
+        t, assumed_align=align, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1)
+    )
+
+
+def compile_kernel(kernel, aligned, *scalars, options: str = TVM_FFI):
+    """``cute.compile`` of ``kernel`` for the (tensor, byte alignment) pairs ``aligned``,
+    then the scalars, then the TVM-FFI environment stream."""
+    return cute.compile(
+        kernel, *(cute_tensor(t, a) for t, a in aligned), *scalars,
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options,
+    )  # fmt: skip
+
+
+def kernel_tensors(aligned) -> list[torch.Tensor]:
+    """The launch's tensors of ``aligned``: E4M3 ones as bytes (what the kernels declare)."""
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t, _ in aligned]
 
 
 def column_offset(j: int) -> int:

@@ -42,15 +42,16 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 from flash_attn.cute import pipeline as fa_pipeline
 from flash_attn.cute import utils as fa_utils
-from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
     column_offset,
+    compile_kernel,
     e4m3_exponent,
     e4m3_value,
+    kernel_tensors,
     pow2,
     v_t_position,
 )
@@ -730,20 +731,11 @@ def attn_bwd_sm90(
     if key not in _COMPILED:
         kernel = FlamiaBwdSm90(d, heads_q, heads_kv, causal, dk_keys, num_stages,
                                debug_p is not None, overlap)  # fmt: skip
-        fake = [
-            to_cute_tensor(
-                t, assumed_align=align, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1)
-            )
-            for t, align in aligned
-        ]
-        _COMPILED[key] = cute.compile(
-            kernel, *fake, Float32(qk_scale), Float32(softmax_scale), Int32(1),
-            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-            options="--enable-tvm-ffi",
-        )  # fmt: skip
-    tensors = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t, _ in aligned]
+        _COMPILED[key] = compile_kernel(
+            kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)
+        )
     if total:
-        _COMPILED[key](*tensors, qk_scale, softmax_scale, work.num_slots * heads_kv)
+        _COMPILED[key](*kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv)
     dq = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
     dq.copy_(dq_acc[:, :total].permute(1, 0, 2))
     return dq, dk, dv

@@ -39,7 +39,6 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 from flash_attn.cute import pipeline as fa_pipeline
 from flash_attn.cute import utils as fa_utils
-from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels._common import sm_count
@@ -47,7 +46,9 @@ from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
     column_offset,
+    compile_kernel,
     e4m3_value,
+    kernel_tensors,
     pow2,
 )
 from flamia_serve.kernels.schedule import WorkList
@@ -670,7 +671,6 @@ def attn_fwd_sm90(
         (work.count, 4), (torch.zeros(1, dtype=torch.int32, device=out.device), 4), (out, 16),
         (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
-    tensors = [t for t, _ in aligned]
     heads_kv = qkv.k_codes.shape[1]
     key = (d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
            ticket, out.dtype)  # fmt: skip
@@ -679,17 +679,6 @@ def attn_fwd_sm90(
             d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
             ticket,
         )  # fmt: skip
-        fake = [  # each tensor's contiguous (stride-1) dim is its leading one
-            to_cute_tensor(
-                t, assumed_align=align, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1)
-            )
-            for t, align in aligned
-        ]
-        _COMPILED[key] = cute.compile(
-            kernel, *fake, Float32(qk_scale), Int32(1),
-            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-            options="--enable-tvm-ffi",
-        )  # fmt: skip
-    fp8_as_bytes = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
+        _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     sms = sm_count(out.device)
-    _COMPILED[key](*fp8_as_bytes, qk_scale, max(1, min(work.num_slots * heads_q, sms)))
+    _COMPILED[key](*kernel_tensors(aligned), qk_scale, max(1, min(work.num_slots * heads_q, sms)))
