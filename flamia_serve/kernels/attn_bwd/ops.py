@@ -118,6 +118,34 @@ def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
         )
 
 
+def _cute_refusal(
+    d: int,
+    heads_q: int,
+    total: int,
+    nvfp4: bool,
+    column_align: int,
+    with_dq: bool,
+    device: torch.device,
+) -> str | None:
+    """Why the CuTe backward cannot run this call (``None``: it can)."""
+    if heads_q * (total + 32) * d >= 2**31:  # the kernel addresses its dQ buffer with int32
+        return f"takes heads_q·(T + 32)·head_dim < 2^31, got {heads_q}·{total + 32}·{d}"
+    if not with_dq:
+        return "always computes dQ (with_dq=False is Triton's)"
+    if not cute_bwd_runs(d, nvfp4, column_align):
+        return (
+            "runs E4M3 Q/K (recipe mxfp8), head_dim 64 or 128, on a layout with a column "
+            f"alignment that is a multiple of 128 (got head_dim {d}, NVFP4 Q/K {nvfp4}, "
+            f"column_align {column_align})"
+        )
+    if not cute_available(device):
+        return (
+            "needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4 (pip install "
+            '"flamia-serve[cute]")'
+        )
+    return None
+
+
 def attn_bwd(
     qkv: KernelQKV,
     qdo: KernelDO,
@@ -158,29 +186,14 @@ def attn_bwd(
     dev = qkv.k_codes.device
     nvfp4 = qkv.q4 is not None and qkv.k4 is not None
     cfg = config or default_bwd_config(d, dev, qk_nvfp4=nvfp4, column_align=qkv.column_align)
-    if cfg.kernel == "cute" and heads_q * (total + 32) * d >= 2**31:
-        if config is not None:  # the CuTe kernel addresses its dQ buffer with int32
-            raise ValueError(
-                f"config.kernel='cute' takes heads_q·(T + 32)·head_dim < 2^31, got "
-                f"{heads_q}·{total + 32}·{d}; use kernel='triton'"
-            )
-        cfg = default_bwd_config(d, dev, kernel="triton")
-    if cfg.kernel == "cute" and not with_dq:
-        if config is not None:
-            raise ValueError("config.kernel='cute' always computes dQ (with_dq=False is Triton's)")
-        cfg = default_bwd_config(d, dev, kernel="triton")
     check_bwd_config(cfg, rec)
-    if cfg.kernel == "cute" and not cute_bwd_runs(d, nvfp4, qkv.column_align):
-        raise ValueError(
-            "backward config.kernel='cute' runs E4M3 Q/K (recipe mxfp8), head_dim 64 or 128, "
-            f"on a layout with a column alignment that is a multiple of 128 (got head_dim {d}, "
-            f"NVFP4 Q/K {nvfp4}, column_align {qkv.column_align}); use kernel='triton'"
-        )
-    if cfg.kernel == "cute" and not cute_available(dev):
-        raise ValueError(
-            "backward config.kernel='cute' needs an sm_90 GPU with nvidia-cutlass-dsl and "
-            'flash-attn-4 (pip install "flamia-serve[cute]"); use kernel="triton"'
-        )
+    refusal = None
+    if cfg.kernel == "cute":
+        refusal = _cute_refusal(d, heads_q, total, nvfp4, qkv.column_align, with_dq, dev)
+    if refusal:
+        if config is not None:
+            raise ValueError(f"backward config.kernel='cute' {refusal}; use kernel='triton'")
+        cfg = default_bwd_config(d, dev, kernel="triton")
     if work is None or (work.block_m, work.block_n, work.causal, work.by_keys) != (
         cfg.block_m, cfg.work_block_n, causal, True,
     ):  # fmt: skip
