@@ -59,6 +59,21 @@ def _column_copy(codes: torch.Tensor, columns: torch.Tensor, t_pad: int) -> torc
     return out.view(torch.float8_e4m3fn)
 
 
+def _column_codes(
+    heads: int, d: int, t_pad: int, total: int, column_align: int, device: torch.device
+) -> torch.Tensor:
+    """E4M3 ``[heads, d, t_pad]`` for a quantization kernel to fill in the column layout,
+    zero wherever the kernel does not write: the kernels zero each document's padding up
+    to 16 columns, so with ``V_T_ALIGN`` only the columns past the last document need it
+    (tiles that run past it read finite codes); a wider alignment leaves more of each
+    document's span to zero, and kernels that load whole tiles read it."""
+    if column_align == V_T_ALIGN:
+        codes = torch.empty(heads, d, t_pad, dtype=torch.float8_e4m3fn, device=device)
+        codes[:, :, total:].zero_()
+        return codes
+    return torch.zeros(heads, d, t_pad, dtype=torch.float8_e4m3fn, device=device)
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,13 +122,7 @@ def quantize_qkv(
     k_codes = torch.empty(total, heads_kv, d, dtype=torch.float8_e4m3fn, device=dev)
     q_exp = _head_major_exponents(total, heads_q, dev)
     k_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
-    if column_align == V_T_ALIGN:
-        v_t = torch.empty(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
-        # columns past every document's padded end are zero (the kernel zeroes the padding
-        # inside documents): key tiles that run past the last document read finite codes
-        v_t[:, :, total:].zero_()
-    else:  # the kernel writes each document up to 16 columns; the rest of its span is 0
-        v_t = torch.zeros(heads_kv, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
+    v_t = _column_codes(heads_kv, d, t_pad, total, column_align, dev)
     v_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     kv_factors = torch.empty(heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
     nvfp4 = rec.qk_format == "nvfp4"
@@ -179,11 +188,7 @@ def quantize_do(
     t_pad = v_t_length(total, cu_seqlens.numel() - 1, column_align)
     do_codes = torch.empty(total, heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
     do_exp = _head_major_exponents(total, heads_q, dev)
-    if column_align == V_T_ALIGN:  # as quantize_qkv's v_t
-        g_t = torch.empty(heads_q, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
-        g_t[:, :, total:].zero_()
-    else:  # the kernel writes each document up to 16 columns; the rest of its span is 0
-        g_t = torch.zeros(heads_q, d, t_pad, dtype=torch.float8_e4m3fn, device=dev)
+    g_t = _column_codes(heads_q, d, t_pad, total, column_align, dev)
     g_exp = torch.empty(heads_q, t_pad, dtype=EXPONENT_DTYPE, device=dev)
     delta = _head_major_exponents(total, heads_q, dev, torch.float32)
     row_factor = _head_major_exponents(total, heads_q, dev, torch.float32)
