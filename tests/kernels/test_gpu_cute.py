@@ -22,13 +22,15 @@ from flamia_serve.probes import cross_document_leakage, future_leakage, make_pac
 from flamia_serve.reference import attention_float64, attention_forward
 from tests.kernels.test_attn_fwd import _check_close
 
-pytestmark = [
+#: the CuTe kernels' GPU tests (also ``test_gpu_cute_bwd``): an sm_90 GPU and the cute extra
+CUTE_GPU = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available() or not cute_available(torch.device("cuda")),
         reason="needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4",
     ),
 ]
+pytestmark = CUTE_GPU
 
 CONFIGS = {
     "default": CUTE_CONFIG,

@@ -16,20 +16,15 @@ from flamia_serve.kernels.attn_bwd.ops import (
     attn_bwd,
     default_bwd_config,
 )
-from flamia_serve.kernels.attn_fwd.ops import attn_fwd, cute_available
+from flamia_serve.kernels.attn_fwd.ops import attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.numerics import RECIPES
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import attention_backward
 from tests.kernels.test_attn_bwd import _grads, _rel
+from tests.kernels.test_gpu_cute import CUTE_GPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not cute_available(torch.device("cuda")),
-        reason="needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4",
-    ),
-]
+pytestmark = CUTE_GPU
 
 # lens (1-token documents, lengths not multiples of 32/64/128, an empty one), hq, hkv, d,
 # causal, exact_causal
