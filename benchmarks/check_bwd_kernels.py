@@ -45,10 +45,10 @@ def _operands(lens, hq, hkv, d, causal, exact=False, seed=5):
                 causal=causal)  # fmt: skip
 
 
-def _bwd(ops, kernel, debug_p=None):
+def _bwd(ops, config, debug_p=None):
     return attn_bwd(
         ops["qkv"], ops["qdo"], ops["m"], ops["lse"], ops["cu"], heads_q=ops["hq"],
-        causal=ops["causal"], softmax_scale=ops["d"] ** -0.5, config=CONFIGS[kernel],
+        causal=ops["causal"], softmax_scale=ops["d"] ** -0.5, config=config,
         debug_p=debug_p,
     )  # fmt: skip
 
@@ -56,7 +56,7 @@ def _bwd(ops, kernel, debug_p=None):
 def accuracy(case) -> dict:
     lens, hq, hkv, d, causal, exact = case
     ops = _operands(lens, hq, hkv, d, causal, exact)
-    got = {k: _bwd(ops, k) for k in CONFIGS}
+    got = {k: _bwd(ops, cfg) for k, cfg in CONFIGS.items()}
     ref = attention_backward(
         ops["d_out"], ops["out"], ops["m"], ops["lse"], ops["qkv"].to_reference(), ops["cu"],
         RECIPES["mxfp8"], causal=causal, softmax_scale=d**-0.5, qdo=ops["qdo"].to_reference(),
@@ -75,8 +75,8 @@ def debug_p_agreement() -> dict:
     ops = _operands(lens, hq, hkv, d, True)
     t = sum(lens)
     bufs = {k: torch.zeros(hq, t, t, device="cuda") for k in CONFIGS}
-    for k in CONFIGS:
-        _bwd(ops, k, bufs[k])
+    for k, cfg in CONFIGS.items():
+        _bwd(ops, cfg, bufs[k])
     differ = (bufs["cute"] != bufs["triton"]).sum().item()
     nonzero = (bufs["triton"] != 0).sum().item()
     return dict(lens=list(lens), p_hat_codes_differ=differ, p_hat_nonzero=nonzero)
@@ -87,8 +87,7 @@ def speed(t: int, d: int, causal: bool, extra: dict, hq: int = 32, hkv: int = 8)
     flops = 2.5 * 4 * (t * t / (2 if causal else 1)) * hq * d
     rows = []
     for k, cfg in {**CONFIGS, **extra}.items():
-        CONFIGS.setdefault(k, cfg)
-        ms = time_ms(lambda k=k: _bwd(ops, k), warmup_ms=10, rep_ms=100)["ms"]
+        ms = time_ms(lambda cfg=cfg: _bwd(ops, cfg), warmup_ms=10, rep_ms=100)["ms"]
         rows.append(dict(kernel=k, tokens=t, d=d, causal=causal, hq=hq, hkv=hkv, ms=ms,
                          tflops=flops / ms / 1e9))  # fmt: skip
         print(f"  {k:8s} T={t} d={d} causal={causal}: {ms:.3f} ms {rows[-1]['tflops']:.1f} TFLOP/s")
