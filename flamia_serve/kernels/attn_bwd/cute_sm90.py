@@ -157,6 +157,8 @@ class FlamiaBwdSm90:
         ds_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (STEP, WG_KEYS), NUM_WG)
         dq_layout = cute.make_layout((STEP, d, NUM_WG), stride=(d, 1, STEP * d))
         amax_layout = cute.make_layout((2, 4, NUM_WG))
+        # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5: 2^e_dÔ, 2^e_Ĝ
+        stats_layout = cute.make_layout((6, STEP, self.num_stages))
         mma_kw = dict(atom_layout_mnk=(1, 1, 1))
         # Sᵀ / dPᵀ: keys x queries, contraction over d (A and B from shared memory)
         tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
@@ -195,6 +197,8 @@ class FlamiaBwdSm90:
         class Storage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
             sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
             sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
@@ -212,7 +216,7 @@ class FlamiaBwdSm90:
             mQexp, mFactors, mDOexp, mGexp, mDelta, mM, mLSE, mCu, mVtStart, mItemDoc,
             mItemTile, mCount, mDQ, mDK, mDV, mDbg, qk_scale, softmax_scale,
             (rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout,
-             amax_layout),
+             amax_layout, stats_layout),
             (tiled_mma_s, tiled_mma_kv, tiled_mma_dq), Storage,
         ).launch(
             grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
@@ -247,9 +251,8 @@ class FlamiaBwdSm90:
         mmas: tuple,
         Storage: cutlass.Constexpr,
     ):
-        rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout, amax_layout = (
-            layouts
-        )
+        (rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout, amax_layout,
+         stats_layout) = layouts  # fmt: skip
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for a in atoms:
@@ -267,6 +270,13 @@ class FlamiaBwdSm90:
             producer_group=tma_warp, consumer_group=mma_warps, tx_count=self.step_bytes,
             defer_sync=True,
         )  # fmt: skip
+        # per-query statistics: the producer warp's 32 lanes (one query each) -> consumers
+        pipe_stats = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_stats.data_ptr(), num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_WG * 128),
+            defer_sync=True,
+        )  # fmt: skip
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         smem_tensors = [
             getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
@@ -278,6 +288,8 @@ class FlamiaBwdSm90:
         ]  # fmt: skip
         sDQ = storage.sDQ.get_tensor(dq_layout)
         sAmax = storage.sAmax.get_tensor(amax_layout)
+        sStats = storage.sStats.get_tensor(stats_layout)
+        pipes = (pipe_kv, pipe_step, pipe_stats)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         cta = cute.arch.block_idx()[0]
@@ -295,13 +307,15 @@ class FlamiaBwdSm90:
                 # exactly (more for either side and setmaxnreg.inc waits forever)
                 cute.arch.setmaxregister_decrease(24)
                 if warp_idx == 0:
-                    self.produce(item_ctx, tmas, atoms, smem_tensors, pipe_kv, pipe_step)
+                    self.produce(
+                        item_ctx, tmas, atoms, smem_tensors, pipes, sStats, mQexp, mDOexp,
+                        mGexp, mDelta, mM, mLSE, qk_scale,
+                    )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(240)
                 self.consume(
-                    item_ctx, mmas, smem_tensors, sDQ, sAmax, pipe_kv, pipe_step, mQexp,
-                    mFactors, mDOexp, mGexp, mDelta, mM, mLSE, mDQ, mDK, mDV, mDbg, qk_scale,
-                    softmax_scale,
+                    item_ctx, mmas, smem_tensors, sDQ, sAmax, sStats, pipes, mFactors, mDQ,
+                    mDK, mDV, mDbg, softmax_scale,
                 )  # fmt: skip
 
     @cute.jit
@@ -313,8 +327,14 @@ class FlamiaBwdSm90:
         return lo
 
     @cute.jit
-    def produce(self, w, tmas, atoms, smem, pipe_kv, pipe_step):
-        """TMA loads: the key tile once, then Q̂, dÔ, Q̂ᵀ, Ĝᵀ per head and step."""
+    def produce(
+        self, w, tmas, atoms, smem, pipes, sStats, mQexp, mDOexp, mGexp, mDelta, mM, mLSE,
+        qk_scale,
+    ):  # fmt: skip
+        """TMA loads: the key tile once, then Q̂, dÔ, Q̂ᵀ, Ĝᵀ per head and step; and each
+        step's per-query statistics, one query per lane, into shared memory (their global
+        loads run ahead of the consumers with the stages)."""
+        pipe_kv, pipe_step, pipe_stats = pipes
         tma_k, tma_v, tma_kt, tma_q, tma_do, tma_qt, tma_gt = tmas
         atom_k, atom_v, atom_kt, atom_q, atom_do, atom_qt, atom_gt = atoms
         sK, sV, sKt, sQ, sDO, sQt, sGt, _ = smem
@@ -353,16 +373,52 @@ class FlamiaBwdSm90:
                     piece = state.index * halves + hf
                     loads_t[hf][0](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
                     loads_t[hf][1](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
+                pipe_stats.producer_acquire(state)
+                self.stage_stats(
+                    w, h, lo + i * STEP, state.index, sStats, mQexp, mDOexp, mGexp, mDelta,
+                    mM, mLSE, qk_scale,
+                )  # fmt: skip
+                pipe_stats.producer_commit(state)
                 state.advance()
 
     @cute.jit
+    def stage_stats(
+        self, w, h, i0, idx, sStats, mQexp, mDOexp, mGexp, mDelta, mM, mLSE, qk_scale
+    ):  # fmt: skip
+        """This lane's query of step ``i0`` (head ``h``): its factors into stage ``idx``."""
+        lane = cute.arch.lane_idx()
+        q = i0 + lane
+        doc_start = w["doc_start"]
+        eq = Int32(0)
+        m = Float32(0.0)
+        lse = Float32(0.0)
+        dl = Float32(0.0)
+        if q < w["seqlen"]:
+            tok = doc_start + q
+            eq = Int32(mQexp[h, tok])
+            m = mM[tok, h]
+            lse = mLSE[tok, h]
+            dl = mDelta[h, tok]
+        q8 = pow2(eq)
+        sStats[0, lane, idx] = q8 * qk_scale
+        sStats[1, lane, idx] = q8
+        sStats[2, lane, idx] = m - P_HAT_EXP
+        sStats[3, lane, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
+        sStats[4, lane, idx] = dl
+        if lane == 0:
+            sStats[5, 0, idx] = pow2(Int32(mDOexp[h, doc_start + i0]))
+        if lane == 1:
+            sStats[5, 1, idx] = pow2(Int32(mGexp[h, w["vt_start"] + i0]))
+
+    @cute.jit
     def consume(
-        self, w, mmas, smem, sDQ, sAmax, pipe_kv, pipe_step, mQexp, mFactors, mDOexp, mGexp,
-        mDelta, mM, mLSE, mDQ, mDK, mDV, mDbg, qk_scale, softmax_scale,
+        self, w, mmas, smem, sDQ, sAmax, sStats, pipes, mFactors, mDQ, mDK, mDV, mDbg,
+        softmax_scale,
     ):  # fmt: skip
         """The two key warpgroups: every step of every head of the group, then dK/dV."""
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq = mmas
         sK, sV, sKt, sQ, sDO, sQt, sGt, sDS = smem
+        pipe_kv, pipe_step, pipe_stats = pipes
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         t = tidx - wg * 128  # thread in its warpgroup
@@ -436,14 +492,13 @@ class FlamiaBwdSm90:
             for i in cutlass.range(n_steps, unroll=1):
                 i0 = lo + i * STEP
                 pipe_step.consumer_wait(state, pipe_step.consumer_try_wait(state))
+                pipe_stats.consumer_wait(state, pipe_stats.consumer_try_wait(state))
                 live = wg_live
                 if const_expr(self.causal):
                     live = wg_live and i0 + STEP > key0
                 if live:
-                    self.step(
-                        ctx, state.index, h, i0, mQexp, mDOexp, mGexp, mDelta, mM, mLSE, mDQ,
-                        mDbg, qk_scale, softmax_scale,
-                    )  # fmt: skip
+                    self.step(ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale)
+                pipe_stats.consumer_release(state)
                 pipe_step.consumer_release(state)
                 state.advance()
         if t == 0:
@@ -452,8 +507,7 @@ class FlamiaBwdSm90:
 
     @cute.jit
     def step(
-        self, ctx, stage, h, i0, mQexp, mDOexp, mGexp, mDelta, mM, mLSE, mDQ, mDbg, qk_scale,
-        softmax_scale,
+        self, ctx, stage, h, i0, sStats, mDQ, mDbg, softmax_scale
     ):  # fmt: skip
         """One 32-query step of one head for this warpgroup's 64 keys."""
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq = ctx["mmas"]
@@ -470,7 +524,7 @@ class FlamiaBwdSm90:
             tiled_mma_s, (WG_KEYS, STEP), ctx["tPrV"], ctx["tPrDO"], A_idx=wg, B_idx=stage,
             wg_wait=-1,
         )  # fmt: skip
-        # per query column, while the MMAs run
+        # per query column (staged in shared memory by the producer warp), while the MMAs run
         q = cute.make_rmem_tensor(n_cols, Int32)
         qfac = cute.make_rmem_tensor(n_cols, Float32)  # qk_scale · 2^eQ
         q8fac = cute.make_rmem_tensor(n_cols, Float32)  # 2^eQ
@@ -478,24 +532,15 @@ class FlamiaBwdSm90:
         f = cute.make_rmem_tensor(n_cols, Float32)  # 2^(M − 8 − lse)
         delta = cute.make_rmem_tensor(n_cols, Float32)
         for j in cutlass.range_constexpr(n_cols):
-            q[j] = i0 + ctx["col0"] + column_offset(j)
-            eq = Int32(0)
-            m = Float32(0.0)
-            lse = Float32(0.0)
-            dl = Float32(0.0)
-            if q[j] < seqlen:
-                tok = doc_start + q[j]
-                eq = Int32(mQexp[h, tok])
-                m = mM[tok, h]
-                lse = mLSE[tok, h]
-                dl = mDelta[h, tok]
-            q8fac[j] = pow2(eq)
-            qfac[j] = q8fac[j] * qk_scale
-            ref[j] = m - P_HAT_EXP
-            f[j] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
-            delta[j] = dl
-        do_fac = pow2(Int32(mDOexp[h, doc_start + i0]))
-        g_fac = pow2(Int32(mGexp[h, w["vt_start"] + i0]))
+            c = ctx["col0"] + column_offset(j)
+            q[j] = i0 + c
+            qfac[j] = sStats[0, c, stage]
+            q8fac[j] = sStats[1, c, stage]
+            ref[j] = sStats[2, c, stage]
+            f[j] = sStats[3, c, stage]
+            delta[j] = sStats[4, c, stage]
+        do_fac = sStats[5, 0, stage]
+        g_fac = sStats[5, 1, stage]
         warpgroup.wait_group(0)
         s_mn = layout_utils.reshape_acc_to_mn(acc_s)
         dp_mn = layout_utils.reshape_acc_to_mn(acc_dp)
