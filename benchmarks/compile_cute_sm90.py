@@ -52,7 +52,7 @@ def main() -> None:
         torch.set_default_device("cuda")
         for d, causal, tile_n in ((128, True, 128), (64, True, 128), (128, False, 128),
                                   (256, True, 64)):  # fmt: skip
-            kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, True, True)
+            kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, d <= 128, True)
             compile_kernel(kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1))
             print(f"cute forward d={d} causal={causal} tile 128x{tile_n}: compiled")
 

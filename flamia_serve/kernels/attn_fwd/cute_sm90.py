@@ -79,6 +79,12 @@ class FlamiaFwdSm90:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
         self.d = head_dim
+        # P̂·V̂ runs in chunks of at most 128 output columns, each promoted into its part of O
+        # before the next is issued: O plus one chunk's product stay in registers (d = 256)
+        self.d_chunk = min(head_dim, 128)
+        self.n_chunks = head_dim // self.d_chunk
+        if self.n_chunks > 1 and overlap:
+            raise ValueError("overlap=True needs head_dim <= 128 (both P̂·V̂ chunks in flight)")
         self.heads_q = heads_q
         self.group = heads_q // heads_kv
         self.causal = causal
@@ -130,7 +136,7 @@ class FlamiaFwdSm90:
         )  # fmt: skip
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.d),
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.d_chunk),
             a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
@@ -389,9 +395,16 @@ class FlamiaFwdSm90:
         _, tSrQ, tSrK = sm90_utils.partition_fragment_ABC(
             wg_mma_qk, (self.tile_m, self.tile_n, self.d), sQ, sK
         )
-        acc_O, tOrP, tOrV = sm90_utils.partition_fragment_ABC(
-            wg_mma_pv, (self.tile_m, self.d, self.tile_n), None, sV
-        )
+        # one (O chunk, V̂ᵀ rows) pair per chunk of d_chunk output columns
+        sV_chunks = cute.flat_divide(sV, (self.d_chunk, self.tile_n))
+        acc_O, tOrV = [], []
+        for h in cutlass.range_constexpr(self.n_chunks):
+            acc_h, tOrP, tOrV_h = sm90_utils.partition_fragment_ABC(
+                wg_mma_pv, (self.tile_m, self.d_chunk, self.tile_n), None,
+                sV_chunks[None, None, h, 0, None],
+            )  # fmt: skip
+            acc_O.append(acc_h)
+            tOrV.append(tOrV_h)
         # this thread's rows and key columns of a score tile
         tScS = layout_utils.reshape_acc_to_mn(
             thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -404,8 +417,9 @@ class FlamiaFwdSm90:
             mma_qk=lambda k_idx, wait: sm90_utils.gemm_zero_init(
                 tiled_mma_qk, (self.tile_m, self.tile_n), tSrQ, tSrK, B_idx=k_idx, wg_wait=wait
             ),
-            mma_pv=lambda v_idx, wait: sm90_utils.gemm_zero_init(
-                tiled_mma_pv, (self.tile_m, self.d), tOrP, tOrV, B_idx=v_idx, wg_wait=wait
+            mma_pv=lambda v_idx, wait, h=0: sm90_utils.gemm_zero_init(
+                tiled_mma_pv, (self.tile_m, self.d_chunk), tOrP, tOrV[h], B_idx=v_idx,
+                wg_wait=wait,
             ),
             pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, tOrP=tOrP, wg=wg, tScS=tScS, sF=sF,
             col0=col0,
@@ -442,7 +456,8 @@ class FlamiaFwdSm90:
             ctx.qfac[r] = pow2(qe) * qk_scale
         ctx.m_run.fill(-Float32.inf)
         ctx.l_run.fill(0.0)
-        ctx.acc_O.fill(0.0)
+        for h in cutlass.range_constexpr(self.n_chunks):
+            ctx.acc_O[h].fill(0.0)
         return SimpleNamespace(**vars(ctx), seqlen=w.seqlen)
 
     @cute.jit
@@ -471,7 +486,7 @@ class FlamiaFwdSm90:
             acc_T = ctx.mma_pv(state.index, 0)
             ctx.pipe_v.consumer_release(state)
             state.advance()
-            ctx.acc_O.store(ctx.acc_O.load() + acc_T.load())
+            ctx.acc_O[0].store(ctx.acc_O[0].load() + acc_T.load())
         else:
             # a warpgroup's turn on the tensor cores: P̂·V̂ of one tile and Q̂·K̂ᵀ of the next
             self.turn_wait(ctx.wg)
@@ -517,18 +532,20 @@ class FlamiaFwdSm90:
         self.stage_p(ctx, acc_S)
         ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
         self.turn_wait(ctx.wg)
-        acc_T = ctx.mma_pv(state.index, 0)
+        for h in cutlass.range_constexpr(self.n_chunks):
+            acc_T = ctx.mma_pv(state.index, 0, h)
+            self.update_o(ctx, acc_T, add_first=False, h=h)
         ctx.pipe_v.consumer_release(state)
-        self.update_o(ctx, acc_T, add_first=False)
         state.advance()
         return state
 
     @cute.jit
-    def update_o(self, ctx, acc_T, add_first: cutlass.Constexpr):
+    def update_o(self, ctx, acc_T, add_first: cutlass.Constexpr, h: cutlass.Constexpr = 0):
         """O += P̂·V̂ of a tile in FP32 (the per-tile promotion), with O's rescale by ``alpha``
         = 2^(m_old − m_new): ``(O + T)·alpha`` (``add_first``: overlap mode, T belongs to the
-        previous row reference) or ``O·alpha + T`` (one FFMA per element)."""
-        acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O)
+        previous row reference) or ``O·alpha + T`` (one FFMA per element); ``h``: the chunk
+        of output columns ``acc_T`` holds."""
+        acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O[h])
         acc_T_mn = layout_utils.reshape_acc_to_mn(acc_T)
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
@@ -612,18 +629,20 @@ class FlamiaFwdSm90:
         inside the document."""
         ctx.l_run.store(fa_utils.warp_reduce(ctx.l_run.load(), lambda a, b: a + b, width=4))
         tOcO = layout_utils.reshape_acc_to_mn(
-            thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d)))
+            thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d_chunk)))
         )
-        acc_mn = layout_utils.reshape_acc_to_mn(acc_O)
         out_pairs = cute.recast_tensor(mO, Int32)  # two adjacent output columns per store
         for r in cutlass.range_constexpr(cute.size(ctx.m_run)):
             if ctx.row[r] < w.seqlen:
                 inv = cute.arch.rcp_approx(ctx.l_run[r])
                 tok = w.doc_start + ctx.row[r]
-                for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-                    out_pairs[tok, w.head, tOcO[0, c][1] // 2] = fa_utils.cvt_f16x2_f32(
-                        acc_mn[r, c] * inv, acc_mn[r, c + 1] * inv, mO.element_type
-                    )
+                for h in cutlass.range_constexpr(self.n_chunks):
+                    acc_mn = layout_utils.reshape_acc_to_mn(acc_O[h])
+                    for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+                        col = h * self.d_chunk + tOcO[0, c][1]
+                        out_pairs[tok, w.head, col // 2] = fa_utils.cvt_f16x2_f32(
+                            acc_mn[r, c] * inv, acc_mn[r, c + 1] * inv, mO.element_type
+                        )
                 if tOcO[0, 0][1] == 0:
                     m = ctx.m_run[r]
                     mM[tok, w.head] = m
