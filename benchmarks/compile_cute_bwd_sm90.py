@@ -19,7 +19,7 @@ import torch
 from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from flamia_serve.kernels.attn_bwd.cute_sm90 import DQ_SLACK, FlamiaBwdSm90
+from flamia_serve.kernels.attn_bwd.cute_sm90 import FlamiaBwdSm90
 from flamia_serve.kernels.cute_sm90_common import TVM_FFI, compile_kernel
 
 
@@ -48,7 +48,7 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
         (torch.empty(64, dtype=i32), 4),  # work list: documents
         (torch.empty(64, dtype=i32), 4),  # work list: tiles
         (torch.empty(1, dtype=i32), 4),  # work count
-        (torch.empty(heads_q, total + DQ_SLACK, d), 16),  # dQ accumulator
+        (torch.empty(heads_q, total, d), 16),  # dQ accumulator
         (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dK
         (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dV
         (torch.empty(1, 1, 1), 4),  # debug P

@@ -10,17 +10,22 @@ in a throwaway Python 3.12 venv (the project venv is 3.11):
     FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD \\
         /tmp/cute312/bin/python benchmarks/compile_cute_sm90.py
 
-Prints one line per compiled configuration.
+Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there (for
+``cuobjdump -res-usage``: registers, stack, spills).
 """
 
 from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
 
 import torch
 from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flamia_serve.kernels.attn_fwd.cute_sm90 import FlamiaFwdSm90
-from flamia_serve.kernels.cute_sm90_common import compile_kernel
+from flamia_serve.kernels.cute_sm90_common import TVM_FFI, compile_kernel
 
 
 def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
@@ -48,13 +53,24 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", type=Path, default=None)
+    args = parser.parse_args()
+    options = TVM_FFI + (" --keep-cubin" if args.keep else "")
     with FakeTensorMode():
         torch.set_default_device("cuda")
         for d, causal, tile_n in ((128, True, 128), (64, True, 128), (128, False, 128),
-                                  (256, True, 64)):  # fmt: skip
+                                  (256, True, 64), (256, True, 128)):  # fmt: skip
             kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, d <= 128, True)
-            compile_kernel(kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1))
+            compile_kernel(
+                kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1), options=options
+            )
             print(f"cute forward d={d} causal={causal} tile 128x{tile_n}: compiled")
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                for cubin in Path(".").glob("*.cubin"):
+                    name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}.cubin"
+                    shutil.move(str(cubin), args.keep / name)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def test_cute_fwd_matches_reference(lens, hq, hkv, d, causal, exact, config) -> 
 
 D256_CONFIGS = {
     "default": CUTE_CONFIG_D256,
+    "128x64": FwdConfig(128, 64, num_stages=2, kernel="cute", overlap=False),
     "one-warpgroup": FwdConfig(64, 64, num_stages=2, kernel="cute", overlap=False),
 }
 

@@ -17,8 +17,14 @@ on the MMAs' M) and take every step:
   permutation makes the accumulator fragment the A fragment as it is), promoted to FP32 once
   per step, in 64-column halves of the head dimension (registers);
 * ``dQᵀ = K̂ᵀ·dŜᵀ``: dŜ goes to shared memory transposed, the product to an FP32 staging
-  tile that one thread adds to ``dq_acc [Hq, T + 32, d]`` with a bulk reduce-add (so dQ is
-  summed in no fixed order: not bitwise repeatable).
+  tile (rows padded against bank conflicts) whose query rows inside the document are added
+  to ``dq_acc [Hq, T, d]`` by bulk reduce-adds, one lane per row (so dQ is summed in no
+  fixed order: not bitwise repeatable).
+
+Per-query statistics (Q/dÔ/Ĝ exponents, M, lse, D) are staged in shared memory per step by
+the producer warp's lanes and read by the consumers column by column. Interior steps (all
+keys and queries inside the document; causal: every query at or after every key) run a
+copy of the step without the per-element masks.
 
 Validity: rows past the document are masked by selects (the token-major tiles may hold the
 next document's codes, which a select, unlike a zero weight, keeps out even when they are
@@ -64,8 +70,11 @@ STEP = 32
 WG_KEYS = 64
 NUM_WG = 2
 TILE_N = WG_KEYS * NUM_WG
-#: rows of slack after the last token in ``dq_acc`` (a step's bulk add may run past T)
-DQ_SLACK = STEP
+#: FP32 padding after each query row of the dQ staging tile: the accumulator's writes (4
+#: queries x 8 head columns per instruction) then fall in 32 different banks
+DQ_PAD = 4
+#: query rows of a step's dQ tile that each warp adds to ``dq_acc`` (its lanes 0..7)
+DQ_ROWS_PER_WARP = STEP // 4
 # named barriers (0 is __syncthreads), one of each per consumer warpgroup
 _BAR_AMAX = 1
 _BAR_DS = 3
@@ -129,7 +138,7 @@ class FlamiaBwdSm90:
         mItemDoc: cute.Tensor,  # (N,) int32
         mItemTile: cute.Tensor,  # (N,) int32
         mCount: cute.Tensor,  # (1,) int32
-        mDQ: cute.Tensor,  # (Hq, T + DQ_SLACK, d) f32, zeroed
+        mDQ: cute.Tensor,  # (Hq, T, d) f32, zeroed
         mDK: cute.Tensor,  # (T, Hkv, d) bf16/fp16
         mDV: cute.Tensor,  # (T, Hkv, d) bf16/fp16
         mDbg: cute.Tensor,  # (Hq, T, T) f32 (debug_p only)
@@ -155,7 +164,9 @@ class FlamiaBwdSm90:
             FP8, LayoutEnum.ROW_MAJOR, (64, STEP), self.num_stages * halves
         )
         ds_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (STEP, WG_KEYS), NUM_WG)
-        dq_layout = cute.make_layout((STEP, d, NUM_WG), stride=(d, 1, STEP * d))
+        dq_layout = cute.make_layout(
+            (STEP, d, NUM_WG), stride=(d + DQ_PAD, 1, STEP * (d + DQ_PAD))
+        )
         amax_layout = cute.make_layout((2, 4, NUM_WG))
         # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5: 2^e_dÔ, 2^e_Ĝ
         stats_layout = cute.make_layout((6, STEP, self.num_stages))
@@ -496,20 +507,28 @@ class FlamiaBwdSm90:
                 live = wg_live
                 if const_expr(self.causal):
                     live = wg_live and i0 + STEP > key0
-                if live:
-                    self.step(ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale)
+                # interior steps (every key and query inside the document; causal: every
+                # query at or after every key) skip the per-element masks
+                inside = i0 + STEP <= seqlen and key0 + WG_KEYS <= seqlen
+                if const_expr(self.causal):
+                    inside = inside and i0 >= key0 + WG_KEYS - 1
+                if live and inside:
+                    self.step(ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, False)
+                elif live:
+                    self.step(ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, True)
                 pipe_stats.consumer_release(state)
                 pipe_step.consumer_release(state)
                 state.advance()
-        if t == 0:
+        if t % 32 < DQ_ROWS_PER_WARP:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(ctx, thr_kv, mDK, mDV, softmax_scale)
 
     @cute.jit
     def step(
-        self, ctx, stage, h, i0, sStats, mDQ, mDbg, softmax_scale
+        self, ctx, stage, h, i0, sStats, mDQ, mDbg, softmax_scale, masked: cutlass.Constexpr
     ):  # fmt: skip
-        """One 32-query step of one head for this warpgroup's 64 keys."""
+        """One 32-query step of one head for this warpgroup's 64 keys (``masked``: some
+        keys or queries lie outside the document or, causal, a key follows a query)."""
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq = ctx["mmas"]
         w = ctx["w"]
         wg = ctx["wg"]
@@ -524,21 +543,6 @@ class FlamiaBwdSm90:
             tiled_mma_s, (WG_KEYS, STEP), ctx["tPrV"], ctx["tPrDO"], A_idx=wg, B_idx=stage,
             wg_wait=-1,
         )  # fmt: skip
-        # per query column (staged in shared memory by the producer warp), while the MMAs run
-        q = cute.make_rmem_tensor(n_cols, Int32)
-        qfac = cute.make_rmem_tensor(n_cols, Float32)  # qk_scale · 2^eQ
-        q8fac = cute.make_rmem_tensor(n_cols, Float32)  # 2^eQ
-        ref = cute.make_rmem_tensor(n_cols, Float32)  # M − 8
-        f = cute.make_rmem_tensor(n_cols, Float32)  # 2^(M − 8 − lse)
-        delta = cute.make_rmem_tensor(n_cols, Float32)
-        for j in cutlass.range_constexpr(n_cols):
-            c = ctx["col0"] + column_offset(j)
-            q[j] = i0 + c
-            qfac[j] = sStats[0, c, stage]
-            q8fac[j] = sStats[1, c, stage]
-            ref[j] = sStats[2, c, stage]
-            f[j] = sStats[3, c, stage]
-            delta[j] = sStats[4, c, stage]
         do_fac = sStats[5, 0, stage]
         g_fac = sStats[5, 1, stage]
         warpgroup.wait_group(0)
@@ -546,29 +550,38 @@ class FlamiaBwdSm90:
         dp_mn = layout_utils.reshape_acc_to_mn(acc_dp)
         amax_k = Float32(0.0)
         amax_q = Float32(0.0)
+        dp_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eV · 2^e_dÔ per key row
         for r in cutlass.range_constexpr(n_rows):
-            key = ctx["key"][r]
-            kfac = ctx["kfac"][r]
-            ev = ctx["ev"][r]
-            vinv = ctx["vinv"][r]
-            dp_fac = ctx["vfac"][r] * do_fac
-            for j in cutlass.range_constexpr(n_cols):
-                y = s_mn[r, j] * (qfac[j] * kfac) + ev
-                ok = key < seqlen and q[j] < seqlen
-                if const_expr(self.causal):
-                    ok = ok and q[j] >= key
-                y = y if ok else -Float32.inf
-                p = cute.math.exp2(y - ref[j], fastmath=True)
+            dp_fac[r] = ctx["vfac"][r] * do_fac
+        # column by column: the query's statistics (staged in shared memory by the producer
+        # warp) are read where they are used, so only one column's stay in registers
+        for j in cutlass.range_constexpr(n_cols):
+            c = ctx["col0"] + column_offset(j)
+            q = i0 + c
+            qfac = sStats[0, c, stage]  # qk_scale · 2^eQ
+            q8fac = sStats[1, c, stage]  # 2^eQ
+            ref = sStats[2, c, stage]  # M − 8
+            f = sStats[3, c, stage]  # 2^(M − 8 − lse)
+            delta = sStats[4, c, stage]
+            for r in cutlass.range_constexpr(n_rows):
+                key = ctx["key"][r]
+                kfac = ctx["kfac"][r]
+                y = s_mn[r, j] * (qfac * kfac) + ctx["ev"][r]
+                if const_expr(masked):
+                    ok = key < seqlen and q < seqlen
+                    if const_expr(self.causal):
+                        ok = ok and q >= key
+                    y = y if ok else -Float32.inf
+                p = cute.math.exp2(y - ref, fastmath=True)
                 if const_expr(self.debug_p):
-                    if key < seqlen and q[j] < seqlen:
-                        mDbg[h, doc_start + q[j], doc_start + key] = p
+                    if key < seqlen and q < seqlen:
+                        mDbg[h, doc_start + q, doc_start + key] = p
                 pv = e4m3_value(p)
-                ds = pv * vinv * f[j] * (dp_mn[r, j] * dp_fac - delta[j])
+                ds = pv * ctx["vinv"][r] * f * (dp_mn[r, j] * dp_fac[r] - delta)
                 ds = Float32(0.0) if pv == Float32(0.0) else ds
                 s_mn[r, j] = p
                 dp_mn[r, j] = ds
-                dsk = ds * q8fac[j]
-                amax_k = fa_utils.fmax(amax_k, abs(dsk))
+                amax_k = fa_utils.fmax(amax_k, abs(ds * q8fac))
                 amax_q = fa_utils.fmax(amax_q, abs(ds * kfac))
         # P̂ into the A fragment of dV's product; dV += (P̂ᵀ·Ĝ)·2^eG, one piece at a time
         # (overlap: all pieces issued now, promoted after the exponent exchange below)
@@ -609,12 +622,12 @@ class FlamiaBwdSm90:
         # dŜ for dK (registers, A fragment) and dŜ for dQ (shared memory, transposed)
         ds_q = cute.make_rmem_tensor(cute.size(acc_s), Float32)
         ds_q_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds_q.iterator, acc_s.layout))
-        for r in cutlass.range_constexpr(n_rows):
-            kfac = ctx["kfac"][r]
-            for j in cutlass.range_constexpr(n_cols):
+        for j in cutlass.range_constexpr(n_cols):
+            q8fac = sStats[1, ctx["col0"] + column_offset(j), stage]
+            for r in cutlass.range_constexpr(n_rows):
                 ds = dp_mn[r, j]
-                s_mn[r, j] = ds * q8fac[j] * k_inv
-                ds_q_mn[r, j] = ds * kfac * b_inv
+                s_mn[r, j] = ds * q8fac * k_inv
+                ds_q_mn[r, j] = ds * ctx["kfac"][r] * b_inv
         accumulator_to_a(acc_s, ctx["frag_ds"])
         ds8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
         ds8.store(ds_q.load().to(FP8))
@@ -625,7 +638,7 @@ class FlamiaBwdSm90:
             for j in cutlass.range_constexpr(n_cols):
                 # K̂ᵀ holds the keys in the column layout's order: dŜ's columns follow it
                 sDS[tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
-        if ctx["t"] == 0:  # the previous step's dQ tile has left shared memory
+        if ctx["t"] % 32 < DQ_ROWS_PER_WARP:  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
@@ -670,16 +683,17 @@ class FlamiaBwdSm90:
             for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
                 for j in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[1])):
                     row, col = tQcQ[r, j]
-                    # queries past the document: zero (the tile is added to the next
-                    # document's rows, and 0·NaN from a bad key would carry over)
-                    val = acc_q_mn[r, j] * dq_fac
-                    sDQ[col, hf * 64 + row, wg] = val if i0 + col < seqlen else Float32(0.0)
+                    sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * dq_fac
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
-        if ctx["t"] == 0:
+        # each query row inside the document is added by one lane (rows past it are the
+        # next document's: never added, so 0·NaN from a bad key cannot carry over)
+        lane = ctx["t"] % 32
+        q = ctx["warp"] * DQ_ROWS_PER_WARP + lane
+        if lane < DQ_ROWS_PER_WARP and i0 + q < seqlen:
             copy_utils.cpasync_reduce_bulk_add_f32(
-                sDQ[None, None, wg].iterator, mDQ[h, doc_start + i0, None].iterator,
-                STEP * self.d * 4,
+                sDQ[q, None, wg].iterator, mDQ[h, doc_start + i0 + q, None].iterator,
+                self.d * 4,
             )  # fmt: skip
             cute.arch.cp_async_bulk_commit_group()
 
@@ -758,7 +772,7 @@ def attn_bwd_sm90(
     the column layout's alignment must be a multiple of ``TILE_N``."""
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
-    dq_acc = torch.zeros(heads_q, total + DQ_SLACK, d, dtype=torch.float32, device=dev)
+    dq_acc = torch.zeros(heads_q, total, d, dtype=torch.float32, device=dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
     v_codes = qkv.v_t[:, :, qkv.key_columns()].permute(2, 0, 1).contiguous()
@@ -782,5 +796,5 @@ def attn_bwd_sm90(
     if total:
         _COMPILED[key](*kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv)
     dq = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
-    dq.copy_(dq_acc[:, :total].permute(1, 0, 2))
+    dq.copy_(dq_acc.permute(1, 0, 2))
     return dq, dk, dv

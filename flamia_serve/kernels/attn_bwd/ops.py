@@ -58,9 +58,8 @@ class BwdConfig:
                    bool(overlap))  # fmt: skip
 
 
-#: the CuTe backward's default on sm_90 (H200, T=8192 causal d=128: 10.5 ms serial, 11.1 ms
-#: with ``overlap``, which spills 160 bytes; 3 or 4 stages within 2%:
-#: ``results/bwd_kernels.json``)
+#: the CuTe backward's default on sm_90 (H200, T=8192 causal d=128: 5.33 ms serial, 5.42 ms
+#: with ``overlap``, which spills; ``results/bwd_variants_2026-12-01.json``)
 CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 
 
@@ -128,8 +127,8 @@ def _cute_refusal(
     device: torch.device,
 ) -> str | None:
     """Why the CuTe backward cannot run this call (``None``: it can)."""
-    if heads_q * (total + 32) * d >= 2**31:  # the kernel addresses its dQ buffer with int32
-        return f"takes heads_q·(T + 32)·head_dim < 2^31, got {heads_q}·{total + 32}·{d}"
+    if heads_q * total * d >= 2**31:  # the kernel addresses its dQ buffer with int32
+        return f"takes heads_q·T·head_dim < 2^31, got {heads_q}·{total}·{d}"
     if not with_dq:
         return "always computes dQ (with_dq=False is Triton's)"
     if not cute_bwd_runs(d, nvfp4, column_align):

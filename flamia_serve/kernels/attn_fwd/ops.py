@@ -78,10 +78,10 @@ class FwdConfig:
 CUTE_CONFIG = FwdConfig(
     128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
 )
-#: its default at d = 256 (the 64x256 FP32 output accumulator of each warpgroup leaves room
-#: for 64-key tiles only)
+#: its default at d = 256 (P̂·V̂ in two 128-column chunks; H200, P2: 731 TFLOP/s with
+#: 128-key tiles, 670 with 64-key tiles, ``results/tune_fwd_mxfp8_cute_d256_split_n.json``)
 CUTE_CONFIG_D256 = FwdConfig(
-    128, 64, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
+    128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
 )
 
 #: the Triton kernel's default at d = 256: two warpgroups split the 256 output columns (no
