@@ -59,17 +59,19 @@ def main() -> None:
     options = TVM_FFI + (" --keep-cubin" if args.keep else "")
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        for d, causal, tile_n in ((128, True, 128), (64, True, 128), (128, False, 128),
-                                  (256, True, 64), (256, True, 128)):  # fmt: skip
-            kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, d <= 128, True)
+        for d, causal, tile_n, overlap in (
+            (128, True, 128, False), (128, True, 128, True), (64, True, 128, False),
+            (128, False, 128, False), (256, True, 64, False), (256, True, 128, False),
+        ):  # fmt: skip
+            kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, overlap, True)
             compile_kernel(
                 kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1), options=options
             )
-            print(f"cute forward d={d} causal={causal} tile 128x{tile_n}: compiled")
+            print(f"cute forward d={d} causal={causal} 128x{tile_n} overlap={overlap}: compiled")
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)
                 for cubin in Path(".").glob("*.cubin"):
-                    name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}.cubin"
+                    name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}.cubin"
                     shutil.move(str(cubin), args.keep / name)
 
 

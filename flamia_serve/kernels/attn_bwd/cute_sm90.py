@@ -56,7 +56,6 @@ from flamia_serve.kernels.cute_sm90_common import (
     column_offset,
     compile_kernel,
     e4m3_exponent,
-    e4m3_value,
     kernel_tensors,
     pow2,
     v_t_position,
@@ -559,14 +558,10 @@ class FlamiaBwdSm90:
             c = ctx["col0"] + column_offset(j)
             q = i0 + c
             qfac = sStats[0, c, stage]  # qk_scale · 2^eQ
-            q8fac = sStats[1, c, stage]  # 2^eQ
             ref = sStats[2, c, stage]  # M − 8
-            f = sStats[3, c, stage]  # 2^(M − 8 − lse)
-            delta = sStats[4, c, stage]
             for r in cutlass.range_constexpr(n_rows):
                 key = ctx["key"][r]
-                kfac = ctx["kfac"][r]
-                y = s_mn[r, j] * (qfac * kfac) + ctx["ev"][r]
+                y = s_mn[r, j] * (qfac * ctx["kfac"][r]) + ctx["ev"][r]
                 if const_expr(masked):
                     ok = key < seqlen and q < seqlen
                     if const_expr(self.causal):
@@ -576,26 +571,47 @@ class FlamiaBwdSm90:
                 if const_expr(self.debug_p):
                     if key < seqlen and q < seqlen:
                         mDbg[h, doc_start + q, doc_start + key] = p
-                pv = e4m3_value(p)
+                s_mn[r, j] = p
+        # P̂'s values: E4M3 round trips by the hardware conversions, two values each
+        p8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
+        p8.store(acc_s.load().to(FP8))
+        p_hat = cute.make_rmem_tensor(cute.size(acc_s), Float32)
+        p_hat.store(p8.load().to(Float32))
+        p_hat_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(p_hat.iterator, acc_s.layout))
+        # amax of dS·2^eQ (dK's blocks) and dS·2^eK (dQ's): the power-of-two factors are
+        # applied to the column / row maxima of |dS|
+        row_amax = cute.make_rmem_tensor(n_rows, Float32)
+        row_amax.fill(0.0)
+        for j in cutlass.range_constexpr(n_cols):
+            c = ctx["col0"] + column_offset(j)
+            f = sStats[3, c, stage]  # 2^(M − 8 − lse)
+            delta = sStats[4, c, stage]
+            col_amax = Float32(0.0)
+            for r in cutlass.range_constexpr(n_rows):
+                pv = p_hat_mn[r, j]
                 ds = pv * ctx["vinv"][r] * f * (dp_mn[r, j] * dp_fac[r] - delta)
                 ds = Float32(0.0) if pv == Float32(0.0) else ds
-                s_mn[r, j] = p
                 dp_mn[r, j] = ds
-                amax_k = fa_utils.fmax(amax_k, abs(ds * q8fac))
-                amax_q = fa_utils.fmax(amax_q, abs(ds * kfac))
-        # P̂ into the A fragment of dV's product; dV += (P̂ᵀ·Ĝ)·2^eG, one piece at a time
-        # (overlap: all pieces issued now, promoted after the exponent exchange below)
+                col_amax = fa_utils.fmax(col_amax, abs(ds))
+                row_amax[r] = fa_utils.fmax(row_amax[r], abs(ds))
+            amax_k = fa_utils.fmax(amax_k, col_amax * sStats[1, c, stage])  # · 2^eQ
+        for r in cutlass.range_constexpr(n_rows):
+            amax_q = fa_utils.fmax(amax_q, row_amax[r] * ctx["kfac"][r])
+        # P̂ into the A fragment of dV's product; dV += (P̂ᵀ·Ĝ)·2^eG in pieces of 64 columns.
+        # Serial: piece 0 runs during the exponent exchange's warp reductions, piece 1 during
+        # its barrier, each then waited for and promoted; overlap: all pieces issued now and
+        # promoted after the exchange
         accumulator_to_a(acc_s, ctx["frag_p"])
-        acc_v = []
-        for hf in cutlass.range_constexpr(self.halves):
-            acc_v.append(
-                sm90_utils.gemm_zero_init(
-                    tiled_mma_kv, (WG_KEYS, 64), ctx["frag_p"], ctx["tVrG"],
-                    B_idx=stage * self.halves + hf, wg_wait=-1 if const_expr(self.overlap) else 0,
-                )
+        acc_v = [None] * self.halves
+
+        def issue_dv(hf):
+            acc_v[hf] = sm90_utils.gemm_zero_init(
+                tiled_mma_kv, (WG_KEYS, 64), ctx["frag_p"], ctx["tVrG"],
+                B_idx=stage * self.halves + hf, wg_wait=-1,
             )  # fmt: skip
-            if const_expr(not self.overlap):
-                self.promote(ctx["acc_dv"][hf], acc_v[hf], g_fac)
+
+        for hf in cutlass.range_constexpr(self.halves if const_expr(self.overlap) else 1):
+            issue_dv(hf)
         # block exponents: dK per (dk_keys keys x step), dQ per (64 keys x step)
         amax_k = cute.arch.warp_reduction_max(amax_k, threads_in_group=32)
         amax_q = cute.arch.warp_reduction_max(amax_q, threads_in_group=32)
@@ -604,6 +620,11 @@ class FlamiaBwdSm90:
         if ctx["t"] % 32 == 0:
             sAmax[0, warp, wg] = amax_k
             sAmax[1, warp, wg] = amax_q
+        if const_expr(not self.overlap):
+            warpgroup.wait_group(0)
+            self.promote(ctx["acc_dv"][0], acc_v[0], g_fac)
+            if const_expr(self.halves > 1):
+                issue_dv(1)
         cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)
         # rows of a warp are 16 keys: a dK block of dk_keys keys spans dk_keys // 16 warps
         per_block = self.dk_keys // 16
@@ -619,15 +640,22 @@ class FlamiaBwdSm90:
         eb = e4m3_exponent(tile_amax)
         k_inv = pow2(-ek)
         b_inv = pow2(-eb)
+        if const_expr(not self.overlap and self.halves > 1):
+            warpgroup.wait_group(0)
+            self.promote(ctx["acc_dv"][1], acc_v[1], g_fac)
         # dŜ for dK (registers, A fragment) and dŜ for dQ (shared memory, transposed)
         ds_q = cute.make_rmem_tensor(cute.size(acc_s), Float32)
         ds_q_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds_q.iterator, acc_s.layout))
+        # (products of powers of two: one multiply per value)
+        row_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eK · 2^-eb
+        for r in cutlass.range_constexpr(n_rows):
+            row_fac[r] = ctx["kfac"][r] * b_inv
         for j in cutlass.range_constexpr(n_cols):
-            q8fac = sStats[1, ctx["col0"] + column_offset(j), stage]
+            col_fac = sStats[1, ctx["col0"] + column_offset(j), stage] * k_inv  # 2^eQ · 2^-ek
             for r in cutlass.range_constexpr(n_rows):
                 ds = dp_mn[r, j]
-                s_mn[r, j] = ds * q8fac * k_inv
-                ds_q_mn[r, j] = ds * ctx["kfac"][r] * b_inv
+                s_mn[r, j] = ds * col_fac
+                ds_q_mn[r, j] = ds * row_fac[r]
         accumulator_to_a(acc_s, ctx["frag_ds"])
         ds8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
         ds8.store(ds_q.load().to(FP8))
@@ -646,7 +674,7 @@ class FlamiaBwdSm90:
             warpgroup.wait_group(0)
             for hf in cutlass.range_constexpr(self.halves):
                 self.promote(ctx["acc_dv"][hf], acc_v[hf], g_fac)
-        # dK += (dŜᵀ·Q̂)·2^ek and dQᵀ = K̂ᵀ·dŜᵀ, one piece of the head dimension at a time
+        # dK += (dŜᵀ·Q̂)·2^ek and dQᵀ = K̂ᵀ·dŜᵀ, in pieces of 64 head-dimension columns
         ek_fac = pow2(ek)
         dq_fac = pow2(eb) * softmax_scale
         sDQ = ctx["sDQ"]
@@ -654,36 +682,52 @@ class FlamiaBwdSm90:
         tQcQ = layout_utils.reshape_acc_to_mn(
             thr_dq.partition_C(cute.make_identity_tensor((64, STEP)))
         )
-        wait = -1 if const_expr(self.overlap) else 0
-        acc_k = []
-        for hf in cutlass.range_constexpr(self.halves):
-            acc_k.append(
-                sm90_utils.gemm_zero_init(
-                    tiled_mma_kv, (WG_KEYS, 64), ctx["frag_ds"], ctx["tKrQ"],
-                    B_idx=stage * self.halves + hf, wg_wait=wait,
-                )
+        acc_k = [None] * self.halves
+        acc_q = [None] * self.halves
+
+        def issue_dk(hf):
+            acc_k[hf] = sm90_utils.gemm_zero_init(
+                tiled_mma_kv, (WG_KEYS, 64), ctx["frag_ds"], ctx["tKrQ"],
+                B_idx=stage * self.halves + hf, wg_wait=-1,
             )  # fmt: skip
-            if const_expr(not self.overlap):
-                self.promote(ctx["acc_dk"][hf], acc_k[hf], ek_fac)
-        acc_q = []
-        for hf in cutlass.range_constexpr(self.halves):
-            acc_q.append(
-                sm90_utils.gemm_zero_init(
-                    tiled_mma_dq, (64, STEP), ctx["tQrK"], ctx["tQrS"],
-                    A_idx=wg * self.halves + hf, B_idx=wg, wg_wait=wait,
-                )
+
+        def issue_dq(hf):
+            acc_q[hf] = sm90_utils.gemm_zero_init(
+                tiled_mma_dq, (64, STEP), ctx["tQrK"], ctx["tQrS"],
+                A_idx=wg * self.halves + hf, B_idx=wg, wg_wait=-1,
             )  # fmt: skip
-        if const_expr(self.overlap):  # dK's groups first, then dQ's
-            warpgroup.wait_group(self.halves)
-            for hf in cutlass.range_constexpr(self.halves):
-                self.promote(ctx["acc_dk"][hf], acc_k[hf], ek_fac)
-            warpgroup.wait_group(0)
-        for hf in cutlass.range_constexpr(self.halves):
+
+        def stage_dq(hf):
             acc_q_mn = layout_utils.reshape_acc_to_mn(acc_q[hf])
             for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
                 for j in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[1])):
                     row, col = tQcQ[r, j]
                     sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * dq_fac
+
+        if const_expr(self.overlap):  # all issued; dK's groups first, then dQ's
+            for hf in cutlass.range_constexpr(self.halves):
+                issue_dk(hf)
+            for hf in cutlass.range_constexpr(self.halves):
+                issue_dq(hf)
+            warpgroup.wait_group(self.halves)
+            for hf in cutlass.range_constexpr(self.halves):
+                self.promote(ctx["acc_dk"][hf], acc_k[hf], ek_fac)
+            warpgroup.wait_group(0)
+            for hf in cutlass.range_constexpr(self.halves):
+                stage_dq(hf)
+        else:  # one product in flight while the previous one is promoted or staged
+            issue_dk(0)
+            issue_dq(0)
+            for hf in cutlass.range_constexpr(self.halves):
+                last = hf + 1 == self.halves
+                warpgroup.wait_group(1)
+                self.promote(ctx["acc_dk"][hf], acc_k[hf], ek_fac)
+                if const_expr(not last):
+                    issue_dk(hf + 1)
+                warpgroup.wait_group(0 if const_expr(last) else 1)
+                stage_dq(hf)
+                if const_expr(not last):
+                    issue_dq(hf + 1)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
         # each query row inside the document is added by one lane (rows past it are the

@@ -58,8 +58,8 @@ class BwdConfig:
                    bool(overlap))  # fmt: skip
 
 
-#: the CuTe backward's default on sm_90 (H200, T=8192 causal d=128: 5.33 ms serial, 5.42 ms
-#: with ``overlap``, which spills; ``results/bwd_variants_2026-12-01.json``)
+#: the CuTe backward's default on sm_90 (H200, T=8192 causal d=128: 5.27 ms serial, 5.43 ms
+#: with ``overlap``, which spills; ``results/bwd_kernels.json``)
 CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 
 

@@ -47,7 +47,6 @@ from flamia_serve.kernels.cute_sm90_common import (
     accumulator_to_a,
     column_offset,
     compile_kernel,
-    e4m3_value,
     kernel_tensors,
     pow2,
 )
@@ -595,14 +594,21 @@ class FlamiaFwdSm90:
             l_tile[r, 0] = Float32(0.0)
             l_tile[r, 1] = Float32(0.0)
         for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            for r in cutlass.range_constexpr(n_rows):
+                s_mn[r, j] = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
+        # l sums P̂ itself (N3): E4M3 round trips by the hardware conversions, two values each
+        p8 = cute.make_rmem_tensor(cute.size(acc_S), FP8)
+        p8.store(acc_S.load().to(FP8))
+        p_hat = cute.make_rmem_tensor(cute.size(acc_S), Float32)
+        p_hat.store(p8.load().to(Float32))
+        p_hat_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(p_hat.iterator, acc_S.layout))
+        for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             v_inv = thr_factors[_factor_offset(j), 2]
             if const_expr(mask):
                 key = n * self.tile_n + ctx.col0 + column_offset(j)
                 v_inv = v_inv if key < ctx.seqlen else Float32(0.0)
             for r in cutlass.range_constexpr(n_rows):
-                p = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
-                s_mn[r, j] = p
-                l_tile[r, j % 2] += e4m3_value(p) * v_inv  # l sums P̂ itself (N3)
+                l_tile[r, j % 2] += p_hat_mn[r, j] * v_inv
         for r in cutlass.range_constexpr(n_rows):
             ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + (l_tile[r, 0] + l_tile[r, 1])
 
