@@ -52,16 +52,6 @@ def pow2(e: Int32) -> Float32:
 
 
 @cute.jit
-def e4m3_value(x: Float32) -> Float32:
-    """float32 value of ``E4M3(x)`` (round to nearest even) for ``0 <= x <= 448`` from
-    integer and float operations (twin of ``kernels._common.e4m3_value``)."""
-    bits = x.bitcast(Int32)
-    normal = Int32((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).bitcast(Float32)
-    subnormal = (x + Float32(24576.0)) - Float32(24576.0)
-    return subnormal if x < Float32(0.015625) else normal
-
-
-@cute.jit
 def e4m3_exponent(amax: Float32) -> Int32:
     """int32 ``ceil(log2(amax / 448))`` clamped to [-127, 127], -127 for zero (twin of
     ``kernels._common.pow2_exponent_ceil`` with E4M3's 448 = 1.75·2^8)."""
