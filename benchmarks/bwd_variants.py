@@ -1,0 +1,114 @@
+"""Several versions of the CuTe backward in one device call (H200).
+
+``python benchmarks/bwd_variants.py NAME=PATH [NAME=PATH ...]``: each PATH is a copy of
+``flamia_serve/kernels/attn_bwd/cute_sm90.py`` with one change (keep the copies in the work
+tree, e.g. under a scratch folder, so the device call carries them); the package's own
+module is timed too, as ``current``. Every version runs in its own process: it compiles and
+checks its dQ/dK/dV against the Triton kernel on ``check_bwd_kernels``' packs (these
+processes run at once: compiling is CPU-bound and the machine has 16 cores), then waits
+for a file lock and times T = 8192 and 16384, d = 128, causal (serial and ``overlap``
+configs), so timings never overlap. Writes ``bwd_variants.json`` (one entry per version:
+accuracy rows, speed rows, or the error). Five versions took ~90 s of device time on
+2026-12-01.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import env_info, results_dir
+
+MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
+ACCURACY_CASES = [  # lens, hq, hkv, d, causal, exact_causal
+    ((1, 300, 1000, 129, 31), 4, 2, 64, True, False),
+    ((1, 300, 1000, 129, 31), 4, 2, 128, True, False),
+    ((257, 64, 700), 8, 1, 128, False, False),
+    ((500, 3, 77), 4, 4, 64, True, True),
+]
+
+
+def run_one(name: str, path: str | None, lock_path: str, out_path: str) -> None:
+    """Check and time one version (``path`` None: the package's module) in this process."""
+    import benchmarks.check_bwd_kernels as cbk
+    from flamia_serve.kernels.attn_bwd.ops import BwdConfig
+
+    result: dict = {"path": path or MODULE, "accuracy": [], "speed": []}
+    try:
+        if path is not None:  # ops.attn_bwd imports the module by name at each call
+            spec = importlib.util.spec_from_file_location(f"{MODULE}_{name}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules[MODULE] = module
+        for case in ACCURACY_CASES:
+            result["accuracy"].append(cbk.accuracy(case))
+        overlap = BwdConfig(kernel="cute", overlap=True)
+        ops = cbk._operands((8192,), 32, 8, 128, True)
+        cbk._bwd(ops, overlap)  # compile before taking the lock
+        del ops
+        cbk.CONFIGS.pop("triton")
+        with open(lock_path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            for t in (8192, 16384):
+                result["speed"] += cbk.speed(t, 128, True, {"cute-overlap": overlap})
+    except Exception:
+        result["error"] = traceback.format_exc()[-3000:]
+    Path(out_path).write_text(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("variants", nargs="*", help="NAME=PATH of a copy of cute_sm90.py")
+    ap.add_argument("--one", nargs=4, metavar=("NAME", "PATH", "LOCK", "OUT"),
+                    help=argparse.SUPPRESS)  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.one:
+        name, path, lock, out = args.one
+        run_one(name, None if path == "-" else path, lock, out)
+        return 0
+    versions = {"current": "-"}
+    for item in args.variants:
+        name, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            ap.error(f"variant {item!r}: expected NAME=PATH of an existing file")
+        versions[name] = str(Path(path).resolve())
+    tmp = Path(tempfile.mkdtemp(prefix="bwd_variants_"))
+    lock = str(tmp / "lock")
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, __file__, "--one", name, path, lock, str(tmp / f"{name}.json")]
+        )
+        for name, path in versions.items()
+    }
+    result: dict = {"env": env_info(), "variants": {}}
+    for name, proc in procs.items():
+        proc.wait()
+        out = tmp / f"{name}.json"
+        row = json.loads(out.read_text()) if out.exists() else {"error": f"exit {proc.returncode}"}
+        result["variants"][name] = row
+        worst = max(
+            (v for a in row.get("accuracy", []) for k, v in a.items() if k.startswith("cute_vs")),
+            default=float("nan"),
+        )
+        speeds = ", ".join(
+            f"{s['kernel']} T={s['tokens']} {s['tflops']:.1f}" for s in row.get("speed", [])
+        )
+        print(f"{name}: vs Triton ≤ {worst:.1e}; {speeds or row.get('error', '')[-300:]}")
+    path = results_dir() / "bwd_variants.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
