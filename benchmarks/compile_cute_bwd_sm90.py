@@ -11,16 +11,12 @@ Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin ther
 
 from __future__ import annotations
 
-import argparse
-import shutil
-from pathlib import Path
-
 import torch
 from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from benchmarks.compile_cute_sm90 import compile_and_keep, keep_argument
 from flamia_serve.kernels.attn_bwd.cute_sm90 import FlamiaBwdSm90
-from flamia_serve.kernels.cute_sm90_common import TVM_FFI, compile_kernel
 
 
 def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
@@ -57,29 +53,18 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", type=Path, default=None)
-    args = parser.parse_args()
-    options = TVM_FFI + (" --keep-cubin" if args.keep else "")
+    keep = keep_argument(__doc__)
     with FakeTensorMode():
         torch.set_default_device("cuda")
         for d, causal, overlap in ((128, True, True), (128, True, False), (64, True, True),
                                    (128, False, True)):  # fmt: skip
             kernel = FlamiaBwdSm90(d, 8, 2, causal, 32, 2, False, overlap)
-            compiled = compile_kernel(
-                kernel,
-                _fake_args(1024, 8, 2, d),
-                Float32(0.1),
-                Float32(0.1),
-                Int32(1),
-                options=options,
-            )
+            name = f"bwd_d{d}_causal{int(causal)}_overlap{int(overlap)}.cubin"
+            compiled = compile_and_keep(
+                kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Float32(0.1), Int32(1),
+                keep=keep, name=name,
+            )  # fmt: skip
             print(f"cute backward d={d} causal={causal} overlap={overlap}: compiled")
-            if args.keep:
-                args.keep.mkdir(parents=True, exist_ok=True)
-                for cubin in Path(".").glob("*.cubin"):
-                    name = f"bwd_d{d}_causal{int(causal)}_overlap{int(overlap)}.cubin"
-                    shutil.move(str(cubin), args.keep / name)
             del compiled
 
 

@@ -52,11 +52,26 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
     return tensors
 
 
+def compile_and_keep(kernel, fake_args: list, *scalars, keep: Path | None, name: str):
+    """Compile ``kernel`` for sm_90a; with ``keep``, its cubin is moved to ``keep/name``."""
+    options = TVM_FFI + (" --keep-cubin" if keep else "")
+    compiled = compile_kernel(kernel, fake_args, *scalars, options=options)
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+        for cubin in Path(".").glob("*.cubin"):
+            shutil.move(str(cubin), keep / name)
+    return compiled
+
+
+def keep_argument(doc: str) -> Path | None:
+    """The compile scripts' one option, ``--keep DIR`` (``doc``: the script's docstring)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--keep", type=Path, default=None, help="keep each cubin in DIR")
+    return parser.parse_args().keep
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", type=Path, default=None)
-    args = parser.parse_args()
-    options = TVM_FFI + (" --keep-cubin" if args.keep else "")
+    keep = keep_argument(__doc__)
     with FakeTensorMode():
         torch.set_default_device("cuda")
         for d, causal, tile_n, overlap in (
@@ -64,15 +79,11 @@ def main() -> None:
             (128, False, 128, False), (256, True, 64, False), (256, True, 128, False),
         ):  # fmt: skip
             kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, overlap, True)
-            compile_kernel(
-                kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1), options=options
+            name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}.cubin"
+            compile_and_keep(
+                kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1), keep=keep, name=name
             )
             print(f"cute forward d={d} causal={causal} 128x{tile_n} overlap={overlap}: compiled")
-            if args.keep:
-                args.keep.mkdir(parents=True, exist_ok=True)
-                for cubin in Path(".").glob("*.cubin"):
-                    name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}.cubin"
-                    shutil.move(str(cubin), args.keep / name)
 
 
 if __name__ == "__main__":
