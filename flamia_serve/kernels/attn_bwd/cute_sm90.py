@@ -528,7 +528,7 @@ class FlamiaBwdSm90:
     ):  # fmt: skip
         """One 32-query step of one head for this warpgroup's 64 keys (``masked``: some
         keys or queries lie outside the document or, causal, a key follows a query)."""
-        tiled_mma_s, tiled_mma_kv, tiled_mma_dq = ctx["mmas"]
+        tiled_mma_s, _, tiled_mma_dq = ctx["mmas"]
         w = ctx["w"]
         wg = ctx["wg"]
         doc_start = w["doc_start"]
@@ -605,10 +605,7 @@ class FlamiaBwdSm90:
         acc_v = [None] * self.halves
 
         def issue_dv(hf):
-            acc_v[hf] = sm90_utils.gemm_zero_init(
-                tiled_mma_kv, (WG_KEYS, 64), ctx["frag_p"], ctx["tVrG"],
-                B_idx=stage * self.halves + hf, wg_wait=-1,
-            )  # fmt: skip
+            acc_v[hf] = self.issue_kv_piece(ctx, ctx["frag_p"], ctx["tVrG"], stage, hf)
 
         for hf in cutlass.range_constexpr(self.halves if const_expr(self.overlap) else 1):
             issue_dv(hf)
@@ -686,10 +683,7 @@ class FlamiaBwdSm90:
         acc_q = [None] * self.halves
 
         def issue_dk(hf):
-            acc_k[hf] = sm90_utils.gemm_zero_init(
-                tiled_mma_kv, (WG_KEYS, 64), ctx["frag_ds"], ctx["tKrQ"],
-                B_idx=stage * self.halves + hf, wg_wait=-1,
-            )  # fmt: skip
+            acc_k[hf] = self.issue_kv_piece(ctx, ctx["frag_ds"], ctx["tKrQ"], stage, hf)
 
         def issue_dq(hf):
             acc_q[hf] = sm90_utils.gemm_zero_init(
@@ -740,6 +734,15 @@ class FlamiaBwdSm90:
                 self.d * 4,
             )  # fmt: skip
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def issue_kv_piece(self, ctx, frag_a, t_b, stage, hf) -> cute.Tensor:
+        """A step's dV or dK product for head-dimension columns ``64·hf ..``: keys x 64,
+        A (P̂ or dŜ) from registers, B (Ĝᵀ or Q̂ᵀ piece) from ``stage``; issued, not waited."""
+        return sm90_utils.gemm_zero_init(
+            ctx["mmas"][1], (WG_KEYS, 64), frag_a, t_b, B_idx=stage * self.halves + hf,
+            wg_wait=-1,
+        )  # fmt: skip
 
     @cute.jit
     def promote(self, acc: cute.Tensor, part: cute.Tensor, scale: Float32) -> None:
