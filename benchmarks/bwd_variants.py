@@ -30,12 +30,6 @@ if __package__ in (None, ""):
 from benchmarks.common import env_info, results_dir
 
 MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
-ACCURACY_CASES = [  # lens, hq, hkv, d, causal, exact_causal
-    ((1, 300, 1000, 129, 31), 4, 2, 64, True, False),
-    ((1, 300, 1000, 129, 31), 4, 2, 128, True, False),
-    ((257, 64, 700), 8, 1, 128, False, False),
-    ((500, 3, 77), 4, 4, 64, True, True),
-]
 
 
 def run_one(name: str, path: str | None, lock_path: str, out_path: str) -> None:
@@ -50,17 +44,17 @@ def run_one(name: str, path: str | None, lock_path: str, out_path: str) -> None:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             sys.modules[MODULE] = module
-        for case in ACCURACY_CASES:
+        for case in cbk.ACCURACY_CASES:
             result["accuracy"].append(cbk.accuracy(case))
         overlap = BwdConfig(kernel="cute", overlap=True)
         ops = cbk._operands((8192,), 32, 8, 128, True)
         cbk._bwd(ops, overlap)  # compile before taking the lock
         del ops
-        cbk.CONFIGS.pop("triton")
+        configs = {"cute": cbk.CONFIGS["cute"], "cute-overlap": overlap}
         with open(lock_path, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             for t in (8192, 16384):
-                result["speed"] += cbk.speed(t, 128, True, {"cute-overlap": overlap})
+                result["speed"] += cbk.speed(t, 128, True, configs)
     except Exception:
         result["error"] = traceback.format_exc()[-3000:]
     Path(out_path).write_text(json.dumps(result))

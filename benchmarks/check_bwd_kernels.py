@@ -28,6 +28,13 @@ from flamia_serve.probes import make_pack
 from flamia_serve.reference import attention_backward
 
 CONFIGS = {"cute": CUTE_BWD_CONFIG, "triton": BwdConfig()}
+#: accuracy packs: lens, hq, hkv, d, causal, exact_causal
+ACCURACY_CASES = [
+    ((1, 300, 1000, 129, 31), 4, 2, 64, True, False),
+    ((1, 300, 1000, 129, 31), 4, 2, 128, True, False),
+    ((257, 64, 700), 8, 1, 128, False, False),
+    ((500, 3, 77), 4, 4, 64, True, True),
+]
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -82,11 +89,12 @@ def debug_p_agreement() -> dict:
     return dict(lens=list(lens), p_hat_codes_differ=differ, p_hat_nonzero=nonzero)
 
 
-def speed(t: int, d: int, causal: bool, extra: dict, hq: int = 32, hkv: int = 8) -> list[dict]:
+def speed(t: int, d: int, causal: bool, configs: dict, hq: int = 32, hkv: int = 8) -> list[dict]:
+    """Time of each of ``configs`` (name -> ``BwdConfig``) on one T-token document."""
     ops = _operands((t,), hq, hkv, d, causal)
     flops = 2.5 * 4 * (t * t / (2 if causal else 1)) * hq * d
     rows = []
-    for k, cfg in {**CONFIGS, **extra}.items():
+    for k, cfg in configs.items():
         ms = time_ms(lambda cfg=cfg: _bwd(ops, cfg), warmup_ms=10, rep_ms=100)["ms"]
         rows.append(dict(kernel=k, tokens=t, d=d, causal=causal, hq=hq, hkv=hkv, ms=ms,
                          tflops=flops / ms / 1e9))  # fmt: skip
@@ -100,13 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="", help="extra CuTe stage counts to time, e.g. 3,4")
     args = ap.parse_args(argv)
     result: dict = {"env": env_info(), "accuracy": [], "speed": []}
-    cases = [
-        ((1, 300, 1000, 129, 31), 4, 2, 64, True, False),
-        ((1, 300, 1000, 129, 31), 4, 2, 128, True, False),
-        ((257, 64, 700), 8, 1, 128, False, False),
-        ((500, 3, 77), 4, 4, 64, True, True),
-    ]
-    for case in cases:
+    for case in ACCURACY_CASES:
         row = accuracy(case)
         print({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
         result["accuracy"].append(row)
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     extra["cute-overlap"] = BwdConfig(kernel="cute", overlap=True)
     for t, d, causal in shapes:
-        result["speed"] += speed(t, d, causal, extra)
+        result["speed"] += speed(t, d, causal, {**CONFIGS, **extra})
     path = results_dir() / "bwd_kernels.json"
     path.write_text(__import__("json").dumps(result, indent=1))
     print(f"wrote {path}")
