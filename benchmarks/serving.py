@@ -10,9 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import triton
 
 from benchmarks.common import graph_time
-from flamia_serve.kernels.paged import leading_decodes, paged_attention, write_kv_cache
+from flamia_serve.kernels.paged import (
+    default_configs,
+    leading_decodes,
+    paged_attention,
+    write_kv_cache,
+)
+from flamia_serve.kernels.paged.ops import cute_decode_runs
 from flamia_serve.numerics.exp2 import EXP_MODES
 from flamia_serve.numerics.kv_pages import KVPageFormat, region_view
 
@@ -94,6 +101,22 @@ def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
                 )  # fmt: skip
 
             impls[f"flamia-{dtype}-{mode}"] = (dtype, call)
+    nvfp4 = KVPageFormat("nvfp4", HEAD_DIM)
+    if num_decodes and "nvfp4" in BENCH_DTYPES and cute_decode_runs(nvfp4, HQ, HKV,
+                                                                     batch.q.device):
+        # the Triton decode beside the CuTe one (the default here), same cache and plan
+        triton_decode = default_configs(triton.next_power_of_2(HQ // HKV), HEAD_DIM,
+                                        nvfp4.dtype)[0]  # fmt: skip
+
+        def call_triton(cache=batch.caches["nvfp4"]) -> torch.Tensor:
+            return paged_attention(
+                batch.q, cache, nvfp4, batch.block_table, batch.seq_lens,
+                batch.query_start_loc, num_decodes=num_decodes,
+                max_seq_len=max(batch.seq_lens_list), validate=False,
+                decode_config=triton_decode,
+            )  # fmt: skip
+
+        impls["flamia-nvfp4-triton-decode"] = ("nvfp4", call_triton)
     return impls
 
 

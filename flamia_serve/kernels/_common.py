@@ -7,6 +7,7 @@ for bit (tests compare them).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import types
 
@@ -32,6 +33,15 @@ def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached: the query costs host time on
     every call otherwise)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def cute_available(device: torch.device) -> bool:
+    """The CuTe DSL kernels run here: an sm_90 GPU with ``nvidia-cutlass-dsl`` and
+    ``flash-attn-4`` installed (the ``cute`` extra)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "flash_attn"))
 
 
 def round_debug_p_(buffer: torch.Tensor) -> None:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 import os
 from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import interpreted, round_debug_p_, sm_count
+from flamia_serve.kernels._common import cute_available, interpreted, round_debug_p_, sm_count
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
 from flamia_serve.kernels.schedule import WorkList, build_work_list
 from flamia_serve.numerics.operands import V_T_ALIGN, KernelQKV
@@ -96,15 +94,6 @@ def _cute_config(head_dim: int) -> FwdConfig:
 @torch.compiler.assume_constant_result
 def _cute_available(device: torch.device) -> bool:
     return cute_available(device)
-
-
-@functools.cache
-def cute_available(device: torch.device) -> bool:
-    """The CuTe forward runs here: an sm_90 GPU with ``nvidia-cutlass-dsl`` and
-    ``flash-attn-4`` installed (the ``cute`` extra)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "flash_attn"))
 
 
 #: mean document length (tokens) below which the Triton kernel runs a pack: the CuTe

@@ -17,12 +17,12 @@ same kernel.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
-from flamia_serve.kernels._common import interpreted, sm_count
+from flamia_serve.kernels._common import cute_available, interpreted, sm_count
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
     paged_attention_kernel,
@@ -77,13 +77,17 @@ class PagedLayout:
 class PagedConfig:
     """Tile shape of one launch: ``block_m`` rows (query tokens × GQA group), ``block_n``
     keys per step. ``keys_on_m`` (8-bit caches only): swap the MMA operands so the keys fill
-    M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``)."""
+    M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``). ``kernel="cute"`` (decodes from an NVFP4
+    cache, :func:`cute_decode_runs`): the CuTe DSL kernel of ``cute_decode_sm90.py`` for
+    ``exact`` exponentials without a window and pages of a multiple of 16 slots, the Triton
+    kernel (same numerics) otherwise; it ignores the tile fields."""
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
     keys_on_m: bool = False
+    kernel: str = "triton"  # "triton" | "cute"
 
 
 def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedConfig, PagedConfig]:
@@ -102,6 +106,16 @@ def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedCon
     if fmt.v_dim_major:  # 8-bit: FP8 MMAs, keys on M for decodes
         return PagedConfig(decode_m, 64, 4, 2, keys_on_m=True), prefill
     return PagedConfig(decode_m, 128, 4, 2), prefill
+
+
+def cute_decode_runs(fmt: KVPageFormat, heads_q: int, heads_kv: int,
+                     device: torch.device) -> bool:  # fmt: skip
+    """Whether the CuTe NVFP4 decode serves this cache: an sm_90 GPU with the ``cute``
+    extra, an NVFP4 cache, d in {64, 128}, a GQA group of at most 16."""
+    return (
+        fmt.dtype is KVCacheFormat.NVFP4 and fmt.head_dim in (64, 128)
+        and heads_q // heads_kv <= 16 and cute_available(device)
+    )  # fmt: skip
 
 
 def _num_sms(device: torch.device) -> int:
@@ -246,6 +260,8 @@ def plan_paged_counts(
     group_p2 = triton.next_power_of_2(heads_q // heads_kv)
     default_decode, default_prefill = default_configs(group_p2, fmt.head_dim, fmt.dtype)
     decode_cfg = decode_config or default_decode
+    if decode_config is None and cute_decode_runs(fmt, heads_q, heads_kv, torch.device(device)):
+        decode_cfg = replace(decode_cfg, kernel="cute")
     prefill_cfg = prefill_config or default_prefill
     for cfg in (decode_cfg, prefill_cfg):
         if cfg.block_m % group_p2 or cfg.block_m < 16:
@@ -351,13 +367,23 @@ def run_paged_attention(
                 workspace = PagedWorkspace.allocate(plan.workspace_rows, heads_q, d, q.device)
             part_o, part_ml = workspace.part_o, workspace.part_ml
         cfg = plan.decode
-        paged_attention_kernel[(num_decodes, heads_kv, splits)](
-            *args, out, out.stride(0), out.stride(1), part_o, part_ml, rows,
-            0, num_decodes, qk_scale, win, v_scale,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, DECODE=True,
-            KEYS_ON_M=cfg.keys_on_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **common,
-        )  # fmt: skip
+        if cfg.kernel == "cute" and window is None and exp_mode == "exact" \
+                and layout.page_size % 16 == 0:  # fmt: skip
+            from flamia_serve.kernels.paged.cute_decode_sm90 import paged_decode_nvfp4_sm90
+
+            paged_decode_nvfp4_sm90(
+                q, cache, block_table, seq_lens, query_start_loc, out, part_o, part_ml,
+                num_decodes=num_decodes, num_splits=splits, part_tokens=rows,
+                page_size=layout.page_size, qk_scale=qk_scale,
+            )  # fmt: skip
+        else:
+            paged_attention_kernel[(num_decodes, heads_kv, splits)](
+                *args, out, out.stride(0), out.stride(1), part_o, part_ml, rows,
+                0, num_decodes, qk_scale, win, v_scale,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, DECODE=True,
+                KEYS_ON_M=cfg.keys_on_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **common,
+            )  # fmt: skip
         if splits > 1 and rows:
             combine_splits_kernel[(rows, heads_q)](
                 part_o, part_ml, out, out.stride(0), out.stride(1), rows, heads_q,

@@ -1,0 +1,47 @@
+"""Compile the CuTe DSL NVFP4-cache decode for sm_90a on a CPU machine (fake tensors).
+
+Same venv and environment as ``compile_cute_sm90.py`` (its docstring has the recipe):
+
+    FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD \\
+        /tmp/cute312/bin/python benchmarks/compile_cute_decode_sm90.py [--keep DIR]
+
+Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there.
+"""
+
+from __future__ import annotations
+
+import torch
+from cutlass import Float32, Int32
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from benchmarks.compile_cute_sm90 import compile_and_keep, keep_argument
+from flamia_serve.kernels.paged.cute_decode_sm90 import NvFP4DecodeSm90
+from flamia_serve.numerics.kv_pages import KVPageFormat
+
+
+def main() -> None:
+    keep = keep_argument(__doc__)
+    with FakeTensorMode():
+        torch.set_default_device("cuda")
+        for d, group, partial in ((128, 4, True), (128, 4, False), (64, 8, True),
+                                  (256, 16, True)):  # fmt: skip
+            heads_kv, page, batch, pages = 8, 16, 4, 64
+            fmt = KVPageFormat("nvfp4", d)
+            tensors = [
+                (torch.empty(batch, heads_kv * group, d, dtype=torch.bfloat16), 2),  # q
+                (torch.empty(fmt.cache_shape(256, page, heads_kv), dtype=torch.uint8), 16),
+                (torch.empty(batch, pages, dtype=torch.int32), 4),  # block table
+                (torch.empty(batch, dtype=torch.int32), 4),  # seq lens
+                (torch.empty(batch + 1, dtype=torch.int32), 4),  # query start loc
+                (torch.empty(batch, heads_kv * group, d, dtype=torch.bfloat16), 2),  # out
+                (torch.empty(1024), 4),  # partial O
+                (torch.empty(1024), 4),  # partial (M, l)
+            ]
+            kernel = NvFP4DecodeSm90(d, heads_kv, group, page, partial)
+            compile_and_keep(kernel, tensors, Float32(0.1), Int32(1), Int32(1), Int32(1),
+                             keep=keep, name=f"decode_nvfp4_d{d}_g{group}_p{int(partial)}.cubin")
+            print(f"cute nvfp4 decode d={d} group={group} partial={partial}: compiled")
+
+
+if __name__ == "__main__":
+    main()

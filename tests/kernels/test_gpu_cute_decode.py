@@ -1,0 +1,119 @@
+"""CuTe DSL NVFP4-cache decode (sm_90) against the reference twin and the Triton kernel: run
+on the H200 (``pytest -m gpu``) with the cute extra installed; skipped elsewhere."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+
+from flamia_serve.kernels import paged as kernels
+from flamia_serve.kernels.paged.ops import PagedConfig, cute_decode_runs, default_configs
+from flamia_serve.numerics.kv_pages import KVCacheFormat
+from flamia_serve.reference import paged as ref
+from tests.kernels.paged_cases import make_batch
+from tests.kernels.test_gpu_cute import CUTE_GPU
+from tests.kernels.test_paged import _assert_close
+
+pytestmark = CUTE_GPU
+
+
+#: base-2 logit scale at d = 128
+QK_SCALE = 128**-0.5 * math.log2(math.e)
+
+
+def _triton_decode(group: int, d: int) -> PagedConfig:
+    """The Triton kernel's decode config for an NVFP4 cache."""
+    return default_configs(triton.next_power_of_2(group), d, KVCacheFormat.NVFP4)[0]
+
+
+@pytest.mark.parametrize(
+    ("heads_q", "heads_kv", "head_dim", "page_size", "cached", "splits"),
+    [
+        (32, 8, 128, 16, [8191, 5000, 17, 1, 0, 15, 16, 300], None),  # default splits
+        (32, 8, 128, 16, [4095, 33, 64], 1),  # one split: straight to the output
+        (32, 8, 128, 32, [1000, 31, 32, 2047], 4),  # larger pages
+        (8, 8, 128, 16, [999, 64, 3], 2),  # MHA: group 1
+        (16, 2, 64, 16, [777, 128, 5], 8),  # group 8, d = 64
+        (32, 2, 128, 16, [2000, 19], 2),  # group 16: both halves of the MMA rows
+        (24, 4, 64, 16, [513, 100], 1),  # group 6 (not a power of two)
+    ],
+)
+def test_cute_decode_matches_reference_and_triton(
+    heads_q: int, heads_kv: int, head_dim: int, page_size: int, cached: list[int],
+    splits: int | None,
+) -> None:  # fmt: skip
+    b = make_batch([1] * len(cached), cached, heads_q=heads_q, heads_kv=heads_kv,
+                   head_dim=head_dim, page_size=page_size, dtype="nvfp4", device="cuda",
+                   seed=len(cached) + head_dim)  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    assert cute_decode_runs(b.fmt, heads_q, heads_kv, b.q.device)
+    plan = kernels.plan_paged(b.fmt, heads_q, heads_kv, b.query_start_loc.cpu(),
+                              max(cached) + 1, num_splits=splits)  # fmt: skip
+    assert plan.decode.kernel == "cute" and plan.num_decodes == len(cached)
+    out = kernels.paged_attention(*args, num_splits=splits)
+    expected = ref.paged_attention(*args, softmax_scale=head_dim**-0.5)
+    _assert_close(out, expected, b.fmt)
+    group = heads_q // heads_kv
+    triton = kernels.paged_attention(*args, num_splits=splits,
+                                     decode_config=_triton_decode(group, head_dim))  # fmt: skip
+    _assert_close(out, triton, b.fmt)
+
+
+def test_cute_decode_never_reads_unwritten_slots() -> None:
+    """NaN bytes in slots past each sequence's length (last page) and in pages the table
+    points to past it: the same output as over a zeroed cache, bit for bit."""
+    cached = [37, 15, 64, 1000, 0]
+    b = make_batch([1] * len(cached), cached, heads_q=32, heads_kv=8, head_dim=128,
+                   dtype="nvfp4", device="cuda", seed=3)  # fmt: skip
+    clean = b.cache.clone()
+    ref.write_kv_cache(clean, b.key, b.value, b.slot_mapping, b.fmt)
+    poisoned = b.cache.clone().fill_(0xFF)
+    ref.write_kv_cache(poisoned, b.key, b.value, b.slot_mapping, b.fmt)
+    table = b.block_table.clone()
+    spare = int(table.max()) + 1
+    for s, length in enumerate(b.seq_lens.tolist()):
+        table[s, -(-length // 16) :] = spare
+    for splits in (1, 4):
+        outs = [kernels.paged_attention(b.q, c, b.fmt, table, b.seq_lens, b.query_start_loc,
+                                        num_splits=splits) for c in (clean, poisoned)]  # fmt: skip
+        assert torch.isfinite(outs[1].float()).all()
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_cute_decode_in_a_mixed_batch_and_under_cuda_graphs() -> None:
+    """Decodes (CuTe) and a prefill (Triton) in one planned call, replayed from a CUDA
+    graph with a preallocated workspace: the same output as eager."""
+    new, cached = [1, 1, 1, 40], [3000, 70, 512, 200]
+    b = make_batch(new, cached, heads_q=32, heads_kv=8, head_dim=128, dtype="nvfp4",
+                   device="cuda", seed=7)  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    plan = kernels.plan_paged(b.fmt, 32, 8, b.query_start_loc.cpu(), 3001)
+    assert plan.num_decodes == 3 and plan.decode.kernel == "cute" and plan.num_splits > 1
+    ws = kernels.PagedWorkspace.allocate(plan.workspace_rows, 32, 128, "cuda")
+    out = torch.empty_like(b.q)
+    run = (b.q, cache, b.block_table, b.seq_lens, b.query_start_loc, plan)
+    eager = kernels.run_paged_attention(*run, torch.empty_like(b.q), qk_scale=QK_SCALE,
+                                        workspace=ws).clone()  # fmt: skip
+    expected = ref.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
+                                   b.query_start_loc, softmax_scale=128**-0.5)  # fmt: skip
+    _assert_close(eager, expected, b.fmt)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.run_paged_attention(*run, out, qk_scale=QK_SCALE,
+                                    workspace=ws)  # fmt: skip
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        kernels.run_paged_attention(*run, out, qk_scale=QK_SCALE,
+                                    workspace=ws)  # fmt: skip
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
