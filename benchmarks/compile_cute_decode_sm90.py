@@ -1,4 +1,4 @@
-"""Compile the CuTe DSL NVFP4-cache decode for sm_90a on a CPU machine (fake tensors).
+"""Compile the CuTe DSL quantized-cache decodes for sm_90a on a CPU machine (fake tensors).
 
 Same venv and environment as ``compile_cute_sm90.py`` (its docstring has the recipe):
 
@@ -15,7 +15,7 @@ from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from benchmarks.compile_cute_sm90 import compile_and_keep, keep_argument
-from flamia_serve.kernels.paged.cute_decode_sm90 import NvFP4DecodeSm90
+from flamia_serve.kernels.paged.cute_decode_sm90 import Fp8DecodeSm90, NvFP4DecodeSm90
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
 
@@ -23,10 +23,14 @@ def main() -> None:
     keep = keep_argument(__doc__)
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        for d, group, partial in ((128, 4, True), (128, 4, False), (64, 8, True),
-                                  (256, 16, True)):  # fmt: skip
+        for dtype, d, group, partial, depth in (
+            ("nvfp4", 128, 4, True, 1), ("nvfp4", 128, 4, False, 1), ("nvfp4", 128, 4, True, 2),
+            ("nvfp4", 64, 8, True, 1), ("nvfp4", 128, 16, True, 1), ("fp8", 128, 4, True, 1),
+            ("fp8", 128, 4, False, 1), ("fp8", 64, 8, True, 1), ("fp8", 128, 16, True, 1),
+            ("fp8_static", 128, 4, True, 1), ("fp8", 128, 4, True, 2),
+        ):  # fmt: skip
             heads_kv, page, batch, pages = 8, 16, 4, 64
-            fmt = KVPageFormat("nvfp4", d)
+            fmt = KVPageFormat(dtype, d)
             tensors = [
                 (torch.empty(batch, heads_kv * group, d, dtype=torch.bfloat16), 2),  # q
                 (torch.empty(fmt.cache_shape(256, page, heads_kv), dtype=torch.uint8), 16),
@@ -37,11 +41,16 @@ def main() -> None:
                 (torch.empty(1024), 4),  # partial O
                 (torch.empty(1024), 4),  # partial (M, l)
             ]
-            kernel = NvFP4DecodeSm90(d, heads_kv, group, page, partial)
-            compile_and_keep(kernel, tensors, Float32(0.1), Int32(1), Int32(1), Int32(1),
-                             keep=keep, name=f"decode_nvfp4_d{d}_g{group}_p{int(partial)}.cubin")
-            print(f"cute nvfp4 decode d={d} group={group} partial={partial}: compiled")
-
+            args = (d, heads_kv, group, page, partial, depth)
+            if dtype == "nvfp4":
+                kernel = NvFP4DecodeSm90(*args)
+            else:
+                kernel = Fp8DecodeSm90(*args, static=dtype == "fp8_static")
+            name = f"decode_{dtype}_d{d}_g{group}_p{int(partial)}_depth{depth}.cubin"
+            compile_and_keep(kernel, tensors, Float32(0.1), Float32(1.0), Int32(1), Int32(1),
+                             Int32(1), keep=keep, name=name)  # fmt: skip
+            print(f"cute {dtype} decode d={d} group={group} partial={partial} depth={depth}: "
+                  "compiled")
 
 if __name__ == "__main__":
     main()

@@ -101,22 +101,22 @@ def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
                 )  # fmt: skip
 
             impls[f"flamia-{dtype}-{mode}"] = (dtype, call)
-    nvfp4 = KVPageFormat("nvfp4", HEAD_DIM)
-    if num_decodes and "nvfp4" in BENCH_DTYPES and cute_decode_runs(nvfp4, HQ, HKV,
-                                                                     batch.q.device):
-        # the Triton decode beside the CuTe one (the default here), same cache and plan
+    for dtype in ("nvfp4", "fp8"):  # the Triton decode beside the CuTe one (the default)
+        fmt = KVPageFormat(dtype, HEAD_DIM)
+        if not num_decodes or dtype not in BENCH_DTYPES or not cute_decode_runs(
+                fmt, HQ, HKV, batch.q.device):  # fmt: skip
+            continue
         triton_decode = default_configs(triton.next_power_of_2(HQ // HKV), HEAD_DIM,
-                                        nvfp4.dtype)[0]  # fmt: skip
+                                        fmt.dtype)[0]  # fmt: skip
 
-        def call_triton(cache=batch.caches["nvfp4"]) -> torch.Tensor:
+        def call_triton(fmt=fmt, cache=batch.caches[dtype], cfg=triton_decode) -> torch.Tensor:
             return paged_attention(
-                batch.q, cache, nvfp4, batch.block_table, batch.seq_lens,
+                batch.q, cache, fmt, batch.block_table, batch.seq_lens,
                 batch.query_start_loc, num_decodes=num_decodes,
-                max_seq_len=max(batch.seq_lens_list), validate=False,
-                decode_config=triton_decode,
+                max_seq_len=max(batch.seq_lens_list), validate=False, decode_config=cfg,
             )  # fmt: skip
 
-        impls["flamia-nvfp4-triton-decode"] = ("nvfp4", call_triton)
+        impls[f"flamia-{dtype}-triton-decode"] = (dtype, call_triton)
     return impls
 
 

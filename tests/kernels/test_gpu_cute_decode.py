@@ -1,5 +1,6 @@
-"""CuTe DSL NVFP4-cache decode (sm_90) against the reference twin and the Triton kernel: run
-on the H200 (``pytest -m gpu``) with the cute extra installed; skipped elsewhere."""
+"""CuTe DSL quantized-cache decodes (sm_90: NVFP4, FP8, static FP8) against the reference
+twin and the Triton kernel: run on the H200 (``pytest -m gpu``) with the cute extra
+installed; skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ pytestmark = CUTE_GPU
 QK_SCALE = 128**-0.5 * math.log2(math.e)
 
 
-def _triton_decode(group: int, d: int) -> PagedConfig:
-    """The Triton kernel's decode config for an NVFP4 cache."""
-    return default_configs(triton.next_power_of_2(group), d, KVCacheFormat.NVFP4)[0]
+def _triton_decode(group: int, d: int, dtype: str) -> PagedConfig:
+    """The Triton kernel's decode config for a cache format."""
+    return default_configs(triton.next_power_of_2(group), d, KVCacheFormat(dtype))[0]
 
 
+@pytest.mark.parametrize("dtype", ["nvfp4", "fp8"])
 @pytest.mark.parametrize(
     ("heads_q", "heads_kv", "head_dim", "page_size", "cached", "splits"),
     [
@@ -42,11 +44,13 @@ def _triton_decode(group: int, d: int) -> PagedConfig:
     ],
 )
 def test_cute_decode_matches_reference_and_triton(
-    heads_q: int, heads_kv: int, head_dim: int, page_size: int, cached: list[int],
+    dtype: str, heads_q: int, heads_kv: int, head_dim: int, page_size: int, cached: list[int],
     splits: int | None,
 ) -> None:  # fmt: skip
+    if dtype == "fp8" and heads_q // heads_kv > 8:
+        pytest.skip("the CuTe FP8 decode serves GQA groups up to 8")
     b = make_batch([1] * len(cached), cached, heads_q=heads_q, heads_kv=heads_kv,
-                   head_dim=head_dim, page_size=page_size, dtype="nvfp4", device="cuda",
+                   head_dim=head_dim, page_size=page_size, dtype=dtype, device="cuda",
                    seed=len(cached) + head_dim)  # fmt: skip
     cache = b.cache.clone()
     ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
@@ -59,17 +63,34 @@ def test_cute_decode_matches_reference_and_triton(
     expected = ref.paged_attention(*args, softmax_scale=head_dim**-0.5)
     _assert_close(out, expected, b.fmt)
     group = heads_q // heads_kv
-    triton = kernels.paged_attention(*args, num_splits=splits,
-                                     decode_config=_triton_decode(group, head_dim))  # fmt: skip
+    triton_cfg = _triton_decode(group, head_dim, dtype)
+    triton = kernels.paged_attention(*args, num_splits=splits, decode_config=triton_cfg)
     _assert_close(out, triton, b.fmt)
 
 
-def test_cute_decode_never_reads_unwritten_slots() -> None:
+def test_cute_decode_static_fp8_scales() -> None:
+    """``fp8_static``: per-layer K and V scales outside the cache (K's in the logit scale,
+    V's on O), split and unsplit."""
+    cached = [3000, 45, 16, 1]
+    b = make_batch([1] * len(cached), cached, heads_q=32, heads_kv=8, head_dim=128,
+                   dtype="fp8_static", device="cuda", seed=11)  # fmt: skip
+    cache = b.cache.clone()
+    scales = dict(k_scale=0.03, v_scale=0.011)
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt, **scales)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    expected = ref.paged_attention(*args, softmax_scale=128**-0.5, **scales)
+    for splits in (1, 4):
+        _assert_close(kernels.paged_attention(*args, num_splits=splits, **scales), expected,
+                      b.fmt)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["nvfp4", "fp8"])
+def test_cute_decode_never_reads_unwritten_slots(dtype: str) -> None:
     """NaN bytes in slots past each sequence's length (last page) and in pages the table
     points to past it: the same output as over a zeroed cache, bit for bit."""
-    cached = [37, 15, 64, 1000, 0]
+    cached = [37, 15, 64, 1000, 0, 47]
     b = make_batch([1] * len(cached), cached, heads_q=32, heads_kv=8, head_dim=128,
-                   dtype="nvfp4", device="cuda", seed=3)  # fmt: skip
+                   dtype=dtype, device="cuda", seed=3)  # fmt: skip
     clean = b.cache.clone()
     ref.write_kv_cache(clean, b.key, b.value, b.slot_mapping, b.fmt)
     poisoned = b.cache.clone().fill_(0xFF)
@@ -85,11 +106,12 @@ def test_cute_decode_never_reads_unwritten_slots() -> None:
         assert torch.equal(outs[0], outs[1])
 
 
-def test_cute_decode_in_a_mixed_batch_and_under_cuda_graphs() -> None:
+@pytest.mark.parametrize("dtype", ["nvfp4", "fp8"])
+def test_cute_decode_in_a_mixed_batch_and_under_cuda_graphs(dtype: str) -> None:
     """Decodes (CuTe) and a prefill (Triton) in one planned call, replayed from a CUDA
     graph with a preallocated workspace: the same output as eager."""
     new, cached = [1, 1, 1, 40], [3000, 70, 512, 200]
-    b = make_batch(new, cached, heads_q=32, heads_kv=8, head_dim=128, dtype="nvfp4",
+    b = make_batch(new, cached, heads_q=32, heads_kv=8, head_dim=128, dtype=dtype,
                    device="cuda", seed=7)  # fmt: skip
     cache = b.cache.clone()
     ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)

@@ -17,14 +17,16 @@ registers and widens them into MMA fragments (thread ``(g, t)`` = lane ``(4g + t
 * K is the B operand of ``S = Q·Kᵀ`` (n = key): thread ``(g, t)`` holds key ``g``'s
   elements ``[t·d/4, (t+1)·d/4)`` (one 16-byte load at d = 128); Q's A fragments take the
   head dimension in the same permuted order (a dot product does not care about it);
-* V is the B operand of ``O = P̂·V`` (k = key, n = head column): thread ``(g, t)`` holds
-  keys ``2t, 2t+1, 2t+8, 2t+9``, elements ``[g·d/8, (g+1)·d/8)`` (8-byte loads at d = 128);
-  n-tile ``j`` column ``n`` is head column ``n·d/8 + j``, put back in order when O is stored;
+* V is the A operand of ``Oᵀ = V̂ᵀ·P̂ᵀ`` (m = head column, k = key; P̂ᵀ, the B operand, is
+  the score accumulator's layout as it is, and the queries only pad N = 8 to the group):
+  thread ``(g, t)`` holds keys ``2t, 2t+1, 2t+8, 2t+9``, elements ``[g·d/8, (g+1)·d/8)``
+  (8-byte loads at d = 128); m-tile ``i`` row ``r`` is head column ``(r % 8)·d/8 + 2i +
+  r // 8``, put back in order when O is stored;
 * an E2M1 nibble ``s e1 e0 m`` becomes the E4M3 byte ``s 0 0 e1 e0 m 0 0`` (its value
   times 2^-6), two of which ``cvt.rn.f16x2.e4m3x2`` widens at once; times the block scale
   ·2^6 in FP16 (exact: at most 7 significant bits within [2^-10, 2688]).
 
-Loads run one tile ahead and block-table entries two tiles ahead. Requires
+Loads run ``depth`` tiles ahead (a ring of registers) and block-table entries one more. Requires
 ``nvidia-cutlass-dsl`` and ``flash-attn-4``; imported lazily by ``ops`` on sm_90 only.
 """
 
@@ -41,9 +43,20 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from flash_attn.cute import utils as fa_utils
 
-from flamia_serve.kernels.cute_sm90_common import compile_kernel, kernel_tensors, pow2
+from flamia_serve.kernels.cute_sm90_common import (
+    compile_kernel,
+    e4m3_exponent,
+    kernel_tensors,
+    pow2,
+)
 from flamia_serve.numerics.formats import P_HAT_EXP
+from flamia_serve.numerics.kv_pages import KVCacheFormat
 
+#: key tiles a warp's loads run ahead, and the CTAs per SM the compiler must fit (0: no
+#: register cap), by default: H200, ``tune_decode_cute.json``: depth 2 is within 1% of depth
+#: 1 (which needs fewer registers), depth 3 and a cap of four CTAs (128 registers) are slower
+DEPTH = 1
+CTAS_PER_SM = 0
 #: warps per CTA, keys per warp step (one k-block of P̂·V), MMA rows (the GQA group)
 WARPS = 4
 TILE = 16
@@ -203,6 +216,51 @@ def ceil_f32(x: Float32, *, loc=None, ip=None) -> Float32:
                         "cvt.rpi.f32.f32 $0, $1;", "=f,f"))  # fmt: skip
 
 
+@dsl_user_op
+def mma_fp8(a: list, b: list, c: list, *, loc=None, ip=None) -> list[Float32]:
+    """``D = A·B + C`` of ``mma.sync m16n8k32`` on E4M3 (A: four words of four codes, B: two,
+    C/D: four f32)."""
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (*a, *b)]
+    args += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
+    res = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4), args,
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, "
+        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+    )  # fmt: skip
+    return _fields(res, Float32, 4, loc, ip)
+
+
+@dsl_user_op
+def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """Four E4M3 codes (RNE, saturating) in one word, ``a`` in the low byte."""
+    return Int32(_asm(
+        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+        "=r,f,f,f,f",
+    ))  # fmt: skip
+
+
+@dsl_user_op
+def p_hat_x4(p: list, *, loc=None, ip=None) -> tuple[Int32, list[Float32]]:
+    """``E4M3(p[i])`` (RNE, saturating) for four values: the word of codes (``p[0]`` low) and
+    the codes' float32 values."""
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] + [T.f32()] * 4),
+        [Float32(x).ir_value(loc=loc, ip=ip) for x in p],
+        "{ .reg .b16 lo, hi, a, b, c, d; .reg .b32 h0, h1; "
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $6, $5; cvt.rn.satfinite.e4m3x2.f32 hi, $8, $7; "
+        "mov.b32 $0, {lo, hi}; cvt.rn.f16x2.e4m3x2 h0, lo; cvt.rn.f16x2.e4m3x2 h1, hi; "
+        "mov.b32 {a, b}, h0; mov.b32 {c, d}, h1; cvt.f32.f16 $1, a; cvt.f32.f16 $2, b; "
+        "cvt.f32.f16 $3, c; cvt.f32.f16 $4, d; }",
+        "=r,=f,=f,=f,=f,f,f,f,f",
+    )  # fmt: skip
+    word = Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip))
+    return word, [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+                  for i in range(1, 5)]  # fmt: skip
+
+
 @cute.jit
 def q16_exponent(amax: Float32) -> Int32:
     """int32 ``ceil(log2(amax / 2^15))`` clamped to [-127, 127], -127 for zero (the Triton
@@ -216,13 +274,23 @@ def q16_exponent(amax: Float32) -> Int32:
     return Int32(127) if e > 127 else e
 
 
-# ---------------------------------------------------------------- kernel
-class NvFP4DecodeSm90:
-    """Compiled once per (head dim, KV heads, GQA group, page size, partial output, output
-    dtype)."""
+# ---------------------------------------------------------------- kernels
+class _PagedDecodeSm90:
+    """What the NVFP4 and FP8 decodes share: the CTA's key range, Q's rows, the ring of
+    loaded tiles, the online softmax, the merge of the warps and the store. A subclass gives
+    ``tile`` (keys per warp step), ``n_raw`` (loaded words per thread and tile),
+    ``q_operand``, ``load_tile``, ``attend`` and ``o_column``.
+
+    Compiled once per (format, head dim, KV heads, GQA group, page size, partial output,
+    prefetch depth, CTAs per SM, dtypes). ``depth``: key tiles each warp's loads run ahead;
+    ``ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM."""
+
+    tile = TILE
+    n_raw = 0
 
     def __init__(self, head_dim: int, heads_kv: int, group: int, page_size: int,
-                 partial: bool) -> None:  # fmt: skip
+                 partial: bool, depth: int = DEPTH, ctas_per_sm: int = CTAS_PER_SM,
+                 ) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe decode supports 64, 128 and 256")
         if not 1 <= group <= ROWS:
@@ -234,14 +302,9 @@ class NvFP4DecodeSm90:
         self.group = group
         self.page = page_size
         self.partial = partial
-        self.k_words = head_dim // 32  # K words per thread and key
-        self.v_words = max(1, head_dim // 64)  # V words per thread and key
-        self.k_scale_bytes = head_dim // 64
-        self.v_scale_bytes = max(1, head_dim // 128)
-        self.code_bytes = head_dim // 2
-        self.scale_bytes = head_dim // 16
-        self.region = page_size * (self.code_bytes + self.scale_bytes)
-        self.scale_base = page_size * self.code_bytes
+        self.depth = depth
+        self.ctas_per_sm = ctas_per_sm
+        self.q_tiles = 2 if group > 8 else 1  # n-tiles of 8 queries in O's products
 
     @cute.jit
     def __call__(
@@ -255,6 +318,7 @@ class NvFP4DecodeSm90:
         mPartO: cute.Tensor,  # (rows·Hq·d,) f32
         mPartML: cute.Tensor,  # (rows·Hq·2,) f32
         qk_scale: Float32,
+        out_scale: Float32,
         num_splits: Int32,
         part_tokens: Int32,
         num_decodes: Int32,
@@ -267,11 +331,11 @@ class NvFP4DecodeSm90:
             sL: cute.struct.MemRange[Float32, WARPS * self.group]
 
         self.kernel(
-            mQ, mCache, mBT, mSeqLens, mQsl, mOut, mPartO, mPartML, qk_scale, num_splits,
-            part_tokens, Storage,
+            mQ, mCache, mBT, mSeqLens, mQsl, mOut, mPartO, mPartML, qk_scale, out_scale,
+            num_splits, part_tokens, Storage,
         ).launch(
             grid=[num_decodes, self.heads_kv, num_splits], block=[32 * WARPS, 1, 1],
-            stream=stream,
+            stream=stream, min_blocks_per_mp=self.ctas_per_sm,
         )  # fmt: skip
 
     @cute.kernel
@@ -286,11 +350,12 @@ class NvFP4DecodeSm90:
         mPartO: cute.Tensor,
         mPartML: cute.Tensor,
         qk_scale: Float32,
+        out_scale: Float32,
         num_splits: Int32,
         part_tokens: Int32,
         Storage: cutlass.Constexpr,
     ):
-        d, group = self.d, self.group
+        d, group, tile_keys = self.d, self.group, self.tile
         seq, kvh, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -306,7 +371,7 @@ class NvFP4DecodeSm90:
         q_len = mQsl[seq + 1] - q_start
         if q_len > 0:
             kv_hi = mSeqLens[seq] - q_len + 1
-            n_tiles = (kv_hi + TILE - 1) // TILE
+            n_tiles = (kv_hi + tile_keys - 1) // tile_keys
             per_split = (n_tiles + num_splits - 1) // num_splits
             t_begin = split * per_split
             t_end = cutlass.min(t_begin + per_split, n_tiles)
@@ -314,12 +379,11 @@ class NvFP4DecodeSm90:
             n_it = Int32(0)
             if first < t_end:
                 n_it = (t_end - first + WARPS - 1) // WARPS
-            # Q: rows g and g + 8 (heads of the group), this thread's head columns, FP16
-            # scaled by 2^-eq per row; A fragments in the K fragments' column order
+            # Q: rows g and g + 8 (heads of the group), this thread's head columns
+            # [t·d/4, (t+1)·d/4) as float32 with their row maximum
             two_halves = const_expr(group > 8)
-            row_scale = cute.make_rmem_tensor(2, Float32)
-            qa = []  # per 16-column chunk: (a0, a1, a2, a3)
-            q_rows = []
+            q_vals = []
+            q_amax = []
             for rh in cutlass.range_constexpr(2 if two_halves else 1):
                 row = g + 8 * rh
                 vals = cute.make_rmem_tensor(d // 4, Float32)
@@ -331,77 +395,201 @@ class NvFP4DecodeSm90:
                     amax = fa_utils.fmax(amax, abs(vals[e]))
                 for k in cutlass.range_constexpr(2):
                     amax = fa_utils.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
-                eq = q16_exponent(amax)
-                inv = pow2(0 - eq)
-                row_scale[rh] = qk_scale * pow2(eq)
-                pairs = []
-                for c in cutlass.range_constexpr(d // 16):
-                    e0 = 8 * (c // 2) + 4 * (c % 2)
-                    pairs.append((
-                        fa_utils.cvt_f16x2_f32(vals[e0] * inv, vals[e0 + 2] * inv, cutlass.Float16),
-                        fa_utils.cvt_f16x2_f32(vals[e0 + 1] * inv, vals[e0 + 3] * inv,
-                                               cutlass.Float16),
-                    ))  # fmt: skip
-                q_rows.append(pairs)
-            zero = Int32(0)
-            for c in cutlass.range_constexpr(d // 16):
-                hi = q_rows[1][c] if const_expr(two_halves) else (zero, zero)
-                qa.append((q_rows[0][c][0], hi[0], q_rows[0][c][1], hi[1]))
+                q_vals.append(vals)
+                q_amax.append(amax)
+            row_scale = cute.make_rmem_tensor(2, Float32)
+            qa = self.q_operand(q_vals, q_amax, qk_scale, row_scale)
 
-            acc = cute.make_rmem_tensor((d // 8, 4), Float32)
+            acc = cute.make_rmem_tensor((self.q_tiles, d // 16, 4), Float32)  # Oᵀ
             acc.fill(0.0)
             m_run = cute.make_rmem_tensor(2, Float32)
             m_run.fill(NO_MAX)
             l_run = cute.make_rmem_tensor(2, Float32)
             l_run.fill(0.0)
-            n_raw = 2 * self.k_words + 2 + 4 * self.v_words + 4
-            raw = cute.make_rmem_tensor(n_raw, Int32)
-            blk_ahead = cute.make_rmem_tensor(1, Int32)
+            depth, n_raw = self.depth, self.n_raw
+            raw = cute.make_rmem_tensor((depth, n_raw), Int32)  # ring of loaded tiles
+            halves = tile_keys // TILE  # page-table entries per tile (16 keys each)
+            blk_ahead = cute.make_rmem_tensor(halves, Int32)
             base = mCache.iterator.toint()
-            if n_it > 0:
-                self.load_tile(raw, base, first, mBT[seq, first * TILE // self.page], kvh, g, t)
-            if n_it > 1:
-                blk_ahead[0] = mBT[seq, (first + WARPS) * TILE // self.page]
-            for it in cutlass.range(n_it, unroll=1):
-                tile = first + it * WARPS
-                cur = []
-                for i in cutlass.range_constexpr(n_raw):
-                    cur.append(raw[i])
-                if it + 1 < n_it:
-                    self.load_tile(raw, base, tile + WARPS, blk_ahead[0], kvh, g, t)
-                if it + 2 < n_it:
-                    blk_ahead[0] = mBT[seq, (tile + 2 * WARPS) * TILE // self.page]
-                self.attend(cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t,
-                            two_halves)  # fmt: skip
+            last_page = (kv_hi - 1) // self.page
+            for k in cutlass.range_constexpr(depth):
+                if k < n_it:
+                    tile = first + k * WARPS
+                    for h in cutlass.range_constexpr(halves):
+                        blk_ahead[h] = self.page_entry(mBT, seq, tile, h, last_page)
+                    self.load_tile(raw, k, base, tile, blk_ahead, kvh, g, t)
+            if depth < n_it:
+                for h in cutlass.range_constexpr(halves):
+                    blk_ahead[h] = self.page_entry(mBT, seq, first + depth * WARPS, h, last_page)
+            for it0 in cutlass.range(0, n_it, depth, unroll=1):
+                for k in cutlass.range_constexpr(depth):
+                    it = it0 + k
+                    if it < n_it:
+                        tile = first + it * WARPS
+                        cur = []
+                        for i in cutlass.range_constexpr(n_raw):
+                            cur.append(raw[k, i])
+                        if it + depth < n_it:
+                            self.load_tile(raw, k, base, tile + depth * WARPS, blk_ahead, kvh,
+                                           g, t)  # fmt: skip
+                        if it + depth + 1 < n_it:
+                            ahead = tile + (depth + 1) * WARPS
+                            for h in cutlass.range_constexpr(halves):
+                                blk_ahead[h] = self.page_entry(mBT, seq, ahead, h, last_page)
+                        self.attend(cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t,
+                                    two_halves)  # fmt: skip
 
             # merge the warps' partials through shared memory
             for rh in cutlass.range_constexpr(2 if two_halves else 1):
                 for k in cutlass.range_constexpr(2):
                     l_run[rh] = l_run[rh] + cute.arch.shuffle_sync_bfly(l_run[rh], offset=1 << k)
                 row = g + 8 * rh
-                if row < group:
-                    if t == 0:
-                        sM[warp, row] = m_run[rh]
-                        sL[warp, row] = l_run[rh]
-                    for j in cutlass.range_constexpr(d // 8):
-                        sO[warp, row, 2 * t * (d // 8) + j] = acc[j, 2 * rh]
-                        sO[warp, row, (2 * t + 1) * (d // 8) + j] = acc[j, 2 * rh + 1]
+                if row < group and t == 0:
+                    sM[warp, row] = m_run[rh]
+                    sL[warp, row] = l_run[rh]
+            # Oᵀ accumulator value (query n-tile qi, m-tile i, u): query 8qi + 2t + u % 2,
+            # m-tile row g + 8 (u // 2)
+            for qi in cutlass.range_constexpr(self.q_tiles):
+                for u in cutlass.range_constexpr(4):
+                    q = 8 * qi + 2 * t + u % 2
+                    if q < group:
+                        for i in cutlass.range_constexpr(d // 16):
+                            sO[warp, q, self.o_column(i, u // 2, g)] = acc[qi, i, u]
             cute.arch.barrier()
             tid = warp * 32 + lane
             for k in cutlass.range_constexpr((group * d + 32 * WARPS - 1) // (32 * WARPS)):
                 idx = tid + k * 32 * WARPS
                 if idx < group * d:
-                    self.store_row_value(sO, sM, sL, idx, q_start, kvh, split, part_tokens,
-                                         mOut, mPartO, mPartML)  # fmt: skip
+                    self.store_value(sO, sM, sL, idx, q_start, kvh, split, part_tokens,
+                                     out_scale, mOut, mPartO, mPartML)  # fmt: skip
 
     @cute.jit
-    def load_tile(self, raw, base: Int64, tile: Int32, blk: Int32, kvh: Int32, g, t):
-        """This thread's code words and scale bytes of ``tile`` (in page ``blk``) into
-        ``raw``: K (keys g, g + 8), K scales, V (keys 2t, 2t+1, 2t+8, 2t+9), V scales."""
+    def page_entry(self, mBT, seq, tile, half: int, last_page):
+        """Cache block of the 16 keys ``16·half ..`` of ``tile`` (a page past the sequence's
+        last is replaced by its last: those keys are masked, their loads stay inside it)."""
+        page = cutlass.min((tile * self.tile + TILE * half) // self.page, last_page)
+        return mBT[seq, page]
+
+    @cute.jit
+    def region(self, base: Int64, blk, half: int, kvh) -> Int64:
+        """Global address of the (block, K|V, head) region."""
+        return base + ((Int64(blk) * 2 + half) * self.heads_kv + kvh) * self.region_bytes
+
+    @cute.jit
+    def online_update(self, x, n_vals: int, rows: int, m_run, l_run, acc, t):
+        """Running maximum and rescale for the tile's logits ``x[rh, 0 .. n_vals)`` (rows g,
+        g + 8): ``M = max(M, ceil(max x))``, the accumulators of a row whose maximum grew
+        multiplied by the exact power of two (the warp skips it when no row grew)."""
+        m_new = cute.make_rmem_tensor(2, Float32)
+        grow = Float32(0.0)  # the largest rise of a running maximum
+        for rh in cutlass.range_constexpr(rows):
+            tmax = Float32(-Float32.inf)
+            for k in cutlass.range_constexpr(n_vals):
+                tmax = fa_utils.fmax(tmax, x[rh, k])
+            for k in cutlass.range_constexpr(2):
+                tmax = fa_utils.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, offset=1 << k))
+            m_new[rh] = fa_utils.fmax(m_run[rh], ceil_f32(tmax))
+            grow = fa_utils.fmax(grow, m_new[rh] - m_run[rh])
+        if cute.arch.vote_any_sync(grow > Float32(0.0)):
+            alpha = cute.make_rmem_tensor(2, Float32)
+            for rh in cutlass.range_constexpr(rows):
+                alpha[rh] = pow2(Int32(fa_utils.fmax(m_run[rh] - m_new[rh], Float32(-127.0))))
+                l_run[rh] = l_run[rh] * alpha[rh]
+                m_run[rh] = m_new[rh]
+            # Oᵀ's columns are queries: query 8qi + 2t + u's factor lives in lanes 4(2t + u)..
+            for qi in cutlass.range_constexpr(self.q_tiles):
+                for u in cutlass.range_constexpr(2):
+                    a = cute.arch.shuffle_sync(alpha[qi], 4 * (2 * t + u))
+                    for i in cutlass.range_constexpr(self.d // 16):
+                        acc[qi, i, u] = acc[qi, i, u] * a
+                        acc[qi, i, u + 2] = acc[qi, i, u + 2] * a
+
+    @cute.jit
+    def store_value(self, sO, sM, sL, idx, q_start, kvh, split, part_tokens, out_scale, mOut,
+                    mPartO, mPartML):  # fmt: skip
+        """Merge the warps' (M, l, O) of element ``idx`` (row-major over group rows x head
+        columns) and store it: the output, or the split's partial (O/l, M, l) rows."""
+        d = self.d
+        row = idx // d
+        col = idx - row * d
+        m_max = sM[0, row]
+        for w in cutlass.range_constexpr(1, WARPS):
+            m_max = fa_utils.fmax(m_max, sM[w, row])
+        l_sum = Float32(0.0)
+        o_sum = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            wt = pow2(Int32(fa_utils.fmax(sM[w, row] - m_max, Float32(-127.0))))
+            l_sum = l_sum + sL[w, row] * wt
+            o_sum = o_sum + sO[w, row, col] * wt
+        o = o_sum * out_scale / (l_sum if l_sum > Float32(0.0) else Float32(1.0))
+        head = kvh * self.group + row
+        if const_expr(self.partial):
+            at = (split * part_tokens + q_start) * (self.heads_kv * self.group) + head
+            mPartO[at * d + col] = o
+            if col == 0:
+                mPartML[at * 2] = m_max
+                mPartML[at * 2 + 1] = l_sum * (1.0 / P_SCALE)
+        else:
+            mOut[q_start, head, col] = o.to(mOut.element_type)
+
+
+class NvFP4DecodeSm90(_PagedDecodeSm90):
+    """NVFP4 cache: 16-key tiles, FP16 ``mma.sync m16n8k16`` on codes widened in registers."""
+
+    tile = TILE
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        d = self.d
+        self.k_words = d // 32  # K words per thread and key
+        self.v_words = max(1, d // 64)  # V words per thread and key
+        self.k_scale_bytes = d // 64
+        self.v_scale_bytes = max(1, d // 128)
+        self.code_bytes = d // 2
+        self.scale_bytes = d // 16
+        self.region_bytes = self.page * (self.code_bytes + self.scale_bytes)
+        self.scale_base = self.page * self.code_bytes
+        self.n_raw = 2 * self.k_words + 2 + 4 * self.v_words + 4
+
+    def o_column(self, i: int, half: int, g):
+        """Head column of m-tile ``i`` row ``g + 8·half``."""
+        return g * (self.d // 8) + 2 * i + half
+
+    @cute.jit
+    def q_operand(self, q_vals, q_amax, qk_scale, row_scale) -> list:
+        """FP16 Q scaled by 2^-eq per row (``|q| ≤ 2^15``), as A fragments per 16-column chunk
+        in the K fragments' column order."""
+        d = self.d
+        rows = []
+        for rh in cutlass.range_constexpr(len(q_vals)):
+            vals = q_vals[rh]
+            eq = q16_exponent(q_amax[rh])
+            inv = pow2(0 - eq)
+            row_scale[rh] = qk_scale * pow2(eq)
+            pairs = []
+            for c in cutlass.range_constexpr(d // 16):
+                e0 = 8 * (c // 2) + 4 * (c % 2)
+                pairs.append((
+                    fa_utils.cvt_f16x2_f32(vals[e0] * inv, vals[e0 + 2] * inv, cutlass.Float16),
+                    fa_utils.cvt_f16x2_f32(vals[e0 + 1] * inv, vals[e0 + 3] * inv,
+                                           cutlass.Float16),
+                ))  # fmt: skip
+            rows.append(pairs)
+        zero = Int32(0)
+        qa = []
+        for c in cutlass.range_constexpr(d // 16):
+            hi = rows[1][c] if const_expr(len(rows) > 1) else (zero, zero)
+            qa.append((rows[0][c][0], hi[0], rows[0][c][1], hi[1]))
+        return qa
+
+    @cute.jit
+    def load_tile(self, raw, slot: int, base: Int64, tile, blks, kvh, g, t):
+        """This thread's code words and scale bytes of ``tile`` (in page ``blks[0]``) into ring
+        ``slot``: K (keys g, g + 8), K scales, V (keys 2t, 2t+1, 2t+8, 2t+9), V scales."""
         d = self.d
         off0 = tile * TILE % self.page
-        k_region = base + ((Int64(blk) * 2) * self.heads_kv + kvh) * self.region
-        v_region = base + ((Int64(blk) * 2 + 1) * self.heads_kv + kvh) * self.region
+        k_region = self.region(base, blks[0], 0, kvh)
+        v_region = self.region(base, blks[0], 1, kvh)
         kw, vw = self.k_words, self.v_words
         for j in cutlass.range_constexpr(2):
             off = off0 + 8 * j + g
@@ -409,8 +597,8 @@ class NvFP4DecodeSm90:
             for p in cutlass.range_constexpr((kw + 3) // 4):
                 words = load_words(at + 16 * p, min(4, kw))
                 for i in cutlass.range_constexpr(min(4, kw)):
-                    raw[j * kw + 4 * p + i] = words[i]
-            raw[2 * kw + j] = load_bytes(
+                    raw[slot, j * kw + 4 * p + i] = words[i]
+            raw[slot, 2 * kw + j] = load_bytes(
                 k_region + self.scale_base + off * self.scale_bytes + t * self.k_scale_bytes,
                 self.k_scale_bytes,
             )
@@ -418,8 +606,8 @@ class NvFP4DecodeSm90:
             off = off0 + 2 * t + k % 2 + 8 * (k // 2)
             words = load_words(v_region + off * self.code_bytes + g * (d // 16), vw)
             for i in cutlass.range_constexpr(vw):
-                raw[2 * kw + 2 + k * vw + i] = words[i]
-            raw[2 * kw + 2 + 4 * vw + k] = load_bytes(
+                raw[slot, 2 * kw + 2 + k * vw + i] = words[i]
+            raw[slot, 2 * kw + 2 + 4 * vw + k] = load_bytes(
                 v_region + self.scale_base + off * self.scale_bytes + g * d // 128,
                 self.v_scale_bytes,
             )
@@ -427,7 +615,6 @@ class NvFP4DecodeSm90:
     @cute.jit
     def attend(self, cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t, two_halves):
         """One 16-key tile of the warp's online softmax from its loaded ``cur`` words."""
-        d = self.d
         kw, vw = self.k_words, self.v_words
         key0 = tile * TILE
         # S = Q·Kᵀ: n-tile j holds keys 8j .. 8j+7 of the tile
@@ -442,40 +629,26 @@ class NvFP4DecodeSm90:
                     b = (hmul2(r[h], sc), hmul2(r[2 + h], sc))
                     c_frag = mma_f16(qa[2 * i + h], b, c_frag)
             s.append(c_frag)
-        # keys of this thread's scores: (n-tile j, column 2t + u) = key 8j + 2t + u
-        a_frag = [Int32(0)] * 4
+        # this thread's logits: (n-tile j, column 2t + u) = key 8j + 2t + u
         rows = 2 if const_expr(two_halves) else 1
-        m_new = cute.make_rmem_tensor(2, Float32)
         x = cute.make_rmem_tensor((2, 4), Float32)
-        grow = Float32(0.0)  # the largest rise of a running maximum
         for rh in cutlass.range_constexpr(rows):
-            tmax = Float32(-Float32.inf)
             for j in cutlass.range_constexpr(2):
                 for u in cutlass.range_constexpr(2):
                     v = s[j][2 * rh + u] * row_scale[rh]
-                    v = v if key0 + 8 * j + 2 * t + u < kv_hi else -Float32.inf
-                    x[rh, 2 * j + u] = v
-                    tmax = fa_utils.fmax(tmax, v)
-            for k in cutlass.range_constexpr(2):
-                tmax = fa_utils.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, offset=1 << k))
-            m_new[rh] = fa_utils.fmax(m_run[rh], ceil_f32(tmax))
-            grow = fa_utils.fmax(grow, m_new[rh] - m_run[rh])
-        if cute.arch.vote_any_sync(grow > Float32(0.0)):
-            for rh in cutlass.range_constexpr(rows):
-                alpha = pow2(Int32(fa_utils.fmax(m_run[rh] - m_new[rh], Float32(-127.0))))
-                l_run[rh] = l_run[rh] * alpha
-                for j in cutlass.range_constexpr(d // 8):
-                    acc[j, 2 * rh] = acc[j, 2 * rh] * alpha
-                    acc[j, 2 * rh + 1] = acc[j, 2 * rh + 1] * alpha
-                m_run[rh] = m_new[rh]
+                    x[rh, 2 * j + u] = v if key0 + 8 * j + 2 * t + u < kv_hi else -Float32.inf
+        self.online_update(x, 4, rows, m_run, l_run, acc, t)
+        # P̂ᵀ as the B operand: (keys 2t, 2t+1) from score n-tile 0, (2t+8, 2t+9) from 1
+        p_b = []
         for rh in cutlass.range_constexpr(rows):
+            pair = []
             for j in cutlass.range_constexpr(2):
                 p0 = cute.math.exp2(x[rh, 2 * j] - m_run[rh], fastmath=True) * P_SCALE
                 p1 = cute.math.exp2(x[rh, 2 * j + 1] - m_run[rh], fastmath=True) * P_SCALE
-                pair = p_hat_pair(p0, p1)
-                l_run[rh] = l_run[rh] + f16_pair_sum(pair)
-                a_frag[2 * j + rh] = pair
-        # O += P̂·V: B registers pair keys (2t, 2t+1) and (2t+8, 2t+9); keys past the
+                pair.append(p_hat_pair(p0, p1))
+                l_run[rh] = l_run[rh] + f16_pair_sum(pair[j])
+            p_b.append(pair)
+        # Oᵀ += V̂ᵀ·P̂ᵀ: A registers pair keys (2t, 2t+1) and (2t+8, 2t+9); keys past the
         # sequence read zero codes and scales (their slots may hold anything)
         v0 = 2 * kw + 2
         vs0 = v0 + 4 * vw
@@ -491,40 +664,170 @@ class NvFP4DecodeSm90:
             sc23 = scale_pair(sv[2], sv[3], i // 2)
             r01 = e2m1_word_pair(w[0, i], w[1, i])
             r23 = e2m1_word_pair(w[2, i], w[3, i])
-            for e in cutlass.range_constexpr(8):
-                j = 8 * i + e
-                b = (hmul2(r01[e], sc01), hmul2(r23[e], sc23))
-                out = mma_f16(a_frag, b, [acc[j, 0], acc[j, 1], acc[j, 2], acc[j, 3]])
-                for u in cutlass.range_constexpr(4):
-                    acc[j, u] = out[u]
+            for mm in cutlass.range_constexpr(4):  # m-tile 4i + mm: elements 8i + 2mm, +1
+                a = (hmul2(r01[2 * mm], sc01), hmul2(r01[2 * mm + 1], sc01),
+                     hmul2(r23[2 * mm], sc23), hmul2(r23[2 * mm + 1], sc23))  # fmt: skip
+                for qi in cutlass.range_constexpr(self.q_tiles):
+                    mt = 4 * i + mm
+                    c_in = [acc[qi, mt, 0], acc[qi, mt, 1], acc[qi, mt, 2], acc[qi, mt, 3]]
+                    out = mma_f16(a, p_b[qi], c_in)
+                    for u in cutlass.range_constexpr(4):
+                        acc[qi, mt, u] = out[u]
+
+
+class Fp8DecodeSm90(_PagedDecodeSm90):
+    """FP8 caches (``fp8``: one int32 exponent per key-head for K and for V; ``static``:
+    ``fp8_static``, none): 32-key tiles, E4M3 ``mma.sync m16n8k32`` on the codes as stored,
+    Q quantized per head to E4M3 (as the Triton kernel).
+
+    Thread ``(g, t)``'s keys: in ``S = Q̂·K̂ᵀ``, n-tile ``j`` column ``2t + u`` is key
+    ``8t + 2j + u`` of the tile, so the thread's scores of one row are keys ``8t .. 8t+7``:
+    the B fragment of ``Oᵀ = V̂ᵀ·P̂ᵀ`` with its k index ``4t + i`` / ``16 + 4t + i`` standing
+    for key ``8t + i`` / ``8t + 4 + i``; the A fragment is then two 4-byte halves of one
+    8-byte load of a V̂ᵀ page row (head column ``16i + r`` for m-tile ``i`` row ``r``). K̂'s
+    B fragments: key ``8(g//2) + 2j + g%2`` for n-tile ``j``, bytes ``[t·d/4, (t+1)·d/4)``
+    (Q̂'s A fragments in the same order)."""
+
+    tile = 2 * TILE
+
+    def __init__(self, *args, static: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        d = self.d
+        if d > 128:
+            raise ValueError(f"head_dim {d}: the CuTe FP8 decode supports 64 and 128")
+        self.static = static
+        self.k_words = d // 16  # K words per thread and key
+        self.region_bytes = self.page * (d + (0 if static else 4))
+        self.scale_base = self.page * d
+        self.n_raw = 4 * self.k_words + 4 * (d // 16) + (0 if static else 16)
+
+    def o_column(self, i: int, half: int, g):
+        return 16 * i + 8 * half + g
 
     @cute.jit
-    def store_row_value(self, sO, sM, sL, idx, q_start, kvh, split, part_tokens, mOut, mPartO,
-                        mPartML):  # fmt: skip
-        """Merge the warps' (M, l, O) of element ``idx`` (row-major over group rows x head
-        columns) and store it: the output, or the split's partial (O/l, M, l) rows."""
+    def q_operand(self, q_vals, q_amax, qk_scale, row_scale) -> list:
+        """E4M3 Q with one exponent per row (head), as A fragments per 32-column chunk."""
         d = self.d
-        row = idx // d
-        col = idx - row * d
-        m_max = sM[0, row]
-        for w in cutlass.range_constexpr(1, WARPS):
-            m_max = fa_utils.fmax(m_max, sM[w, row])
-        l_sum = Float32(0.0)
-        o_sum = Float32(0.0)
-        for w in cutlass.range_constexpr(WARPS):
-            wt = pow2(Int32(fa_utils.fmax(sM[w, row] - m_max, Float32(-127.0))))
-            l_sum = l_sum + sL[w, row] * wt
-            o_sum = o_sum + sO[w, row, col] * wt
-        o = o_sum / (l_sum if l_sum > Float32(0.0) else Float32(1.0))
-        head = kvh * self.group + row
-        if const_expr(self.partial):
-            at = (split * part_tokens + q_start) * (self.heads_kv * self.group) + head
-            mPartO[at * d + col] = o
-            if col == 0:
-                mPartML[at * 2] = m_max
-                mPartML[at * 2 + 1] = l_sum * (1.0 / P_SCALE)
-        else:
-            mOut[q_start, head, col] = o.to(mOut.element_type)
+        rows = []
+        for rh in cutlass.range_constexpr(len(q_vals)):
+            vals = q_vals[rh]
+            e = e4m3_exponent(q_amax[rh])
+            inv = pow2(0 - e)
+            row_scale[rh] = qk_scale * pow2(e)
+            words = []
+            for c in cutlass.range_constexpr(d // 32):
+                for h in cutlass.range_constexpr(2):
+                    e0 = 8 * c + 4 * h
+                    words.append(e4m3x4(vals[e0] * inv, vals[e0 + 1] * inv, vals[e0 + 2] * inv,
+                                        vals[e0 + 3] * inv))  # fmt: skip
+            rows.append(words)
+        zero = Int32(0)
+        qa = []
+        for c in cutlass.range_constexpr(d // 32):
+            hi = (rows[1][2 * c], rows[1][2 * c + 1]) if const_expr(len(rows) > 1) else (zero, zero)
+            qa.append((rows[0][2 * c], hi[0], rows[0][2 * c + 1], hi[1]))
+        return qa
+
+    @cute.jit
+    def load_tile(self, raw, slot: int, base: Int64, tile, blks, kvh, g, t):
+        """This thread's words of ``tile`` (keys 16h .. in page ``blks[h]``) into ring
+        ``slot``: K̂ (four keys), V̂ᵀ (rows g, g + 8 of each m-tile, keys 8t .. 8t+7), and
+        the exponents ek, ev of keys 8t .. 8t+7."""
+        d, page = self.d, self.page
+        kw = self.k_words
+        key0 = tile * self.tile
+        # K̂: key 8(g//2) + 2j + g%2 lies in half g // 4
+        kh = g // 4
+        k_region = self.region(base, blks[0] if kh == 0 else blks[1], 0, kvh)
+        for j in cutlass.range_constexpr(4):
+            off = (key0 + 8 * (g // 2) + 2 * j + g % 2) % page
+            at = k_region + off * d + t * (d // 4)
+            for p in cutlass.range_constexpr(kw // 4):
+                words = load_words(at + 16 * p, 4)
+                for i in cutlass.range_constexpr(4):
+                    raw[slot, j * kw + 4 * p + i] = words[i]
+        # V̂ᵀ and the exponents: keys 8t .. 8t+7 lie in half t // 2
+        vh = t // 2
+        blk = blks[0] if vh == 0 else blks[1]
+        v_region = self.region(base, blk, 1, kvh)
+        off = (key0 + 8 * t) % page
+        v0 = 4 * kw
+        for i in cutlass.range_constexpr(d // 16):
+            for half in cutlass.range_constexpr(2):
+                words = load_words(v_region + (16 * i + 8 * half + g) * page + off, 2)
+                raw[slot, v0 + 4 * i + 2 * half] = words[0]
+                raw[slot, v0 + 4 * i + 2 * half + 1] = words[1]
+        if const_expr(not self.static):  # ek from the K region, then ev from the V region
+            e0 = v0 + 4 * (d // 16)
+            for r in cutlass.range_constexpr(2):
+                at = self.region(base, blk, r, kvh) + self.scale_base + off * 4
+                for p in cutlass.range_constexpr(2):
+                    words = load_words(at + 16 * p, 4)
+                    for i in cutlass.range_constexpr(4):
+                        raw[slot, e0 + 8 * r + 4 * p + i] = words[i]
+
+    @cute.jit
+    def attend(self, cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t, two_halves):
+        """One 32-key tile of the warp's online softmax from its loaded ``cur`` words."""
+        d = self.d
+        kw = self.k_words
+        key0 = tile * self.tile
+        v0 = 4 * kw
+        e0 = v0 + 4 * (d // 16)
+        s = []
+        for j in cutlass.range_constexpr(4):
+            c_frag = [Float32(0.0)] * 4
+            for c in cutlass.range_constexpr(d // 32):
+                b = (cur[j * kw + 2 * c], cur[j * kw + 2 * c + 1])
+                c_frag = mma_fp8(qa[c], b, c_frag)
+            s.append(c_frag)
+        # this thread's logits: key 8t + k, k = 2j + u; x = s·row_scale·2^ek + ev (the V
+        # exponent folded into P̂, as the Triton kernel)
+        rows = 2 if const_expr(two_halves) else 1
+        valid = kv_hi - (key0 + 8 * t)  # keys of the thread's eight that exist
+        x = cute.make_rmem_tensor((2, 8), Float32)
+        ev_inv = cute.make_rmem_tensor(8, Float32)
+        for k in cutlass.range_constexpr(8):
+            ok = k < valid
+            if const_expr(self.static):
+                ev_inv[k] = Float32(1.0)
+            else:
+                ev = cur[e0 + 8 + k] if ok else Int32(0)
+                ev_inv[k] = pow2(0 - ev)
+            for rh in cutlass.range_constexpr(rows):
+                v = s[k // 2][2 * rh + k % 2] * row_scale[rh]
+                if const_expr(not self.static):
+                    v = v * pow2(cur[e0 + k]) + Float32(ev)
+                x[rh, k] = v if ok else -Float32.inf
+        self.online_update(x, 8, rows, m_run, l_run, acc, t)
+        p_b = []
+        for rh in cutlass.range_constexpr(rows):
+            words = []
+            for h in cutlass.range_constexpr(2):
+                p = []
+                for i in cutlass.range_constexpr(4):
+                    p.append(cute.math.exp2(x[rh, 4 * h + i] - m_run[rh], fastmath=True)
+                             * P_SCALE)  # fmt: skip
+                word, vals = p_hat_x4(p)
+                words.append(word)
+                for i in cutlass.range_constexpr(4):
+                    l_run[rh] = l_run[rh] + vals[i] * ev_inv[4 * h + i]
+            p_b.append(words)
+        # V̂ᵀ bytes of keys past the sequence are zeroed (their slots may hold anything)
+        masks = []  # keys 8t .. 8t+3, then 8t+4 .. 8t+7: n of the four exist
+        for h in cutlass.range_constexpr(2):
+            n = cutlass.max(cutlass.min(valid - 4 * h, 4), 0)
+            part = (Int32(1) << (8 * cutlass.min(n, 3))) - 1
+            masks.append(Int32(-1) if n == 4 else part)
+        lo_mask, hi_mask = masks
+        for i in cutlass.range_constexpr(d // 16):
+            a = (cur[v0 + 4 * i] & lo_mask, cur[v0 + 4 * i + 2] & lo_mask,
+                 cur[v0 + 4 * i + 1] & hi_mask, cur[v0 + 4 * i + 3] & hi_mask)  # fmt: skip
+            for qi in cutlass.range_constexpr(self.q_tiles):
+                c_in = [acc[qi, i, 0], acc[qi, i, 1], acc[qi, i, 2], acc[qi, i, 3]]
+                out = mma_fp8(a, p_b[qi], c_in)
+                for u in cutlass.range_constexpr(4):
+                    acc[qi, i, u] = out[u]
 
 
 _COMPILED: dict[tuple, object] = {}
@@ -535,7 +838,7 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device)
 
 
-def paged_decode_nvfp4_sm90(
+def paged_decode_sm90(
     q: torch.Tensor,
     cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -545,18 +848,25 @@ def paged_decode_nvfp4_sm90(
     part_o: torch.Tensor,
     part_ml: torch.Tensor,
     *,
+    fmt: KVCacheFormat,
     num_decodes: int,
     num_splits: int,
     part_tokens: int,
     page_size: int,
     qk_scale: float,
+    v_scale: float = 1.0,
+    depth: int | None = None,
+    ctas_per_sm: int | None = None,
 ) -> None:
-    """Decode the first ``num_decodes`` sequences (one new token each) over an NVFP4 cache
-    (``ops.run_paged_attention``'s contract): into ``out`` when ``num_splits`` is 1, else
-    into the split-K partials ``part_o`` / ``part_ml`` (``part_tokens`` rows per split) for
-    ``combine_splits_kernel``."""
+    """Decode the first ``num_decodes`` sequences (one new token each) over an NVFP4, FP8 or
+    static-FP8 cache (``ops.run_paged_attention``'s contract; ``v_scale`` multiplies O):
+    into ``out`` when ``num_splits`` is 1, else into the split-K partials ``part_o`` /
+    ``part_ml`` (``part_tokens`` rows per split) for ``combine_splits_kernel``. ``depth`` /
+    ``ctas_per_sm``: see :class:`_PagedDecodeSm90` (default: the module's ``DEPTH`` /
+    ``CTAS_PER_SM``)."""
     heads_q, d = q.shape[1], q.shape[2]
     heads_kv = cache.shape[2]
+    group = heads_q // heads_kv
     partial = num_splits > 1
     if not partial:  # the partials are not written: any float32 tensors do
         part_o = part_ml = _placeholder(q.device)
@@ -564,9 +874,16 @@ def paged_decode_nvfp4_sm90(
         (q, 2), (cache, 16), (block_table, 4), (seq_lens, 4), (query_start_loc, 4), (out, 2),
         (part_o, 4), (part_ml, 4),
     )  # fmt: skip
-    key = (d, heads_kv, heads_q // heads_kv, page_size, partial, q.dtype, out.dtype)
+    depth = DEPTH if depth is None else depth
+    ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
+    key = (fmt, d, heads_kv, group, page_size, partial, depth, ctas, q.dtype, out.dtype)
     if key not in _COMPILED:
-        kernel = NvFP4DecodeSm90(d, heads_kv, heads_q // heads_kv, page_size, partial)
-        _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1), Int32(1),
-                                        Int32(1))  # fmt: skip
-    _COMPILED[key](*kernel_tensors(aligned), qk_scale, num_splits, part_tokens, num_decodes)
+        args = (d, heads_kv, group, page_size, partial, depth, ctas)
+        if fmt is KVCacheFormat.NVFP4:
+            kernel = NvFP4DecodeSm90(*args)
+        else:
+            kernel = Fp8DecodeSm90(*args, static=fmt is KVCacheFormat.FP8_STATIC)
+        _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Float32(v_scale),
+                                        Int32(1), Int32(1), Int32(1))  # fmt: skip
+    _COMPILED[key](*kernel_tensors(aligned), qk_scale, v_scale, num_splits, part_tokens,
+                   num_decodes)  # fmt: skip

@@ -77,8 +77,8 @@ class PagedLayout:
 class PagedConfig:
     """Tile shape of one launch: ``block_m`` rows (query tokens × GQA group), ``block_n``
     keys per step. ``keys_on_m`` (8-bit caches only): swap the MMA operands so the keys fill
-    M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``). ``kernel="cute"`` (decodes from an NVFP4
-    cache, :func:`cute_decode_runs`): the CuTe DSL kernel of ``cute_decode_sm90.py`` for
+    M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``). ``kernel="cute"`` (decodes from a quantized
+    cache, :func:`cute_decode_runs`): the CuTe DSL kernels of ``cute_decode_sm90.py`` for
     ``exact`` exponentials without a window and pages of a multiple of 16 slots, the Triton
     kernel (same numerics) otherwise; it ignores the tile fields."""
 
@@ -108,14 +108,30 @@ def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedCon
     return PagedConfig(decode_m, 128, 4, 2), prefill
 
 
+#: cache formats the CuTe decodes serve (``cute_decode_sm90.py``; the default on sm_90)
+CUTE_DECODE_FORMATS = (KVCacheFormat.NVFP4, KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC)
+
+
 def cute_decode_runs(fmt: KVPageFormat, heads_q: int, heads_kv: int,
                      device: torch.device) -> bool:  # fmt: skip
-    """Whether the CuTe NVFP4 decode serves this cache: an sm_90 GPU with the ``cute``
-    extra, an NVFP4 cache, d in {64, 128}, a GQA group of at most 16."""
+    """Whether a CuTe decode serves this cache: an sm_90 GPU with the ``cute`` extra, an
+    NVFP4, FP8 or static FP8 cache, d in {64, 128}, a GQA group of at most 16 (NVFP4) or 8
+    (FP8: at 16 its kernel spills registers)."""
+    max_group = 16 if fmt.dtype is KVCacheFormat.NVFP4 else 8
     return (
-        fmt.dtype is KVCacheFormat.NVFP4 and fmt.head_dim in (64, 128)
-        and heads_q // heads_kv <= 16 and cute_available(device)
+        fmt.dtype in CUTE_DECODE_FORMATS and fmt.head_dim in (64, 128)
+        and heads_q // heads_kv <= max_group and cute_available(device)
     )  # fmt: skip
+
+
+def _default_decode_config(fmt: KVPageFormat, heads_q: int, heads_kv: int,
+                           device: torch.device) -> PagedConfig:  # fmt: skip
+    """The measured decode config, on the CuTe kernel where :func:`cute_decode_runs`."""
+    group_p2 = triton.next_power_of_2(heads_q // heads_kv)
+    cfg = default_configs(group_p2, fmt.head_dim, fmt.dtype)[0]
+    if cute_decode_runs(fmt, heads_q, heads_kv, device):
+        cfg = replace(cfg, kernel="cute")
+    return cfg
 
 
 def _num_sms(device: torch.device) -> int:
@@ -145,8 +161,18 @@ def leading_decodes(query_start_loc: torch.Tensor) -> int:
 
 def _splits_for(fmt: KVPageFormat, heads_kv: int, num_decodes: int, max_seq_len: int,
                 cfg: PagedConfig, device: torch.device) -> int:  # fmt: skip
-    # quantized caches: eight programs per SM hide the per-tile latency (tune_paged)
-    waves = 2 if fmt.dtype.is_16bit else 8
+    # quantized caches: eight Triton programs per SM hide the per-tile latency (tune_paged).
+    # The CuTe decodes' CTAs hold four warps of key tiles each and are faster with fewer,
+    # longer splits (H200, decode.json / decode_cute_waves4.json / tune_decode_cute.json):
+    # FP8 always (B64-L8192 one split 275 us, two 291; B16-L8192 four 89, eight 98), NVFP4
+    # once the batch alone gives two CTAs per SM (B64-L8192 one split 224 us, two 263),
+    # below that more (B16-L8192 eight 89 us, four 99; B16-L32768 eight 262, four 322)
+    waves = 8
+    if fmt.dtype.is_16bit:
+        waves = 2
+    elif cfg.kernel == "cute":
+        small_batch = num_decodes * heads_kv < 2 * _num_sms(device)
+        waves = 4 if fmt.dtype is KVCacheFormat.NVFP4 and small_batch else 2
     return decode_splits(num_decodes, heads_kv, max_seq_len, cfg.block_n, device, waves)
 
 
@@ -155,9 +181,8 @@ def max_workspace_rows(fmt: KVPageFormat, heads_q: int, heads_kv: int, max_decod
     """The most split-K partial rows (tokens × splits) a default plan of up to ``max_decodes``
     decodes over at most ``max_seq_len`` keys needs: the size of a workspace that serves
     every batch (and every CUDA graph) of an engine."""
-    group_p2 = triton.next_power_of_2(heads_q // heads_kv)
-    cfg = default_configs(group_p2, fmt.head_dim, fmt.dtype)[0]
     dev = torch.device(device)
+    cfg = _default_decode_config(fmt, heads_q, heads_kv, dev)
     rows = 0
     for n in range(1, max_decodes + 1):
         splits = _splits_for(fmt, heads_kv, n, max_seq_len, cfg, dev)
@@ -258,10 +283,9 @@ def plan_paged_counts(
             f"{num_decode_tokens} decode tokens of {num_tokens}"
         )
     group_p2 = triton.next_power_of_2(heads_q // heads_kv)
-    default_decode, default_prefill = default_configs(group_p2, fmt.head_dim, fmt.dtype)
-    decode_cfg = decode_config or default_decode
-    if decode_config is None and cute_decode_runs(fmt, heads_q, heads_kv, torch.device(device)):
-        decode_cfg = replace(decode_cfg, kernel="cute")
+    default_prefill = default_configs(group_p2, fmt.head_dim, fmt.dtype)[1]
+    decode_cfg = decode_config or _default_decode_config(fmt, heads_q, heads_kv,
+                                                         torch.device(device))  # fmt: skip
     prefill_cfg = prefill_config or default_prefill
     for cfg in (decode_cfg, prefill_cfg):
         if cfg.block_m % group_p2 or cfg.block_m < 16:
@@ -369,12 +393,12 @@ def run_paged_attention(
         cfg = plan.decode
         if cfg.kernel == "cute" and window is None and exp_mode == "exact" \
                 and layout.page_size % 16 == 0:  # fmt: skip
-            from flamia_serve.kernels.paged.cute_decode_sm90 import paged_decode_nvfp4_sm90
+            from flamia_serve.kernels.paged.cute_decode_sm90 import paged_decode_sm90
 
-            paged_decode_nvfp4_sm90(
+            paged_decode_sm90(
                 q, cache, block_table, seq_lens, query_start_loc, out, part_o, part_ml,
-                num_decodes=num_decodes, num_splits=splits, part_tokens=rows,
-                page_size=layout.page_size, qk_scale=qk_scale,
+                fmt=fmt.dtype, num_decodes=num_decodes, num_splits=splits, part_tokens=rows,
+                page_size=layout.page_size, qk_scale=qk_scale, v_scale=v_scale,
             )  # fmt: skip
         else:
             paged_attention_kernel[(num_decodes, heads_kv, splits)](

@@ -1,0 +1,111 @@
+"""The CuTe decodes' knobs on the GPU (H200): prefetch depth, register cap (CTAs per SM)
+and split-K count, against the Triton decode, at B16-L8192, B64-L8192 and B64-L32768
+(Hq 32 / Hkv 8, d 128, page 16), NVFP4 and FP8 caches. Prints and writes
+``<name>.json`` (rate over the K/V bytes of the cache read once, and its fraction of the
+copy bandwidth of the same run).
+
+    python benchmarks/tune_decode_cute.py [--quick] [--formats nvfp4,fp8] [--depths 1,2]
+        [--ctas 0,4] [--name tune_decode_cute]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import triton
+
+from benchmarks.common import copy_bandwidth, graph_time, write_results
+from benchmarks.serving import HEAD_DIM, HKV, HQ, make_serving_batch
+from flamia_serve.kernels.paged import cute_decode_sm90 as cute_decode
+from flamia_serve.kernels.paged import default_configs, paged_attention
+from flamia_serve.kernels.paged.ops import decode_splits
+from flamia_serve.numerics.kv_pages import KVPageFormat
+
+WORKLOADS = {"B16-L8192": (16, 8192), "B64-L8192": (64, 8192), "B64-L32768": (64, 32768)}
+
+
+def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
+          ctas_options: list[int], copy_row: dict, quick: bool) -> list[dict]:
+    """Rows of the Triton decode and the CuTe variants on one workload and cache format."""
+    dev = batch.q.device
+    rows = []
+    fmt = KVPageFormat(dtype, HEAD_DIM)
+    triton_decode = default_configs(triton.next_power_of_2(HQ // HKV), HEAD_DIM,
+                                    fmt.dtype)[0]  # fmt: skip
+    cache = batch.caches[dtype]
+    kv_bytes = batch.kv_bytes(dtype)
+    triton_splits = decode_splits(b, HKV, length, 128, dev, waves=8)
+    cute_splits = decode_splits(b, HKV, length, 128, dev, waves=4)
+
+    def call(splits, decode_config=None, batch=batch, cache=cache, length=length, b=b,
+             fmt=fmt):
+        return paged_attention(
+            batch.q, cache, fmt, batch.block_table, batch.seq_lens, batch.query_start_loc,
+            num_decodes=b, max_seq_len=length, validate=False, num_splits=splits,
+            decode_config=decode_config,
+        )  # fmt: skip
+
+    variants = {f"{dtype}-triton-splits{triton_splits}":
+                (None, None, triton_splits, triton_decode)}  # fmt: skip
+    for depth, ctas, mult in itertools.product(depths, ctas_options, (0.5, 1, 2)):
+        splits = max(1, min(64, int(cute_splits * mult)))
+        variants[f"{dtype}-cute-depth{depth}-ctas{ctas}-splits{splits}"] = (
+            depth, ctas, splits, None)
+    reference = call(triton_splits, triton_decode).float()
+    defaults = cute_decode.DEPTH, cute_decode.CTAS_PER_SM
+    for impl, (depth, ctas, splits, cfg) in variants.items():
+        if depth is not None:
+            cute_decode.DEPTH, cute_decode.CTAS_PER_SM = depth, ctas
+        try:
+            out = call(splits, cfg).float()
+            t = graph_time(lambda splits=splits, cfg=cfg: call(splits, cfg),
+                           rep_ms=50 if quick else 200)  # fmt: skip
+        except Exception as exc:  # recorded; the other variants still run
+            print(f"{name} {impl}: failed: {type(exc).__name__}: {exc}"[:300])
+            continue
+        gbps = kv_bytes / (t["ms"] * 1e-3) / 1e9
+        rel = float((out - reference).norm() / reference.norm())
+        rows.append({"workload": name, "pass": "decode", "impl": impl, **t, "tflops": None,
+                     "kv_format": dtype,
+                     "gbps": gbps, "pct_copy": gbps / copy_row["gbps"],
+                     "rel_diff_vs_triton": rel})  # fmt: skip
+        pct = 100 * gbps / copy_row["gbps"]
+        print(f"{name:10s} {impl:40s} {t['ms'] * 1e3:8.1f} us {pct:5.1f}% copy  "
+              f"rel diff vs triton {rel:.2e}")  # fmt: skip
+    cute_decode.DEPTH, cute_decode.CTAS_PER_SM = defaults
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="50 ms of timing per call")
+    ap.add_argument("--formats", default="nvfp4,fp8")
+    ap.add_argument("--depths", default="1,2")
+    ap.add_argument("--ctas", default="0")
+    ap.add_argument("--name", default="tune_decode_cute")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    depths = [int(x) for x in args.depths.split(",")]
+    ctas_options = [int(x) for x in args.ctas.split(",")]
+    copy_row = copy_bandwidth(dev)
+    rows: list[dict] = [copy_row]
+    for name, (b, length) in WORKLOADS.items():
+        batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
+        for dtype in args.formats.split(","):
+            rows += _tune(batch, name, b, length, dtype, depths, ctas_options, copy_row,
+                          args.quick)  # fmt: skip
+        del batch
+        torch.cuda.empty_cache()
+    write_results(args.name, rows, {"copy_gbps": copy_row["gbps"]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
