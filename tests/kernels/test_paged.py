@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -429,3 +431,50 @@ def test_cache_allocate_rejects_bad_sizes() -> None:
     cache = PagedKVCache.allocate(4, 32, 2, 64, "nvfp4", device="cpu")
     assert cache.page_size == 32 and cache.heads_kv == 2
     assert cache.data.shape == (4, 2, 2, 32 * (32 + 4))
+
+
+def test_cute_decode_plan_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CuTe decodes would run (an sm_90 GPU with the cute extra, faked here), plans
+    of quantized caches pick them with their own split-K, BF16 caches and large GQA groups
+    keep the Triton kernel, and calls the CuTe kernels do not serve (a sliding window,
+    approximate exponentials) run the Triton kernel: the reference's output, and the CuTe
+    launcher (a stand-in that fails) is never called."""
+    from flamia_serve.kernels.paged import ops
+
+    def no_cute(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the CuTe decode was called")
+
+    stand_in = types.ModuleType("cute_decode_sm90")
+    stand_in.paged_decode_sm90 = no_cute  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flamia_serve.kernels.paged.cute_decode_sm90", stand_in)
+    monkeypatch.setattr(ops, "cute_available", lambda device: True)
+    dev = torch.device("cpu")
+    qsl64 = torch.arange(65, dtype=torch.int32)
+    for dtype, splits in (("nvfp4", 1), ("fp8", 1), ("fp8_static", 1), ("bf16", 1)):
+        p = kernels.plan_paged(KVPageFormat(dtype, 128), 32, 8, qsl64, 8192, device=dev)
+        assert p.decode.kernel == ("triton" if dtype == "bf16" else "cute"), dtype
+        assert p.num_splits == splits, (dtype, p.num_splits)
+    qsl16 = torch.arange(17, dtype=torch.int32)  # 16 decodes x 8 heads < 2 CTAs per SM
+    assert kernels.plan_paged(KVPageFormat("nvfp4", 128), 32, 8, qsl16, 8192,
+                              device=dev).num_splits == 8  # fmt: skip
+    assert kernels.plan_paged(KVPageFormat("fp8", 128), 32, 8, qsl16, 8192,
+                              device=dev).num_splits == 4  # fmt: skip
+    triton_only = kernels.plan_paged(KVPageFormat("fp8", 128), 32, 2, qsl16, 8192, device=dev)
+    assert triton_only.decode.kernel == "triton"  # FP8 with a GQA group of 16
+    assert kernels.plan_paged(KVPageFormat("nvfp4", 256), 8, 2, qsl16, 100,
+                              device=dev).decode.kernel == "triton"  # fmt: skip
+    rows = ops.max_workspace_rows(KVPageFormat("nvfp4", 128), 32, 8, 64, 8192, dev)
+    assert rows == max(ops._splits_for(KVPageFormat("nvfp4", 128), 8, n, 8192,
+                                       ops.PagedConfig(16, 128, kernel="cute"), dev) * n
+                       for n in range(1, 65))  # fmt: skip
+
+    b = make_batch([1, 1, 1], [40, 17, 3], heads_q=4, heads_kv=2, dtype="nvfp4")
+    cache = _written(b)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    for kw in ({"window": 8}, {"exp_mode": "mitchell"}):
+        planned = kernels.plan_paged(b.fmt, 4, 2, b.query_start_loc, 41, device=dev)
+        assert planned.decode.kernel == "cute"
+        out = kernels.paged_attention(*args, **kw)
+        _assert_close(out, ref.paged_attention(*args, softmax_scale=64**-0.5, **kw), b.fmt)
+    with pytest.raises(AssertionError, match="CuTe decode was called"):  # the stand-in works
+        kernels.paged_attention(*args)
