@@ -6,6 +6,15 @@ Same venv and environment as ``compile_cute_sm90.py`` (its docstring has the rec
         /tmp/cute312/bin/python benchmarks/compile_cute_decode_sm90.py [--keep DIR]
 
 Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there.
+
+The decodes need ``nvidia-cutlass-dsl`` only, so they also compile in vLLM 0.26's pins
+(checked 2026-12-01: same registers and SASS length as with 4.8.1):
+
+    python3.12 -m venv /tmp/cute46
+    /tmp/cute46/bin/pip install "nvidia-cutlass-dsl[cu13]==4.6.0" "apache-tvm-ffi==0.1.10" \
+        "cuda-bindings>=13,<14" "numpy<2.3" torch==2.13.0
+    FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD \
+        /tmp/cute46/bin/python benchmarks/compile_cute_decode_sm90.py
 """
 
 from __future__ import annotations

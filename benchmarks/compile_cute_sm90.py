@@ -24,7 +24,6 @@ import torch
 from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from flamia_serve.kernels.attn_fwd.cute_sm90 import FlamiaFwdSm90
 from flamia_serve.kernels.cute_sm90_common import TVM_FFI, compile_kernel
 
 
@@ -71,6 +70,8 @@ def keep_argument(doc: str) -> Path | None:
 
 
 def main() -> None:
+    from flamia_serve.kernels.attn_fwd.cute_sm90 import FlamiaFwdSm90  # needs flash-attn-4
+
     keep = keep_argument(__doc__)
     with FakeTensorMode():
         torch.set_default_device("cuda")

@@ -36,12 +36,19 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.cache
-def cute_available(device: torch.device) -> bool:
-    """The CuTe DSL kernels run here: an sm_90 GPU with ``nvidia-cutlass-dsl`` and
-    ``flash-attn-4`` installed (the ``cute`` extra)."""
+def cute_dsl_available(device: torch.device) -> bool:
+    """The CuTe DSL serving decodes run here: an sm_90 GPU with ``nvidia-cutlass-dsl``
+    installed (vLLM installs it; so does the ``cute`` extra)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
-    return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "flash_attn"))
+    return importlib.util.find_spec("cutlass") is not None
+
+
+@functools.cache
+def cute_available(device: torch.device) -> bool:
+    """The CuTe DSL training kernels run here: :func:`cute_dsl_available` and
+    ``flash-attn-4`` (their pipelines and MMA helpers) installed: the ``cute`` extra."""
+    return cute_dsl_available(device) and importlib.util.find_spec("flash_attn") is not None
 
 
 def round_debug_p_(buffer: torch.Tensor) -> None:

@@ -1,8 +1,9 @@
-"""CuTe DSL helpers shared by the sm_90 forward and backward kernels: the bit-level rules of
+"""CuTe DSL helpers shared by the sm_90 kernels (training forward and backward, serving
+decodes): the bit-level rules of
 ``numerics.formats`` (twins of ``kernels._common``'s Triton helpers, operation for operation)
 and the register-fragment bookkeeping of Hopper ``wgmma`` accumulators.
 
-Requires ``nvidia-cutlass-dsl``; imported only by the CuTe kernels.
+Requires ``nvidia-cutlass-dsl`` only; imported only by the CuTe kernels.
 """
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
-from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+from cutlass.cute.runtime import from_dlpack
 
 FP8 = cutlass.Float8E4M3FN
 TVM_FFI = "--enable-tvm-ffi"
 
 
 def cute_tensor(t: torch.Tensor, align: int):
-    """``t`` as a CuTe tensor whose contiguous (stride-1) dim is its leading one, assumed
-    ``align``-byte aligned (for compiling against fake or real tensors)."""
-    return to_cute_tensor(
-        t, assumed_align=align, leading_dim=t.dim() - 1 - t.stride()[::-1].index(1)
-    )
+    """``t`` as a CuTe tensor for TVM-FFI calls (dynamic layout) whose contiguous (stride-1)
+    dim is its leading one, assumed ``align``-byte aligned (for compiling against fake or
+    real tensors). E4M3 tensors go through DLPack as bytes and are retyped."""
+    fp8 = t.dtype == torch.float8_e4m3fn
+    tensor = from_dlpack((t.view(torch.uint8) if fp8 else t).detach(), assumed_align=align,
+                         enable_tvm_ffi=True)  # fmt: skip
+    if fp8:
+        tensor.element_type = FP8
+    return tensor.mark_layout_dynamic(leading_dim=t.dim() - 1 - t.stride()[::-1].index(1))
 
 
 def compile_kernel(kernel, aligned, *scalars, options: str = TVM_FFI):

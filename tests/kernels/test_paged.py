@@ -434,7 +434,7 @@ def test_cache_allocate_rejects_bad_sizes() -> None:
 
 
 def test_cute_decode_plan_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the CuTe decodes would run (an sm_90 GPU with the cute extra, faked here), plans
+    """Where the CuTe decodes would run (an sm_90 GPU with cutlass-dsl, faked here), plans
     of quantized caches pick them with their own split-K, BF16 caches and large GQA groups
     keep the Triton kernel, and calls the CuTe kernels do not serve (a sliding window,
     approximate exponentials) run the Triton kernel: the reference's output, and the CuTe
@@ -447,7 +447,7 @@ def test_cute_decode_plan_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None
     stand_in = types.ModuleType("cute_decode_sm90")
     stand_in.paged_decode_sm90 = no_cute  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flamia_serve.kernels.paged.cute_decode_sm90", stand_in)
-    monkeypatch.setattr(ops, "cute_available", lambda device: True)
+    monkeypatch.setattr(ops, "cute_dsl_available", lambda device: True)
     dev = torch.device("cpu")
     qsl64 = torch.arange(65, dtype=torch.int32)
     for dtype, splits in (("nvfp4", 1), ("fp8", 1), ("fp8_static", 1), ("bf16", 1)):

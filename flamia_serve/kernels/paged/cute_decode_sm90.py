@@ -26,8 +26,9 @@ registers and widens them into MMA fragments (thread ``(g, t)`` = lane ``(4g + t
   times 2^-6), two of which ``cvt.rn.f16x2.e4m3x2`` widens at once; times the block scale
   ·2^6 in FP16 (exact: at most 7 significant bits within [2^-10, 2688]).
 
-Loads run ``depth`` tiles ahead (a ring of registers) and block-table entries one more. Requires
-``nvidia-cutlass-dsl`` and ``flash-attn-4``; imported lazily by ``ops`` on sm_90 only.
+Loads run ``depth`` tiles ahead (a ring of registers) and block-table entries one more.
+Requires ``nvidia-cutlass-dsl`` only (not ``flash-attn-4``, unlike the training kernels: a
+vLLM install brings it); imported lazily by ``ops`` on sm_90 only.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import torch
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
-from flash_attn.cute import utils as fa_utils
 
 from flamia_serve.kernels.cute_sm90_common import (
     compile_kernel,
@@ -178,6 +178,15 @@ def scale_pair(sa: Int32, sb: Int32, byte: int, *, loc=None, ip=None) -> Int32:
         f"{{ .reg .b32 x, y, k; .reg .b16 p, q; prmt.b32 x, $1, $2, {sel}; mov.b32 {{p, q}}, x; "
         "cvt.rn.f16x2.e4m3x2 y, p; mov.b32 k, 0x54005400; mul.rn.f16x2 $0, y, k; }",
         "=r,r,r",
+    ))  # fmt: skip
+
+
+@dsl_user_op
+def f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """f16x2 of two float32 (round to nearest even), ``lo`` in the low half."""
+    return Int32(_asm(
+        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (hi, lo)],
+        "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f",
     ))  # fmt: skip
 
 
@@ -392,9 +401,9 @@ class _PagedDecodeSm90:
                     vals[e] = Float32(0.0)
                     if row < group:
                         vals[e] = mQ[q_start, kvh * group + row, t * (d // 4) + e].to(Float32)
-                    amax = fa_utils.fmax(amax, abs(vals[e]))
+                    amax = cute.arch.fmax(amax, abs(vals[e]))
                 for k in cutlass.range_constexpr(2):
-                    amax = fa_utils.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
                 q_vals.append(vals)
                 q_amax.append(amax)
             row_scale = cute.make_rmem_tensor(2, Float32)
@@ -485,15 +494,15 @@ class _PagedDecodeSm90:
         for rh in cutlass.range_constexpr(rows):
             tmax = Float32(-Float32.inf)
             for k in cutlass.range_constexpr(n_vals):
-                tmax = fa_utils.fmax(tmax, x[rh, k])
+                tmax = cute.arch.fmax(tmax, x[rh, k])
             for k in cutlass.range_constexpr(2):
-                tmax = fa_utils.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, offset=1 << k))
-            m_new[rh] = fa_utils.fmax(m_run[rh], ceil_f32(tmax))
-            grow = fa_utils.fmax(grow, m_new[rh] - m_run[rh])
+                tmax = cute.arch.fmax(tmax, cute.arch.shuffle_sync_bfly(tmax, offset=1 << k))
+            m_new[rh] = cute.arch.fmax(m_run[rh], ceil_f32(tmax))
+            grow = cute.arch.fmax(grow, m_new[rh] - m_run[rh])
         if cute.arch.vote_any_sync(grow > Float32(0.0)):
             alpha = cute.make_rmem_tensor(2, Float32)
             for rh in cutlass.range_constexpr(rows):
-                alpha[rh] = pow2(Int32(fa_utils.fmax(m_run[rh] - m_new[rh], Float32(-127.0))))
+                alpha[rh] = pow2(Int32(cute.arch.fmax(m_run[rh] - m_new[rh], Float32(-127.0))))
                 l_run[rh] = l_run[rh] * alpha[rh]
                 m_run[rh] = m_new[rh]
             # Oᵀ's columns are queries: query 8qi + 2t + u's factor lives in lanes 4(2t + u)..
@@ -514,11 +523,11 @@ class _PagedDecodeSm90:
         col = idx - row * d
         m_max = sM[0, row]
         for w in cutlass.range_constexpr(1, WARPS):
-            m_max = fa_utils.fmax(m_max, sM[w, row])
+            m_max = cute.arch.fmax(m_max, sM[w, row])
         l_sum = Float32(0.0)
         o_sum = Float32(0.0)
         for w in cutlass.range_constexpr(WARPS):
-            wt = pow2(Int32(fa_utils.fmax(sM[w, row] - m_max, Float32(-127.0))))
+            wt = pow2(Int32(cute.arch.fmax(sM[w, row] - m_max, Float32(-127.0))))
             l_sum = l_sum + sL[w, row] * wt
             o_sum = o_sum + sO[w, row, col] * wt
         o = o_sum * out_scale / (l_sum if l_sum > Float32(0.0) else Float32(1.0))
@@ -570,9 +579,8 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
             for c in cutlass.range_constexpr(d // 16):
                 e0 = 8 * (c // 2) + 4 * (c % 2)
                 pairs.append((
-                    fa_utils.cvt_f16x2_f32(vals[e0] * inv, vals[e0 + 2] * inv, cutlass.Float16),
-                    fa_utils.cvt_f16x2_f32(vals[e0 + 1] * inv, vals[e0 + 3] * inv,
-                                           cutlass.Float16),
+                    f16x2(vals[e0] * inv, vals[e0 + 2] * inv),
+                    f16x2(vals[e0 + 1] * inv, vals[e0 + 3] * inv),
                 ))  # fmt: skip
             rows.append(pairs)
         zero = Int32(0)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from flamia_serve.kernels._common import cute_available, interpreted, sm_count
+from flamia_serve.kernels._common import cute_dsl_available, interpreted, sm_count
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
     paged_attention_kernel,
@@ -114,13 +114,13 @@ CUTE_DECODE_FORMATS = (KVCacheFormat.NVFP4, KVCacheFormat.FP8, KVCacheFormat.FP8
 
 def cute_decode_runs(fmt: KVPageFormat, heads_q: int, heads_kv: int,
                      device: torch.device) -> bool:  # fmt: skip
-    """Whether a CuTe decode serves this cache: an sm_90 GPU with the ``cute`` extra, an
+    """Whether a CuTe decode serves this cache: an sm_90 GPU with ``nvidia-cutlass-dsl``, an
     NVFP4, FP8 or static FP8 cache, d in {64, 128}, a GQA group of at most 16 (NVFP4) or 8
     (FP8: at 16 its kernel spills registers)."""
     max_group = 16 if fmt.dtype is KVCacheFormat.NVFP4 else 8
     return (
         fmt.dtype in CUTE_DECODE_FORMATS and fmt.head_dim in (64, 128)
-        and heads_q // heads_kv <= max_group and cute_available(device)
+        and heads_q // heads_kv <= max_group and cute_dsl_available(device)
     )  # fmt: skip
 
 
