@@ -4,6 +4,10 @@
 # all nine decode workloads with FlashInfer take ~220 s, the prefill ones more than 150 s
 # FlashInfer baselines need the flashinfer bundle (../shared/device/stage.sh flashinfer; carry
 # .stage/flashinfer/part1 and run its install.sh first, FLAMIA_SITE=/tmp/site).
+# The CuTe decodes (default on sm_90 with nvidia-cutlass-dsl) need the fa4 bundle's
+# cutlass-dsl in /tmp/site_fa4 (its two parts, two calls; FlashInfer's tvm-ffi differs, so
+# FlashInfer runs in a process of its own):
+#   bash benchmarks/run_serving_gpu.sh cute-tests,cute-tune,cute-decode   # ~8 min
 set -uo pipefail
 export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 steps=",${1:-tests,tune},"
@@ -18,6 +22,20 @@ if [[ $steps == *,tune,* ]]; then
     --name tune_paged_decode
   run tune_prefill 150 python benchmarks/tune_paged.py --cases prefill --formats fp8,nvfp4,bf16 \
     --name tune_paged_prefill
+fi
+CUTE_SITE=/tmp/site_fa4:$PWD
+if [[ $steps == *,cute-tests,* ]]; then
+  PYTHONPATH=$CUTE_SITE run pytest_gpu_cute_decode 300 python -m pytest -q -m gpu \
+    tests/kernels/test_gpu_cute_decode.py tests/kernels/test_gpu_paged.py
+fi
+if [[ $steps == *,cute-tune,* ]]; then
+  PYTHONPATH=$CUTE_SITE run tune_decode_cute 240 python benchmarks/tune_decode_cute.py --quick
+fi
+if [[ $steps == *,cute-decode,* ]]; then  # four workloads; FlashInfer's JIT takes ~2 min
+  W=B16-L8192,B64-L8192,B16-L32768,B64-L32768
+  PYTHONPATH=$CUTE_SITE run decode 240 python benchmarks/decode.py --workloads $W --quick
+  run decode_flashinfer 300 python benchmarks/decode.py --workloads $W --impls flashinfer \
+    --quick --name decode_flashinfer
 fi
 if [[ $steps == *,decode,* ]]; then
   run decode 420 python benchmarks/decode.py --quick
