@@ -47,8 +47,8 @@ def run_one(name: str, path: str | None, lock_path: str, out_path: str) -> None:
         for case in cbk.ACCURACY_CASES:
             result["accuracy"].append(cbk.accuracy(case))
         overlap = BwdConfig(kernel="cute", overlap=True)
-        ops = cbk._operands((8192,), 32, 8, 128, True)
-        cbk._bwd(ops, overlap)  # compile before taking the lock
+        ops = cbk.operands((8192,), 32, 8, 128, True)
+        cbk.backward(ops, overlap)  # compile before taking the lock
         del ops
         configs = {"cute": cbk.CONFIGS["cute"], "cute-overlap": overlap}
         with open(lock_path, "w") as lock:

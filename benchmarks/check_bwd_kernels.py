@@ -42,7 +42,8 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - r).norm() / ref.float().norm().clamp(min=1e-30))
 
 
-def _operands(lens, hq, hkv, d, causal, exact=False, seed=5):
+def operands(lens, hq, hkv, d, causal, exact=False, seed=5):
+    """Quantized operands of a pack on the GPU (forward run, dO quantized) for ``backward``."""
     q, k, v, cu, _ = make_pack(lens, hq, hkv, d, seed=seed, device="cuda")
     d_out = make_pack(lens, hq, hkv, d, seed=seed + 1, device="cuda")[0]
     qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True, column_align=128)
@@ -52,7 +53,8 @@ def _operands(lens, hq, hkv, d, causal, exact=False, seed=5):
                 causal=causal)  # fmt: skip
 
 
-def _bwd(ops, config, debug_p=None):
+def backward(ops, config, debug_p=None):
+    """``attn_bwd`` of ``operands``' result with ``config``."""
     return attn_bwd(
         ops["qkv"], ops["qdo"], ops["m"], ops["lse"], ops["cu"], heads_q=ops["hq"],
         causal=ops["causal"], softmax_scale=ops["d"] ** -0.5, config=config,
@@ -62,8 +64,8 @@ def _bwd(ops, config, debug_p=None):
 
 def accuracy(case) -> dict:
     lens, hq, hkv, d, causal, exact = case
-    ops = _operands(lens, hq, hkv, d, causal, exact)
-    got = {k: _bwd(ops, cfg) for k, cfg in CONFIGS.items()}
+    ops = operands(lens, hq, hkv, d, causal, exact)
+    got = {k: backward(ops, cfg) for k, cfg in CONFIGS.items()}
     ref = attention_backward(
         ops["d_out"], ops["out"], ops["m"], ops["lse"], ops["qkv"].to_reference(), ops["cu"],
         RECIPES["mxfp8"], causal=causal, softmax_scale=d**-0.5, qdo=ops["qdo"].to_reference(),
@@ -79,11 +81,11 @@ def accuracy(case) -> dict:
 
 def debug_p_agreement() -> dict:
     lens, hq, hkv, d = (100, 1, 45, 130), 4, 2, 64
-    ops = _operands(lens, hq, hkv, d, True)
+    ops = operands(lens, hq, hkv, d, True)
     t = sum(lens)
     bufs = {k: torch.zeros(hq, t, t, device="cuda") for k in CONFIGS}
     for k, cfg in CONFIGS.items():
-        _bwd(ops, cfg, bufs[k])
+        backward(ops, cfg, bufs[k])
     differ = (bufs["cute"] != bufs["triton"]).sum().item()
     nonzero = (bufs["triton"] != 0).sum().item()
     return dict(lens=list(lens), p_hat_codes_differ=differ, p_hat_nonzero=nonzero)
@@ -91,11 +93,11 @@ def debug_p_agreement() -> dict:
 
 def speed(t: int, d: int, causal: bool, configs: dict, hq: int = 32, hkv: int = 8) -> list[dict]:
     """Time of each of ``configs`` (name -> ``BwdConfig``) on one T-token document."""
-    ops = _operands((t,), hq, hkv, d, causal)
+    ops = operands((t,), hq, hkv, d, causal)
     flops = 2.5 * 4 * (t * t / (2 if causal else 1)) * hq * d
     rows = []
     for k, cfg in configs.items():
-        ms = time_ms(lambda cfg=cfg: _bwd(ops, cfg), warmup_ms=10, rep_ms=100)["ms"]
+        ms = time_ms(lambda cfg=cfg: backward(ops, cfg), warmup_ms=10, rep_ms=100)["ms"]
         rows.append(dict(kernel=k, tokens=t, d=d, causal=causal, hq=hq, hkv=hkv, ms=ms,
                          tflops=flops / ms / 1e9))  # fmt: skip
         print(f"  {k:8s} T={t} d={d} causal={causal}: {ms:.3f} ms {rows[-1]['tflops']:.1f} TFLOP/s")
