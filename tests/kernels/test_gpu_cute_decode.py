@@ -27,6 +27,16 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _cute_decode_really_runs():
+    """The CuTe decodes fall back to Triton on an import or compile error (a warning): here
+    that is a failure."""
+    yield
+    from flamia_serve.kernels.paged import ops
+
+    assert ops.CUTE_DECODE_FAILURE is None, ops.CUTE_DECODE_FAILURE
+
+
 #: base-2 logit scale at d = 128
 QK_SCALE = 128**-0.5 * math.log2(math.e)
 

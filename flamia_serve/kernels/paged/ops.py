@@ -17,6 +17,7 @@ same kernel.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -350,6 +351,28 @@ def run_write_kv_cache(
     )  # fmt: skip
 
 
+#: why the CuTe decodes stopped being used in this process (None: they are used): the
+#: first import or compile error, e.g. a cutlass-dsl version they do not build with
+CUTE_DECODE_FAILURE: str | None = None
+
+
+def _cute_decode(*args: object, **kwargs: object) -> bool:
+    """Launch the CuTe decode; on an import or compile error, warn once, record it in
+    ``CUTE_DECODE_FAILURE`` and return False: the Triton decode (same numerics) runs from
+    then on."""
+    global CUTE_DECODE_FAILURE
+    try:
+        from flamia_serve.kernels.paged.cute_decode_sm90 import paged_decode_sm90
+
+        paged_decode_sm90(*args, **kwargs)
+    except Exception as exc:  # any failure of an optional fast path
+        CUTE_DECODE_FAILURE = f"{type(exc).__name__}: {exc}"[:500]
+        warnings.warn(f"the CuTe decode failed ({CUTE_DECODE_FAILURE}); using the Triton "
+                      "decode from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    return True
+
+
 def run_paged_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -391,16 +414,13 @@ def run_paged_attention(
                 workspace = PagedWorkspace.allocate(plan.workspace_rows, heads_q, d, q.device)
             part_o, part_ml = workspace.part_o, workspace.part_ml
         cfg = plan.decode
-        if cfg.kernel == "cute" and window is None and exp_mode == "exact" \
-                and layout.page_size % 16 == 0:  # fmt: skip
-            from flamia_serve.kernels.paged.cute_decode_sm90 import paged_decode_sm90
-
-            paged_decode_sm90(
-                q, cache, block_table, seq_lens, query_start_loc, out, part_o, part_ml,
-                fmt=fmt.dtype, num_decodes=num_decodes, num_splits=splits, part_tokens=rows,
-                page_size=layout.page_size, qk_scale=qk_scale, v_scale=v_scale,
-            )  # fmt: skip
-        else:
+        cute = cfg.kernel == "cute" and window is None and exp_mode == "exact" \
+            and layout.page_size % 16 == 0 and CUTE_DECODE_FAILURE is None  # fmt: skip
+        if not cute or not _cute_decode(
+            q, cache, block_table, seq_lens, query_start_loc, out, part_o, part_ml,
+            fmt=fmt.dtype, num_decodes=num_decodes, num_splits=splits, part_tokens=rows,
+            page_size=layout.page_size, qk_scale=qk_scale, v_scale=v_scale,
+        ):  # fmt: skip
             paged_attention_kernel[(num_decodes, heads_kv, splits)](
                 *args, out, out.stride(0), out.stride(1), part_o, part_ml, rows,
                 0, num_decodes, qk_scale, win, v_scale,
