@@ -5,7 +5,9 @@ Same venv and environment as ``compile_cute_sm90.py`` (its docstring has the rec
     FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD \\
         /tmp/cute312/bin/python benchmarks/compile_cute_decode_sm90.py [--keep DIR]
 
-Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there.
+Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there;
+``--ctas N`` compiles with ``min_blocks_per_mp=N`` (the register cap; its shared-memory
+query of the device is answered with the H200's 228 KiB, since there is no driver here).
 
 The decodes need ``nvidia-cutlass-dsl`` only, so they also compile in vLLM 0.26's pins
 (checked 2026-12-01: same registers and SASS length as with 4.8.1):
@@ -19,6 +21,8 @@ The decodes need ``nvidia-cutlass-dsl`` only, so they also compile in vLLM 0.26'
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -29,6 +33,14 @@ from flamia_serve.numerics.kv_pages import KVPageFormat
 
 
 def main() -> None:
+    ctas = 0
+    if "--ctas" in sys.argv:  # before keep_argument's parser sees it
+        at = sys.argv.index("--ctas")
+        ctas = int(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
+        import cutlass.cutlass_dsl.cutlass as cutlass_dsl
+
+        cutlass_dsl.cuda_helpers.get_device_attribute = lambda attribute: 228 * 1024
     keep = keep_argument(__doc__)
     with FakeTensorMode():
         torch.set_default_device("cuda")
@@ -50,16 +62,16 @@ def main() -> None:
                 (torch.empty(1024), 4),  # partial O
                 (torch.empty(1024), 4),  # partial (M, l)
             ]
-            args = (d, heads_kv, group, page, partial, depth)
+            args = (d, heads_kv, group, page, partial, depth, ctas)
             if dtype == "nvfp4":
                 kernel = NvFP4DecodeSm90(*args)
             else:
                 kernel = Fp8DecodeSm90(*args, static=dtype == "fp8_static")
-            name = f"decode_{dtype}_d{d}_g{group}_p{int(partial)}_depth{depth}.cubin"
+            name = f"decode_{dtype}_d{d}_g{group}_p{int(partial)}_depth{depth}_ctas{ctas}.cubin"
             compile_and_keep(kernel, tensors, Float32(0.1), Float32(1.0), Int32(1), Int32(1),
                              Int32(1), keep=keep, name=name)  # fmt: skip
-            print(f"cute {dtype} decode d={d} group={group} partial={partial} depth={depth}: "
-                  "compiled")
+            print(f"cute {dtype} decode d={d} group={group} partial={partial} depth={depth} "
+                  f"ctas={ctas}: compiled")
 
 if __name__ == "__main__":
     main()
