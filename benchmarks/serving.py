@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import triton
 
 from benchmarks.common import graph_time
 from flamia_serve.kernels.paged import (
-    default_configs,
     leading_decodes,
     paged_attention,
+    triton_decode_config,
     write_kv_cache,
 )
 from flamia_serve.kernels.paged.ops import cute_decode_runs
@@ -106,8 +105,7 @@ def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
         if not num_decodes or dtype not in BENCH_DTYPES or not cute_decode_runs(
                 fmt, HQ, HKV, batch.q.device):  # fmt: skip
             continue
-        triton_decode = default_configs(triton.next_power_of_2(HQ // HKV), HEAD_DIM,
-                                        fmt.dtype)[0]  # fmt: skip
+        triton_decode = triton_decode_config(fmt, HQ, HKV)
 
         def call_triton(fmt=fmt, cache=batch.caches[dtype], cfg=triton_decode) -> torch.Tensor:
             return paged_attention(

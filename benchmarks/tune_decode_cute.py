@@ -19,12 +19,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import triton
 
 from benchmarks.common import copy_bandwidth, graph_time, write_results
 from benchmarks.serving import HEAD_DIM, HKV, HQ, make_serving_batch
 from flamia_serve.kernels.paged import cute_decode_sm90 as cute_decode
-from flamia_serve.kernels.paged import default_configs, paged_attention
+from flamia_serve.kernels.paged import paged_attention, triton_decode_config
 from flamia_serve.kernels.paged.ops import decode_splits
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
@@ -37,8 +36,7 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
     dev = batch.q.device
     rows = []
     fmt = KVPageFormat(dtype, HEAD_DIM)
-    triton_decode = default_configs(triton.next_power_of_2(HQ // HKV), HEAD_DIM,
-                                    fmt.dtype)[0]  # fmt: skip
+    triton_decode = triton_decode_config(fmt, HQ, HKV)
     cache = batch.caches[dtype]
     kv_bytes = batch.kv_bytes(dtype)
     triton_splits = decode_splits(b, HKV, length, 128, dev, waves=8)

@@ -8,12 +8,10 @@ import math
 
 import pytest
 import torch
-import triton
 
 from flamia_serve.kernels import paged as kernels
 from flamia_serve.kernels._common import cute_dsl_available
-from flamia_serve.kernels.paged.ops import PagedConfig, cute_decode_runs, default_configs
-from flamia_serve.numerics.kv_pages import KVCacheFormat
+from flamia_serve.kernels.paged.ops import cute_decode_runs
 from flamia_serve.reference import paged as ref
 from tests.kernels.paged_cases import make_batch
 from tests.kernels.test_paged import _assert_close
@@ -39,11 +37,6 @@ def _cute_decode_really_runs():
 
 #: base-2 logit scale at d = 128
 QK_SCALE = 128**-0.5 * math.log2(math.e)
-
-
-def _triton_decode(group: int, d: int, dtype: str) -> PagedConfig:
-    """The Triton kernel's decode config for a cache format."""
-    return default_configs(triton.next_power_of_2(group), d, KVCacheFormat(dtype))[0]
 
 
 @pytest.mark.parametrize("dtype", ["nvfp4", "fp8"])
@@ -78,8 +71,7 @@ def test_cute_decode_matches_reference_and_triton(
     out = kernels.paged_attention(*args, num_splits=splits)
     expected = ref.paged_attention(*args, softmax_scale=head_dim**-0.5)
     _assert_close(out, expected, b.fmt)
-    group = heads_q // heads_kv
-    triton_cfg = _triton_decode(group, head_dim, dtype)
+    triton_cfg = kernels.triton_decode_config(b.fmt, heads_q, heads_kv)
     triton = kernels.paged_attention(*args, num_splits=splits, decode_config=triton_cfg)
     _assert_close(out, triton, b.fmt)
 

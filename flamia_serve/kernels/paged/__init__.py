@@ -15,6 +15,7 @@ from flamia_serve.kernels.paged.ops import (
     plan_paged_counts,
     run_paged_attention,
     run_write_kv_cache,
+    triton_decode_config,
     write_kv_cache,
 )
 
@@ -32,5 +33,6 @@ __all__ = [
     "plan_paged_counts",
     "run_paged_attention",
     "run_write_kv_cache",
+    "triton_decode_config",
     "write_kv_cache",
 ]

@@ -125,11 +125,17 @@ def cute_decode_runs(fmt: KVPageFormat, heads_q: int, heads_kv: int,
     )  # fmt: skip
 
 
+def triton_decode_config(fmt: KVPageFormat, heads_q: int, heads_kv: int) -> PagedConfig:
+    """The Triton kernel's measured decode config for this cache and GQA group (what runs
+    where the CuTe decodes do not, and what a caller passes to compare with them)."""
+    group_p2 = triton.next_power_of_2(heads_q // heads_kv)
+    return default_configs(group_p2, fmt.head_dim, fmt.dtype)[0]
+
+
 def _default_decode_config(fmt: KVPageFormat, heads_q: int, heads_kv: int,
                            device: torch.device) -> PagedConfig:  # fmt: skip
     """The measured decode config, on the CuTe kernel where :func:`cute_decode_runs`."""
-    group_p2 = triton.next_power_of_2(heads_q // heads_kv)
-    cfg = default_configs(group_p2, fmt.head_dim, fmt.dtype)[0]
+    cfg = triton_decode_config(fmt, heads_q, heads_kv)
     if cute_decode_runs(fmt, heads_q, heads_kv, device):
         cfg = replace(cfg, kernel="cute")
     return cfg
