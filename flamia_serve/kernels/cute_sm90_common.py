@@ -57,17 +57,25 @@ def pow2(e: Int32) -> Float32:
 
 
 @cute.jit
-def e4m3_exponent(amax: Float32) -> Int32:
-    """int32 ``ceil(log2(amax / 448))`` clamped to [-127, 127], -127 for zero (twin of
-    ``kernels._common.pow2_exponent_ceil`` with E4M3's 448 = 1.75·2^8)."""
+def pow2_exponent_ceil(
+    amax: Float32, fmax_exp: cutlass.Constexpr, fmax_mant: cutlass.Constexpr
+) -> Int32:
+    """int32 ``ceil(log2(amax / fmax))`` clamped to [-127, 127], -127 for zero, for
+    ``fmax = (1 + fmax_mant / 2^23)·2^fmax_exp`` (twin of ``kernels._common``'s)."""
     bits = amax.bitcast(Int32)
     ea = ((bits >> 23) & 0xFF) - 127
     ma = bits & 0x7FFFFF
-    e = ea - 8
-    e = e + 1 if ma > 0x600000 else e
+    e = ea - fmax_exp
+    e = e + 1 if ma > fmax_mant else e
     e = Int32(-127) if ea == -127 else e
     e = Int32(-127) if e < -127 else e
     return Int32(127) if e > 127 else e
+
+
+@cute.jit
+def e4m3_exponent(amax: Float32) -> Int32:
+    """:func:`pow2_exponent_ceil` for E4M3's 448 = 1.75·2^8."""
+    return pow2_exponent_ceil(amax, 8, 0x600000)
 
 
 @cute.jit

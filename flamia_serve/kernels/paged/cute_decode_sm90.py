@@ -45,9 +45,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flamia_serve.kernels.cute_sm90_common import (
     compile_kernel,
-    e4m3_exponent,
     kernel_tensors,
     pow2,
+    pow2_exponent_ceil,
 )
 from flamia_serve.numerics.formats import P_HAT_EXP
 from flamia_serve.numerics.kv_pages import KVCacheFormat
@@ -62,7 +62,7 @@ WARPS = 4
 TILE = 16
 ROWS = 16
 NO_MAX = -1073741824.0  # running-maximum sentinel (-2^30), as the Triton kernel's
-#: 2^15: the FP16 row maximum of Q (reference.Q_FP16_MAX)
+#: 2^15: the FP16 row maximum of Q for the NVFP4 cache (reference.Q_FP16_MAX)
 Q16_EXP = 15
 P_SCALE = float(2**P_HAT_EXP)
 
@@ -75,18 +75,41 @@ def _asm(result, args, text: str, constraints: str):
     )  # fmt: skip
 
 
+def _mlir(ty):
+    return T.i32() if ty is Int32 else T.f32()
+
+
 def _fields(res, ty, n: int, loc, ip) -> list:
-    mlir = T.i32() if ty is Int32 else T.f32()
-    return [ty(llvm.extractvalue(mlir, res, [i], loc=loc, ip=ip)) for i in range(n)]
+    return [ty(llvm.extractvalue(_mlir(ty), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+def _asm1(ty, args: list, text: str, constraints: str, loc, ip):
+    """One-result inline PTX over DSL scalars ``args`` (typed: Int32, Int64, Float32), its
+    result as ``ty`` (Int32 or Float32)."""
+    return ty(_asm(_mlir(ty), [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints))
+
+
+def _mma(shape_types: str, a: list, b: list, c: list, loc, ip) -> list[Float32]:
+    """``D = A·B + C`` of ``mma.sync.aligned.<shape_types>`` (A: four words, B: two, C/D:
+    four f32)."""
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (*a, *b)]
+    args += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
+    res = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4), args,
+        f"mma.sync.aligned.{shape_types} {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, {{$8, $9}}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+    )  # fmt: skip
+    return _fields(res, Float32, 4, loc, ip)
 
 
 @dsl_user_op
 def load_words(addr: Int64, n: int, *, loc=None, ip=None) -> list[Int32]:
     """``n`` (1, 2 or 4) 32-bit words at global byte address ``addr`` (aligned to ``4n``),
     through the read-only path."""
-    a = Int64(addr).ir_value(loc=loc, ip=ip)
     if n == 1:
-        return [Int32(_asm(T.i32(), [a], "ld.global.nc.u32 $0, [$1];", "=r,l"))]
+        return [_asm1(Int32, [Int64(addr)], "ld.global.nc.u32 $0, [$1];", "=r,l", loc, ip)]
+    a = Int64(addr).ir_value(loc=loc, ip=ip)
     regs = ", ".join(f"${i}" for i in range(n))
     res = _asm(
         llvm.StructType.get_literal([T.i32()] * n), [a],
@@ -101,24 +124,15 @@ def load_bytes(addr: Int64, n: int, *, loc=None, ip=None) -> Int32:
     if n == 4:
         return load_words(addr, 1, loc=loc, ip=ip)[0]
     ty = "u8" if n == 1 else "u16"
-    return Int32(_asm(
-        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
-        f"{{ .reg .b16 t; ld.global.nc.{ty} t, [$1]; cvt.u32.u16 $0, t; }}", "=r,l",
-    ))  # fmt: skip
+    return _asm1(Int32, [Int64(addr)],
+                 f"{{ .reg .b16 t; ld.global.nc.{ty} t, [$1]; cvt.u32.u16 $0, t; }}", "=r,l",
+                 loc, ip)  # fmt: skip
 
 
 @dsl_user_op
 def mma_f16(a: list, b: list, c: list, *, loc=None, ip=None) -> list[Float32]:
-    """``D = A·B + C`` of ``mma.sync m16n8k16`` (A: four f16x2, B: two f16x2, C/D: four f32)."""
-    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (*a, *b)]
-    args += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
-    res = _asm(
-        llvm.StructType.get_literal([T.f32()] * 4), args,
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, "
-        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-    )  # fmt: skip
-    return _fields(res, Float32, 4, loc, ip)
+    """``mma.sync m16n8k16`` on FP16 (A: four f16x2, B: two f16x2, C/D: four f32)."""
+    return _mma("m16n8k16.row.col.f32.f16.f16.f32", a, b, c, loc, ip)
 
 
 # an E2M1 nibble s e1 e0 m -> the E4M3 byte s 0 0 e1 e0 m 0 0 (value · 2^-6), four bytes at
@@ -173,82 +187,67 @@ def e2m1_word_pair(wa: Int32, wb: Int32, *, loc=None, ip=None) -> list[Int32]:
 def scale_pair(sa: Int32, sb: Int32, byte: int, *, loc=None, ip=None) -> Int32:
     """f16x2 of E4M3 byte ``byte`` of ``sa`` (low) and of ``sb`` (high), each · 2^6."""
     sel = byte | ((4 + byte) << 4)
-    return Int32(_asm(
-        T.i32(), [Int32(s).ir_value(loc=loc, ip=ip) for s in (sa, sb)],
+    return _asm1(
+        Int32, [Int32(sa), Int32(sb)],
         f"{{ .reg .b32 x, y, k; .reg .b16 p, q; prmt.b32 x, $1, $2, {sel}; mov.b32 {{p, q}}, x; "
         "cvt.rn.f16x2.e4m3x2 y, p; mov.b32 k, 0x54005400; mul.rn.f16x2 $0, y, k; }",
-        "=r,r,r",
-    ))  # fmt: skip
+        "=r,r,r", loc, ip,
+    )  # fmt: skip
 
 
 @dsl_user_op
 def f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
     """f16x2 of two float32 (round to nearest even), ``lo`` in the low half."""
-    return Int32(_asm(
-        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (hi, lo)],
-        "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f",
-    ))  # fmt: skip
+    return _asm1(Int32, [Float32(hi), Float32(lo)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f",
+                 loc, ip)  # fmt: skip
 
 
 @dsl_user_op
 def hmul2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
     """f16x2 product (exact here: the operands' significands fit FP16's together)."""
-    return Int32(_asm(
-        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b)],
-        "mul.rn.f16x2 $0, $1, $2;", "=r,r,r",
-    ))  # fmt: skip
+    return _asm1(Int32, [Int32(a), Int32(b)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", loc, ip)
 
 
 @dsl_user_op
 def p_hat_pair(p0: Float32, p1: Float32, *, loc=None, ip=None) -> Int32:
     """f16x2 of ``E4M3(p0)``, ``E4M3(p1)`` (RNE, saturating), ``p0`` low."""
-    return Int32(_asm(
-        T.i32(), [Float32(p).ir_value(loc=loc, ip=ip) for p in (p0, p1)],
+    return _asm1(
+        Int32, [Float32(p0), Float32(p1)],
         "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; cvt.rn.f16x2.e4m3x2 $0, t; }",
-        "=r,f,f",
-    ))  # fmt: skip
+        "=r,f,f", loc, ip,
+    )  # fmt: skip
 
 
 @dsl_user_op
 def f16_pair_sum(x: Int32, *, loc=None, ip=None) -> Float32:
     """float32 sum of an f16x2's two values."""
-    return Float32(_asm(
-        T.f32(), [Int32(x).ir_value(loc=loc, ip=ip)],
+    return _asm1(
+        Float32, [Int32(x)],
         "{ .reg .b16 a, b; .reg .f32 u, v; mov.b32 {a, b}, $1; cvt.f32.f16 u, a; "
-        "cvt.f32.f16 v, b; add.f32 $0, u, v; }", "=f,r",
-    ))  # fmt: skip
+        "cvt.f32.f16 v, b; add.f32 $0, u, v; }", "=f,r", loc, ip,
+    )  # fmt: skip
 
 
 @dsl_user_op
 def ceil_f32(x: Float32, *, loc=None, ip=None) -> Float32:
-    return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
-                        "cvt.rpi.f32.f32 $0, $1;", "=f,f"))  # fmt: skip
+    return _asm1(Float32, [Float32(x)], "cvt.rpi.f32.f32 $0, $1;", "=f,f", loc, ip)
 
 
 @dsl_user_op
 def mma_fp8(a: list, b: list, c: list, *, loc=None, ip=None) -> list[Float32]:
-    """``D = A·B + C`` of ``mma.sync m16n8k32`` on E4M3 (A: four words of four codes, B: two,
-    C/D: four f32)."""
-    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (*a, *b)]
-    args += [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
-    res = _asm(
-        llvm.StructType.get_literal([T.f32()] * 4), args,
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, "
-        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-    )  # fmt: skip
-    return _fields(res, Float32, 4, loc, ip)
+    """``mma.sync m16n8k32`` on E4M3 (A: four words of four codes, B: two, C/D: four f32)."""
+    return _mma("m16n8k32.row.col.f32.e4m3.e4m3.f32", a, b, c, loc, ip)
 
 
 @dsl_user_op
 def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
     """Four E4M3 codes (RNE, saturating) in one word, ``a`` in the low byte."""
-    return Int32(_asm(
-        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+    return _asm1(
+        Int32, [Float32(x) for x in (a, b, c, d)],
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
         "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-        "=r,f,f,f,f",
-    ))  # fmt: skip
+        "=r,f,f,f,f", loc, ip,
+    )  # fmt: skip
 
 
 @dsl_user_op
@@ -270,25 +269,13 @@ def p_hat_x4(p: list, *, loc=None, ip=None) -> tuple[Int32, list[Float32]]:
                   for i in range(1, 5)]  # fmt: skip
 
 
-@cute.jit
-def q16_exponent(amax: Float32) -> Int32:
-    """int32 ``ceil(log2(amax / 2^15))`` clamped to [-127, 127], -127 for zero (the Triton
-    kernel's ``pow2_exponent_ceil(amax, 15, 0)``)."""
-    bits = amax.bitcast(Int32)
-    ea = ((bits >> 23) & 0xFF) - 127
-    e = ea - Q16_EXP
-    e = e + 1 if (bits & 0x7FFFFF) > 0 else e
-    e = Int32(-127) if ea == -127 else e
-    e = Int32(-127) if e < -127 else e
-    return Int32(127) if e > 127 else e
-
-
 # ---------------------------------------------------------------- kernels
 class _PagedDecodeSm90:
     """What the NVFP4 and FP8 decodes share: the CTA's key range, Q's rows, the ring of
     loaded tiles, the online softmax, the merge of the warps and the store. A subclass gives
-    ``tile`` (keys per warp step), ``n_raw`` (loaded words per thread and tile),
-    ``q_operand``, ``load_tile``, ``attend`` and ``o_column``.
+    ``tile`` (keys per warp step), ``q_fmax`` (Q's format maximum as ``pow2_exponent_ceil``
+    takes it), ``n_raw`` (loaded words per thread and tile), ``q_words``, ``load_tile``,
+    ``attend`` and ``o_column``.
 
     Compiled once per (format, head dim, KV heads, GQA group, page size, partial output,
     prefetch depth, CTAs per SM, dtypes). ``depth``: key tiles each warp's loads run ahead;
@@ -407,7 +394,7 @@ class _PagedDecodeSm90:
                 q_vals.append(vals)
                 q_amax.append(amax)
             row_scale = cute.make_rmem_tensor(2, Float32)
-            qa = self.q_operand(q_vals, q_amax, qk_scale, row_scale)
+            qa = self.q_fragments(q_vals, q_amax, qk_scale, row_scale)
 
             acc = cute.make_rmem_tensor((self.q_tiles, d // 16, 4), Float32)  # Oᵀ
             acc.fill(0.0)
@@ -471,6 +458,23 @@ class _PagedDecodeSm90:
                 if idx < group * d:
                     self.store_value(sO, sM, sL, idx, q_start, kvh, split, part_tokens,
                                      out_scale, mOut, mPartO, mPartML)  # fmt: skip
+
+    @cute.jit
+    def q_fragments(self, q_vals, q_amax, qk_scale, row_scale) -> list:
+        """Q's A fragments, one (a0, a1, a2, a3) per k-chunk: each row (head) scaled by
+        ``2^-eq`` with ``eq = pow2_exponent_ceil(amax, *self.q_fmax)`` (``row_scale`` gets
+        ``qk_scale·2^eq``) and packed by ``q_words``; rows g + 8 are zero for groups ≤ 8."""
+        rows = []
+        for rh in cutlass.range_constexpr(len(q_vals)):
+            eq = pow2_exponent_ceil(q_amax[rh], *self.q_fmax)
+            row_scale[rh] = qk_scale * pow2(eq)
+            rows.append(self.q_words(q_vals[rh], pow2(0 - eq)))
+        zero = Int32(0)
+        qa = []
+        for c in cutlass.range_constexpr(len(rows[0])):
+            hi = rows[1][c] if const_expr(len(rows) > 1) else (zero, zero)
+            qa.append((rows[0][c][0], hi[0], rows[0][c][1], hi[1]))
+        return qa
 
     @cute.jit
     def page_entry(self, mBT, seq, tile, half: int, last_page):
@@ -546,6 +550,7 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
     """NVFP4 cache: 16-key tiles, FP16 ``mma.sync m16n8k16`` on codes widened in registers."""
 
     tile = TILE
+    q_fmax = (Q16_EXP, 0)  # Q's row maximum 2^15 in FP16 (reference.Q_FP16_MAX)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -565,30 +570,17 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
         return g * (self.d // 8) + 2 * i + half
 
     @cute.jit
-    def q_operand(self, q_vals, q_amax, qk_scale, row_scale) -> list:
-        """FP16 Q scaled by 2^-eq per row (``|q| ≤ 2^15``), as A fragments per 16-column chunk
-        in the K fragments' column order."""
-        d = self.d
-        rows = []
-        for rh in cutlass.range_constexpr(len(q_vals)):
-            vals = q_vals[rh]
-            eq = q16_exponent(q_amax[rh])
-            inv = pow2(0 - eq)
-            row_scale[rh] = qk_scale * pow2(eq)
-            pairs = []
-            for c in cutlass.range_constexpr(d // 16):
-                e0 = 8 * (c // 2) + 4 * (c % 2)
-                pairs.append((
-                    f16x2(vals[e0] * inv, vals[e0 + 2] * inv),
-                    f16x2(vals[e0 + 1] * inv, vals[e0 + 3] * inv),
-                ))  # fmt: skip
-            rows.append(pairs)
-        zero = Int32(0)
-        qa = []
-        for c in cutlass.range_constexpr(d // 16):
-            hi = rows[1][c] if const_expr(len(rows) > 1) else (zero, zero)
-            qa.append((rows[0][c][0], hi[0], rows[0][c][1], hi[1]))
-        return qa
+    def q_words(self, vals, inv) -> list:
+        """One row of Q in FP16 (``vals·inv``, ``|q| ≤ 2^15``): per 16-column chunk the
+        (low-k, high-k) f16x2 pair, in the K fragments' column order."""
+        pairs = []
+        for c in cutlass.range_constexpr(self.d // 16):
+            e0 = 8 * (c // 2) + 4 * (c % 2)
+            pairs.append((
+                f16x2(vals[e0] * inv, vals[e0 + 2] * inv),
+                f16x2(vals[e0 + 1] * inv, vals[e0 + 3] * inv),
+            ))  # fmt: skip
+        return pairs
 
     @cute.jit
     def load_tile(self, raw, slot: int, base: Int64, tile, blks, kvh, g, t):
@@ -697,6 +689,7 @@ class Fp8DecodeSm90(_PagedDecodeSm90):
     (Q̂'s A fragments in the same order)."""
 
     tile = 2 * TILE
+    q_fmax = (8, 0x600000)  # Q in E4M3: 448 = 1.75·2^8
 
     def __init__(self, *args, static: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -713,28 +706,18 @@ class Fp8DecodeSm90(_PagedDecodeSm90):
         return 16 * i + 8 * half + g
 
     @cute.jit
-    def q_operand(self, q_vals, q_amax, qk_scale, row_scale) -> list:
-        """E4M3 Q with one exponent per row (head), as A fragments per 32-column chunk."""
-        d = self.d
-        rows = []
-        for rh in cutlass.range_constexpr(len(q_vals)):
-            vals = q_vals[rh]
-            e = e4m3_exponent(q_amax[rh])
-            inv = pow2(0 - e)
-            row_scale[rh] = qk_scale * pow2(e)
-            words = []
-            for c in cutlass.range_constexpr(d // 32):
-                for h in cutlass.range_constexpr(2):
-                    e0 = 8 * c + 4 * h
-                    words.append(e4m3x4(vals[e0] * inv, vals[e0 + 1] * inv, vals[e0 + 2] * inv,
-                                        vals[e0 + 3] * inv))  # fmt: skip
-            rows.append(words)
-        zero = Int32(0)
-        qa = []
-        for c in cutlass.range_constexpr(d // 32):
-            hi = (rows[1][2 * c], rows[1][2 * c + 1]) if const_expr(len(rows) > 1) else (zero, zero)
-            qa.append((rows[0][2 * c], hi[0], rows[0][2 * c + 1], hi[1]))
-        return qa
+    def q_words(self, vals, inv) -> list:
+        """One row of Q in E4M3 (``vals·inv``): per 32-column chunk the (low-k, high-k) pair
+        of four-code words."""
+        pairs = []
+        for c in cutlass.range_constexpr(self.d // 32):
+            e0 = 8 * c
+            pairs.append((
+                e4m3x4(vals[e0] * inv, vals[e0 + 1] * inv, vals[e0 + 2] * inv, vals[e0 + 3] * inv),
+                e4m3x4(vals[e0 + 4] * inv, vals[e0 + 5] * inv, vals[e0 + 6] * inv,
+                       vals[e0 + 7] * inv),
+            ))  # fmt: skip
+        return pairs
 
     @cute.jit
     def load_tile(self, raw, slot: int, base: Int64, tile, blks, kvh, g, t):
