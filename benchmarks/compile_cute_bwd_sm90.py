@@ -15,7 +15,7 @@ import torch
 from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from benchmarks.compile_cute_sm90 import compile_and_keep, keep_argument
+from benchmarks.compile_cute_sm90 import compile_and_keep, compile_parser
 from flamia_serve.kernels.attn_bwd.cute_sm90 import FlamiaBwdSm90
 
 
@@ -53,7 +53,7 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
 
 
 def main() -> None:
-    keep = keep_argument(__doc__)
+    keep = compile_parser(__doc__).parse_args().keep
     with FakeTensorMode():
         torch.set_default_device("cuda")
         # the defaults (overlap off) at d = 128 / 64, causal or not, and d = 128 with overlap

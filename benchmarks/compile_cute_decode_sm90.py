@@ -21,27 +21,24 @@ The decodes need ``nvidia-cutlass-dsl`` only, so they also compile in vLLM 0.26'
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from benchmarks.compile_cute_sm90 import compile_and_keep, keep_argument
+from benchmarks.compile_cute_sm90 import compile_and_keep, compile_parser
 from flamia_serve.kernels.paged.cute_decode_sm90 import Fp8DecodeSm90, NvFP4DecodeSm90
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
 
 def main() -> None:
-    ctas = 0
-    if "--ctas" in sys.argv:  # before keep_argument's parser sees it
-        at = sys.argv.index("--ctas")
-        ctas = int(sys.argv[at + 1])
-        del sys.argv[at : at + 2]
+    parser = compile_parser(__doc__)
+    parser.add_argument("--ctas", type=int, default=0, help="min_blocks_per_mp (0: none)")
+    args = parser.parse_args()
+    keep, ctas = args.keep, args.ctas
+    if ctas > 1:  # the launch asks the device for its shared memory: the H200's
         import cutlass.cutlass_dsl.cutlass as cutlass_dsl
 
         cutlass_dsl.cuda_helpers.get_device_attribute = lambda attribute: 228 * 1024
-    keep = keep_argument(__doc__)
     with FakeTensorMode():
         torch.set_default_device("cuda")
         for dtype, d, group, partial, depth in (
@@ -72,6 +69,7 @@ def main() -> None:
                              Int32(1), keep=keep, name=name)  # fmt: skip
             print(f"cute {dtype} decode d={d} group={group} partial={partial} depth={depth} "
                   f"ctas={ctas}: compiled")
+
 
 if __name__ == "__main__":
     main()

@@ -62,17 +62,18 @@ def compile_and_keep(kernel, fake_args: list, *scalars, keep: Path | None, name:
     return compiled
 
 
-def keep_argument(doc: str) -> Path | None:
-    """The compile scripts' one option, ``--keep DIR`` (``doc``: the script's docstring)."""
+def compile_parser(doc: str) -> argparse.ArgumentParser:
+    """The compile scripts' command line (``doc``: the script's docstring): ``--keep DIR``;
+    a script adds its own options before parsing."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--keep", type=Path, default=None, help="keep each cubin in DIR")
-    return parser.parse_args().keep
+    return parser
 
 
 def main() -> None:
     from flamia_serve.kernels.attn_fwd.cute_sm90 import FlamiaFwdSm90  # needs flash-attn-4
 
-    keep = keep_argument(__doc__)
+    keep = compile_parser(__doc__).parse_args().keep
     with FakeTensorMode():
         torch.set_default_device("cuda")
         for d, causal, tile_n, overlap in (
