@@ -281,9 +281,6 @@ class _PagedDecodeSm90:
     prefetch depth, CTAs per SM, dtypes). ``depth``: key tiles each warp's loads run ahead;
     ``ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM."""
 
-    tile = TILE
-    n_raw = 0
-
     def __init__(self, head_dim: int, heads_kv: int, group: int, page_size: int,
                  partial: bool, depth: int = DEPTH, ctas_per_sm: int = CTAS_PER_SM,
                  ) -> None:  # fmt: skip
