@@ -14,7 +14,7 @@ from flamia_serve.kernels._common import cute_dsl_available
 from flamia_serve.kernels.paged.ops import cute_decode_runs
 from flamia_serve.reference import paged as ref
 from tests.kernels.paged_cases import make_batch
-from tests.kernels.test_paged import _assert_close
+from tests.kernels.test_paged import _assert_close, poisoned_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,14 +99,7 @@ def test_cute_decode_never_reads_unwritten_slots(dtype: str) -> None:
     cached = [37, 15, 64, 1000, 0, 47]
     b = make_batch([1] * len(cached), cached, heads_q=32, heads_kv=8, head_dim=128,
                    dtype=dtype, device="cuda", seed=3)  # fmt: skip
-    clean = b.cache.clone()
-    ref.write_kv_cache(clean, b.key, b.value, b.slot_mapping, b.fmt)
-    poisoned = b.cache.clone().fill_(0xFF)
-    ref.write_kv_cache(poisoned, b.key, b.value, b.slot_mapping, b.fmt)
-    table = b.block_table.clone()
-    spare = int(table.max()) + 1
-    for s, length in enumerate(b.seq_lens.tolist()):
-        table[s, -(-length // 16) :] = spare
+    clean, poisoned, table, _ = poisoned_cache(b)
     for splits in (1, 4):
         outs = [kernels.paged_attention(b.q, c, b.fmt, table, b.seq_lens, b.query_start_loc,
                                         num_splits=splits) for c in (clean, poisoned)]  # fmt: skip

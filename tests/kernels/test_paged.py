@@ -250,6 +250,21 @@ def test_edge_batches(device: str) -> None:
     assert empty.shape == (0, *b.q.shape[1:])
 
 
+def poisoned_cache(b: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``b``'s tokens written over a zeroed cache and over one full of 0xFF bytes (NaN in
+    every format), and ``b``'s block table with every column past a sequence's pages
+    pointing at a never-written spare block: (clean, poisoned, table, spare)."""
+    clean = _written(b)
+    poisoned = b.cache.clone().fill_(0xFF)
+    ref.write_kv_cache(poisoned, b.key, b.value, b.slot_mapping, b.fmt)
+    table = b.block_table.clone()
+    spare = int(table.max()) + 1  # a never-written block (``make_batch`` keeps spares)
+    page = b.fmt.page_size_of(b.cache)
+    for s, length in enumerate(b.seq_lens.tolist()):
+        table[s, -(-length // page) :] = spare
+    return clean, poisoned, table, spare
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8", "fp8_static", "nvfp4"])
 def test_unwritten_slots_and_stale_pages_are_never_read(dtype: str, device: str) -> None:
     """Slots past a sequence's length, pages before its window and spare pages hold NaN
@@ -257,13 +272,7 @@ def test_unwritten_slots_and_stale_pages_are_never_read(dtype: str, device: str)
     bit, with and without a window and split-K (the unmasked tiles stop where written
     slots end)."""
     b = make_batch([1, 1, 5, 1], [37, 15, 27, 64], dtype=dtype, device=device)
-    clean = _written(b)
-    poisoned = b.cache.clone().fill_(0xFF)  # NaN in every format
-    ref.write_kv_cache(poisoned, b.key, b.value, b.slot_mapping, b.fmt)
-    table = b.block_table.clone()
-    spare = int(table.max()) + 1  # a never-written block (``make_batch`` keeps spares)
-    for s, length in enumerate(b.seq_lens.tolist()):
-        table[s, -(-length // 16) :] = spare
+    clean, poisoned, table, spare = poisoned_cache(b)
     args = (b.q, b.fmt, table, b.seq_lens, b.query_start_loc)
     for window, splits in ((None, 1), (None, 4), (20, 2)):
         outs = [kernels.paged_attention(args[0], c, *args[1:], window=window,
