@@ -38,7 +38,8 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
         (torch.empty(heads_kv, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # v_t
         (torch.empty(heads_q, total, dtype=torch.int16).t(), 4),  # Q exponents (Hq, T)
         (torch.empty(heads_kv, 3, t_pad), 16),  # K/V factors
-        (torch.empty(3, dtype=i32), 4),  # cu_seqlens
+        (torch.empty(3, dtype=i32), 4),  # cu_seqlens (queries)
+        (torch.empty(3, dtype=i32), 4),  # cu_seqlens_k (keys, extend only)
         (torch.empty(2, dtype=i32), 4),  # document column starts
         (torch.empty(64, dtype=i32), 4),  # work list: documents
         (torch.empty(64, dtype=i32), 4),  # work list: tiles
@@ -76,16 +77,23 @@ def main() -> None:
     keep = compile_parser(__doc__).parse_args().keep
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        for d, causal, tile_n, overlap in (
-            (128, True, 128, False), (128, True, 128, True), (64, True, 128, False),
-            (128, False, 128, False), (256, True, 64, False), (256, True, 128, False),
+        # the last: the FP8-cache prefill's (per-key K exponents, queries after cached keys)
+        for d, causal, tile_n, overlap, k_exp_block, extend in (
+            (128, True, 128, False, 32, False), (128, True, 128, True, 32, False),
+            (64, True, 128, False, 32, False), (128, False, 128, False, 32, False),
+            (256, True, 64, False, 32, False), (256, True, 128, False, 32, False),
+            (128, True, 128, False, 1, True),
         ):  # fmt: skip
-            kernel = FlamiaFwdSm90(d, 8, 2, causal, 32, 128, tile_n, 2, overlap, True)
-            name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}.cubin"
+            kernel = FlamiaFwdSm90(
+                d, 8, 2, causal, k_exp_block, 128, tile_n, 2, overlap, True, extend
+            )
+            name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}"
+            name += "_extend.cubin" if extend else ".cubin"
             compile_and_keep(
                 kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1), keep=keep, name=name
             )
-            print(f"cute forward d={d} causal={causal} 128x{tile_n} overlap={overlap}: compiled")
+            print(f"cute forward d={d} causal={causal} 128x{tile_n} overlap={overlap} "
+                  f"extend={extend}: compiled")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def p_code_agreement(batch: ServingBatch) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--impls", default="", help="substring filter on impl names")
+    ap.add_argument("--impls", default="", help="comma-separated substrings of impl names")
     ap.add_argument("--quick", action="store_true", help="50 ms of timing per call")
     ap.add_argument("--name", default="decode")
     args = ap.parse_args(argv)

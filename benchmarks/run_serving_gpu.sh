@@ -8,6 +8,8 @@
 # cutlass-dsl in /tmp/site_fa4 (its two parts, two calls; FlashInfer's tvm-ffi differs, so
 # FlashInfer runs in a process of its own):
 #   bash benchmarks/run_serving_gpu.sh cute-tests,cute-tune,cute-decode   # ~8 min
+# The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
+#   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
 set -uo pipefail
 export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 steps=",${1:-tests,tune},"
@@ -30,6 +32,32 @@ if [[ $steps == *,cute-tests,* ]]; then
 fi
 if [[ $steps == *,cute-tune,* ]]; then
   PYTHONPATH=$CUTE_SITE run tune_decode_cute 240 python benchmarks/tune_decode_cute.py --quick
+fi
+if [[ $steps == *,cute-nvfp4-ctas,* ]]; then  # NVFP4 decode register cap: 2 vs 3 CTAs per SM
+  PYTHONPATH=$CUTE_SITE run tune_decode_cute_nvfp4_ctas 200 python \
+    benchmarks/tune_decode_cute.py --quick --formats nvfp4 --depths 1 --ctas 0,3 \
+    --name tune_decode_cute_nvfp4_ctas
+fi
+if [[ $steps == *,flashinfer-warm,* ]]; then  # FlashInfer's prefill JIT, in the background
+  FLAMIA_RESULTS_DIR=/tmp python benchmarks/prefill.py --workloads S5-8x1024+0 \
+    --impls flashinfer --quick --name flashinfer_warm > /tmp/flashinfer_warm.log 2>&1 &
+  warm_pid=$!
+fi
+# the fp8 cache's prefill on the training forward's CuTe kernel (the fa4 bundle's packages)
+if [[ $steps == *,cute-prefill-tests,* ]]; then
+  PYTHONPATH=$CUTE_SITE run pytest_gpu_cute_prefill 300 python -m pytest -q -m gpu \
+    tests/kernels/test_gpu_cute_prefill.py
+fi
+if [[ $steps == *,cute-train-tests,* ]]; then
+  PYTHONPATH=$CUTE_SITE run pytest_gpu_cute_train 330 python -m pytest -q -m gpu \
+    tests/kernels/test_gpu_cute.py tests/kernels/test_gpu_cute_bwd.py
+fi
+if [[ $steps == *,cute-prefill,* ]]; then
+  [ -n "${warm_pid:-}" ] && { wait "$warm_pid"; tail -n 5 /tmp/flashinfer_warm.log; }
+  PYTHONPATH=$CUTE_SITE run prefill 300 python benchmarks/prefill.py --quick \
+    --impls flamia-fp8,flamia-bf16-exact,flamia-nvfp4-exact
+  run prefill_flashinfer 300 python benchmarks/prefill.py --quick --impls flashinfer \
+    --name prefill_flashinfer
 fi
 if [[ $steps == *,cute-decode,* ]]; then  # four workloads; FlashInfer's JIT takes ~2 min
   W=B16-L8192,B64-L8192,B16-L32768,B64-L32768

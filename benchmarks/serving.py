@@ -18,7 +18,7 @@ from flamia_serve.kernels.paged import (
     triton_decode_config,
     write_kv_cache,
 )
-from flamia_serve.kernels.paged.ops import cute_decode_runs
+from flamia_serve.kernels.paged.ops import cute_decode_runs, cute_prefill_runs
 from flamia_serve.numerics.exp2 import EXP_MODES
 from flamia_serve.numerics.kv_pages import KVPageFormat, region_view
 
@@ -86,8 +86,11 @@ def make_serving_batch(q_lens: list[int], seq_lens: list[int], device: torch.dev
 
 def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
                  ) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:  # fmt: skip
-    """``flamia-<cache>-<exp mode>`` -> (cache dtype, call) with no host synchronisation."""
+    """``flamia-<cache>-<exp mode>`` -> (cache dtype, call) with no host synchronisation, and
+    the Triton kernels beside the CuTe ones where those are the default
+    (``flamia-<cache>-triton-decode`` / ``-triton-prefill``)."""
     num_decodes = leading_decodes(batch.query_start_loc)
+    prefill_keys = sum(batch.seq_lens_list[num_decodes:])
     impls = {}
     for dtype in BENCH_DTYPES:
         fmt = KVPageFormat(dtype, HEAD_DIM)
@@ -96,7 +99,8 @@ def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
                 return paged_attention(
                     batch.q, cache, fmt, batch.block_table, batch.seq_lens,
                     batch.query_start_loc, exp_mode=mode, num_decodes=num_decodes,
-                    max_seq_len=max(batch.seq_lens_list), validate=False,
+                    max_seq_len=max(batch.seq_lens_list), prefill_keys=prefill_keys,
+                    validate=False,
                 )  # fmt: skip
 
             impls[f"flamia-{dtype}-{mode}"] = (dtype, call)
@@ -115,6 +119,17 @@ def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
             )  # fmt: skip
 
         impls[f"flamia-{dtype}-triton-decode"] = (dtype, call_triton)
+    fmt = KVPageFormat("fp8", HEAD_DIM)
+    if prefill_keys and "fp8" in BENCH_DTYPES and cute_prefill_runs(fmt, batch.q.device):
+
+        def call_triton_prefill(cache=batch.caches["fp8"]) -> torch.Tensor:
+            return paged_attention(
+                batch.q, cache, fmt, batch.block_table, batch.seq_lens,
+                batch.query_start_loc, num_decodes=num_decodes,
+                max_seq_len=max(batch.seq_lens_list), validate=False,
+            )  # no prefill_keys: the Triton prefill  # fmt: skip
+
+        impls["flamia-fp8-triton-prefill"] = ("fp8", call_triton_prefill)
     return impls
 
 
@@ -158,14 +173,15 @@ def import_flashinfer() -> Any:
 def measure(workload: str, pass_name: str, batch: ServingBatch,
             impls: dict[str, tuple[str, Callable[[], torch.Tensor]]], *, impl_filter: str = "",
             quick: bool = False) -> list[dict]:  # fmt: skip
-    """Time every impl (``impl_filter``: substring) on ``batch`` and compare its output with
+    """Time every impl (``impl_filter``: comma-separated substrings, one must match) on
+    ``batch`` and compare its output with
     FP32 attention (``cos_vs_exact``) and, for flamia impls, with the same cache's exact-exp
     output (``cos_vs_exact_exp``). One row per impl; the caller adds its rates."""
     exact = exact_attention(batch)
     exact_exp: dict[str, torch.Tensor] = {}
     rows = []
     for impl, (fmt, call) in impls.items():
-        if impl_filter and impl_filter not in impl:
+        if impl_filter and not any(f in impl for f in impl_filter.split(",")):
             continue
         out = call()
         if impl.endswith("-exact"):

@@ -227,9 +227,13 @@ class FlamiaMetadataBuilder(AttentionMetadataBuilder[FlamiaMetadata]):
     ) -> FlamiaMetadata:
         cm = common_attn_metadata
         max_seq_len = self.max_model_len if self._capturing else cm.max_seq_len
+        # host key counts (exact for prefill rows) size the CuTe prefill's operands; graph
+        # captures keep the Triton prefill
+        seq_lens_host = None if self._capturing else getattr(cm, "seq_lens_cpu_upper_bound",
+                                                             None)  # fmt: skip
         plan = plan_paged(self.fmt, self.heads_q, self.heads_kv, cm.query_start_loc_cpu,
-                          max_seq_len, num_tokens=cm.num_actual_tokens,
-                          device=self.device)  # fmt: skip
+                          max_seq_len, num_tokens=cm.num_actual_tokens, device=self.device,
+                          seq_lens_host=seq_lens_host)  # fmt: skip
         return FlamiaMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,

@@ -89,13 +89,25 @@ class WorkList:
 
 
 def build_work_list(
-    cu_seqlens: torch.Tensor, total_tokens: int, *, block_m: int, block_n: int, causal: bool
+    cu_seqlens: torch.Tensor,
+    total_tokens: int,
+    *,
+    block_m: int,
+    block_n: int,
+    causal: bool,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> WorkList:
-    """Work list of query tiles, sorted by the number of key tiles each one visits."""
+    """Work list of query tiles, sorted by the number of key tiles each one visits.
+    ``cu_seqlens_k`` (extend): each document's keys, its queries being the last of them."""
     doc, tile, valid = _tiles_of_documents(cu_seqlens, total_tokens, block_m)
     cu = cu_seqlens.long()
     length = cu[doc + 1] - cu[doc]
-    key_end = torch.minimum((tile + 1) * block_m, length) if causal else length
+    offset = torch.zeros_like(length)
+    if cu_seqlens_k is not None:
+        cu_k = cu_seqlens_k.long()
+        offset = cu_k[doc + 1] - cu_k[doc] - length
+    key_end = torch.minimum(offset + (tile + 1) * block_m, offset + length) if causal \
+        else offset + length  # fmt: skip
     cost = torch.where(valid, (key_end + block_n - 1) // block_n, -1)
     order = torch.argsort(cost, descending=True, stable=True)
     count = valid.sum().to(torch.int32).reshape(1)

@@ -461,7 +461,7 @@ def test_cute_decode_plan_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None
     stand_in.paged_decode_sm90 = failing  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flamia_serve.kernels.paged.cute_decode_sm90", stand_in)
     monkeypatch.setattr(ops, "cute_dsl_available", lambda device: True)
-    monkeypatch.setattr(ops, "CUTE_DECODE_FAILURE", None)
+    monkeypatch.setattr(ops, "CUTE_FAILURES", {})
     dev = torch.device("cpu")
     qsl64 = torch.arange(65, dtype=torch.int32)
     for dtype, splits in (("nvfp4", 1), ("fp8", 1), ("fp8_static", 1), ("bf16", 1)):
@@ -497,4 +497,90 @@ def test_cute_decode_plan_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None
             out = kernels.paged_attention(*args)  # no second attempt, no second warning
         _assert_close(out, ref.paged_attention(*args, softmax_scale=64**-0.5, **kw), b.fmt)
     assert calls == [KVCacheFormat.NVFP4]
-    assert ops.CUTE_DECODE_FAILURE == "RuntimeError: stand-in: no CuTe here"
+    assert ops.CUTE_FAILURES == {"decode": "RuntimeError: stand-in: no CuTe here"}
+
+
+@pytest.mark.parametrize(("page_size", "align"), [(16, 128), (32, 16)])
+def test_prefill_operands_layout(page_size: int, align: int) -> None:
+    """The FP8-cache prefill's operands for the training forward (bit-exact on the CPU
+    interpreter): cache codes copied per key (K token-major, V̂ᵀ in the column layout's
+    permuted columns), factors 2^eK, eV, 2^-eV from the cache's exponents, zeros over each
+    sequence's padding up to ``align``, Q per token as the reference quantizes it; the
+    decodes before the prefills are left out."""
+    from flamia_serve.kernels.paged.ops import prefill_operands
+    from flamia_serve.numerics import Granularity, quantize_fp8
+    from flamia_serve.numerics.kv_pages import region_view
+    from flamia_serve.numerics.operands import v_t_position
+
+    b = make_batch([1, 1, 9, 1, 40], [30, 7, 21, 0, 100], dtype="fp8", page_size=page_size,
+                   seed=page_size)  # fmt: skip
+    cache = _written(b)
+    plan = kernels.plan_paged(b.fmt, 4, 2, b.query_start_loc, int(b.seq_lens.max()),
+                              device="cpu", seq_lens_host=b.seq_lens)  # fmt: skip
+    assert (plan.num_decodes, plan.num_decode_tokens, plan.prefill_keys) == (2, 2, 30 + 1 + 140)
+    ops = prefill_operands(b.q, cache, b.block_table, b.seq_lens, b.query_start_loc, plan, align)
+    qkv = ops.qkv
+    assert ops.cu_q.tolist() == [0, 9, 10, 50] and ops.cu_k.tolist() == [0, 30, 31, 171]
+    pads = [-(-n // align) * align for n in (30, 1, 140)]
+    assert qkv.doc_v_t_start.tolist() == [0, pads[0], pads[0] + pads[1]]
+    codes, _ = region_view(cache, b.fmt)
+    for s, length in zip(range(2, 5), (30, 1, 140), strict=True):
+        pos = torch.arange(length)
+        blk, off = b.block_table[s].long()[pos // page_size], pos % page_size
+        k0 = int(ops.cu_k[s - 2])
+        assert torch.equal(qkv.k_codes[k0 : k0 + length].view(torch.uint8), codes[0][blk, :, off])
+        start = int(qkv.doc_v_t_start[s - 2])
+        cols = start + v_t_position(pos)
+        v_t = qkv.v_t.view(torch.uint8)
+        assert torch.equal(v_t[:, :, cols], codes[1][blk, :, off].permute(1, 2, 0))
+        k, v = ref.gather_kv(cache, b.fmt, b.block_table[s], length)
+        factors = qkv.kv_factors[:, :, cols]  # [Hkv, 3, L]
+        assert torch.equal(factors[:, 0], torch.exp2(k.exponents.t().double()).float())
+        assert torch.equal(factors[:, 1], v.exponents.t().float())
+        assert torch.equal(factors[:, 2], torch.exp2(-v.exponents.t().double()).float())
+        pad = torch.arange(start + length, start + pads[s - 2])
+        pad = pad[v_t_position(pad - start) >= length]  # padding columns (permuted groups)
+        assert not v_t[:, :, pad].any() and not qkv.kv_factors[:, :, pad].any()
+    q8 = quantize_fp8(b.q[2:].float(), None, Granularity.TOKEN)
+    assert torch.equal(qkv.q_codes.view(torch.uint8), q8.codes.view(torch.uint8))
+    assert torch.equal(qkv.q_exp.long(), q8.exponents.long())
+
+
+def test_cute_prefill_plan_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fp8 cache's prefills go to the training forward's CuTe kernel where it runs (and
+    the host knows the prefill key count); its launch gets the operands of the prefill rows
+    only; an import or compile error warns once and the Triton prefill answers."""
+    from flamia_serve.kernels.paged import ops
+
+    calls: list[dict] = []
+
+    def failing(qkv, cu_seqlens, work, out, *args: object, **kwargs: object) -> None:
+        calls.append({"rows": out.shape[0], "cu_q": cu_seqlens.tolist(),
+                      "cu_k": kwargs["cu_seqlens_k"].tolist(), "causal": kwargs["causal"]})
+        raise RuntimeError("stand-in: no CuTe here")  # fmt: skip
+
+    stand_in = types.ModuleType("cute_sm90")
+    stand_in.attn_fwd_sm90 = failing  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flamia_serve.kernels.attn_fwd.cute_sm90", stand_in)
+    monkeypatch.setattr(ops, "cute_available", lambda device: True)
+    monkeypatch.setattr(ops, "cute_dsl_available", lambda device: False)  # Triton decodes
+    monkeypatch.setattr(ops, "CUTE_FAILURES", {})
+    for dtype, kernel in (("fp8", "cute"), ("fp8_static", "triton"), ("nvfp4", "triton")):
+        plan = kernels.plan_paged(KVPageFormat(dtype, 64), 4, 2, torch.tensor([0, 1, 9]), 50,
+                                  device="cpu")  # fmt: skip
+        assert plan.prefill.kernel == kernel, dtype
+    b = make_batch([1, 9, 40], [30, 21, 100], dtype="fp8")
+    cache = _written(b)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    expected = ref.paged_attention(*args, softmax_scale=0.125)
+    # no host key count (the graph-safe path): Triton, no attempt
+    out = kernels.paged_attention(*args, validate=False, num_decodes=1, max_seq_len=140)
+    _assert_close(out, expected, b.fmt)
+    assert not calls
+    with pytest.warns(RuntimeWarning, match="CuTe prefill failed.*stand-in"):
+        out = kernels.paged_attention(*args)
+    _assert_close(out, expected, b.fmt)
+    out = kernels.paged_attention(*args)  # no second attempt, no second warning
+    _assert_close(out, expected, b.fmt)
+    assert calls == [{"rows": 49, "cu_q": [0, 9, 49], "cu_k": [0, 30, 170], "causal": True}]
+    assert ops.CUTE_FAILURES == {"prefill": "RuntimeError: stand-in: no CuTe here"}

@@ -74,6 +74,7 @@ class FlamiaFwdSm90:
         num_stages: int,
         overlap: bool,
         ticket: bool,
+        extend: bool = False,
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
@@ -93,6 +94,7 @@ class FlamiaFwdSm90:
         self.num_stages = num_stages
         self.overlap = overlap
         self.ticket = ticket
+        self.extend = extend
         self.num_wg = self.tile_m // 64
         assert self.num_wg in (1, 2, 3)
         self.num_threads = 128 * (self.num_wg + 1)
@@ -107,7 +109,8 @@ class FlamiaFwdSm90:
         mVt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, keys contiguous
         mQexp: cute.Tensor,  # (Hq, T) int16
         mFactors: cute.Tensor,  # (Hkv, 3, t_pad) f32: 2^eK, eV, 2^-eV in v_t's columns
-        mCu: cute.Tensor,  # (B+1,) int32
+        mCu: cute.Tensor,  # (B+1,) int32: queries (and keys unless ``extend``)
+        mCuK: cute.Tensor,  # (B+1,) int32: keys with ``extend`` (else not read)
         mVtStart: cute.Tensor,  # (B,) int32
         mItemDoc: cute.Tensor,  # (N,) int32
         mItemTile: cute.Tensor,  # (N,) int32
@@ -172,7 +175,8 @@ class FlamiaFwdSm90:
             sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
 
         self.kernel(
-            tma_q, tma_k, tma_v, tma_f, atom_q, atom_k, atom_v, atom_f, mQexp, mCu, mVtStart,
+            tma_q, tma_k, tma_v, tma_f, atom_q, atom_k, atom_v, atom_f, mQexp, mCu, mCuK,
+            mVtStart,
             mItemDoc, mItemTile, mCount, mTicket, mO, mM, mLSE, qk_scale, sQ_layout, sK_layout,
             sV_layout, sF_layout, tiled_mma_qk, tiled_mma_pv, Storage,
         ).launch(
@@ -194,6 +198,7 @@ class FlamiaFwdSm90:
         atom_f: cute.CopyAtom,
         mQexp: cute.Tensor,
         mCu: cute.Tensor,
+        mCuK: cute.Tensor,
         mVtStart: cute.Tensor,
         mItemDoc: cute.Tensor,
         mItemTile: cute.Tensor,
@@ -249,7 +254,7 @@ class FlamiaFwdSm90:
         # work items w = item * Hq + head (items longest first): CTA b takes item b first,
         # then grid + (ticket drawn); sWork carries them from the producer warp
         sched = SimpleNamespace(
-            doc=mItemDoc, tile=mItemTile, cu=mCu, vt_start=mVtStart, ticket=mTicket,
+            doc=mItemDoc, tile=mItemTile, cu=mCu, cu_k=mCuK, vt_start=mVtStart, ticket=mTicket,
             n_work=mCount[0] * self.heads_q, n_ctas=cute.arch.grid_dim()[0], pipe=pipe_work,
             slots=storage.sWork.get_tensor(cute.make_layout(_WORK_STAGES)),
         )  # fmt: skip
@@ -270,20 +275,30 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def work_item(self, sched, work):
-        """(document start, length, first v_t column, query tile, head, K/V head, key tiles)
-        of work item ``work``."""
+        """Work item ``work``: its document's first query row (``q_start``) and key
+        (``k_start``), key count (``seqlen``), first v_t column, query tile, head, K/V head
+        and key tiles. Query ``i`` of a document sits at key position ``q_offset + i``:
+        ``q_offset`` = keys − queries with ``extend`` (new tokens after cached ones), else 0;
+        ``q_base`` = ``q_start − q_offset`` is the row of position 0."""
         item = work // self.heads_q
         head = work - item * self.heads_q
         doc = sched.doc[item]
         tile = sched.tile[item]
-        doc_start = sched.cu[doc]
-        seqlen = sched.cu[doc + 1] - doc_start
+        q_start = sched.cu[doc]
+        seqlen = sched.cu[doc + 1] - q_start
+        k_start, q_offset = q_start, Int32(0)
+        if const_expr(self.extend):
+            k_start = sched.cu_k[doc]
+            q_offset = sched.cu_k[doc + 1] - k_start - seqlen
+            seqlen = seqlen + q_offset
         n_blocks = cute.ceil_div(seqlen, self.tile_n)
         if const_expr(self.causal):
-            n_blocks = cutlass.min(n_blocks, cute.ceil_div((tile + 1) * self.tile_m, self.tile_n))
+            last = q_offset + (tile + 1) * self.tile_m
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div(last, self.tile_n))
         return SimpleNamespace(
-            doc_start=doc_start, seqlen=seqlen, vt_start=sched.vt_start[doc], tile=tile,
-            head=head, head_kv=head // self.group, n_blocks=n_blocks,
+            q_start=q_start, k_start=k_start, q_offset=q_offset, q_base=q_start - q_offset,
+            seqlen=seqlen, vt_start=sched.vt_start[doc], tile=tile, head=head,
+            head_kv=head // self.group, n_blocks=n_blocks,
         )  # fmt: skip
 
     @cute.jit
@@ -334,13 +349,13 @@ class FlamiaFwdSm90:
         tma_q, tma_k, tma_v, tma_f = tma
         atom_q, atom_k, atom_v, atom_f = atoms
         sQ, sK, sV, sF = smem
-        doc_start, vt_start, head_kv, n_blocks = w.doc_start, w.vt_start, w.head_kv, w.n_blocks
+        vt_start, head_kv, n_blocks = w.vt_start, w.head_kv, w.n_blocks
         gQ = cute.local_tile(
-            cute.domain_offset((doc_start, 0), tma_q[None, None, w.head]),
+            cute.domain_offset((w.q_start, 0), tma_q[None, None, w.head]),
             (self.tile_m, self.d), (w.tile, 0),
         )  # fmt: skip
         gK = cute.local_tile(
-            cute.domain_offset((doc_start, 0), tma_k[None, None, head_kv]),
+            cute.domain_offset((w.k_start, 0), tma_k[None, None, head_kv]),
             (self.tile_n, self.d), (None, 0),
         )  # fmt: skip
         gV = cute.local_tile(
@@ -422,7 +437,7 @@ class FlamiaFwdSm90:
             ),
             pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, tOrP=tOrP, wg=wg, tScS=tScS, sF=sF,
             col0=col0,
-            row=cute.make_rmem_tensor(n_rows, Int32),  # document-local query index
+            row=cute.make_rmem_tensor(n_rows, Int32),  # query position among the keys
             qfac=cute.make_rmem_tensor(n_rows, Float32),  # qk_scale · 2^eQ
             m_run=cute.make_rmem_tensor(n_rows, Float32),
             l_run=cute.make_rmem_tensor(n_rows, Float32),
@@ -448,10 +463,10 @@ class FlamiaFwdSm90:
         """Per-item state: query rows, ``qk_scale·2^eQ``, reset statistics and accumulator
         (a helper, so the item loop itself assigns only runtime values)."""
         for r in cutlass.range_constexpr(cute.size(ctx.row)):
-            ctx.row[r] = w.tile * self.tile_m + ctx.tScS[r, 0][0]
+            ctx.row[r] = w.q_offset + w.tile * self.tile_m + ctx.tScS[r, 0][0]
             qe = Int32(0)
             if ctx.row[r] < w.seqlen:
-                qe = Int32(mQexp[w.head, w.doc_start + ctx.row[r]])
+                qe = Int32(mQexp[w.head, w.q_base + ctx.row[r]])
             ctx.qfac[r] = pow2(qe) * qk_scale
         ctx.m_run.fill(-Float32.inf)
         ctx.l_run.fill(0.0)
@@ -465,7 +480,8 @@ class FlamiaFwdSm90:
         n_blocks = w.n_blocks
         n_masked_end = n_blocks - 1
         if const_expr(self.causal):
-            n_masked_end = cutlass.min(w.tile * self.tile_m // self.tile_n, n_blocks - 1)
+            first_row = w.q_offset + w.tile * self.tile_m
+            n_masked_end = cutlass.min(first_row // self.tile_n, n_blocks - 1)
         pipe_q.consumer_wait_w_index_phase(0, q_phase)
         if const_expr(self.overlap):
             # first tile alone (nothing to add to O yet), then each Q̂·K̂ᵀ overlaps the
@@ -641,7 +657,7 @@ class FlamiaFwdSm90:
         for r in cutlass.range_constexpr(cute.size(ctx.m_run)):
             if ctx.row[r] < w.seqlen:
                 inv = cute.arch.rcp_approx(ctx.l_run[r])
-                tok = w.doc_start + ctx.row[r]
+                tok = w.q_base + ctx.row[r]
                 for h in cutlass.range_constexpr(self.n_chunks):
                     acc_mn = layout_utils.reshape_acc_to_mn(acc_O[h])
                     for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
@@ -681,28 +697,36 @@ def attn_fwd_sm90(
     num_stages: int,
     overlap: bool,
     ticket: bool = True,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> None:
     """Fill ``out [T, Hq, d]`` (BF16/FP16), ``m_rows``/``lse_rows [T, Hq]`` (float32) from
     quantized operands; ``work`` was built with ``block_m = tile_m`` (one persistent CTA per SM
     takes (item, head) pairs after its first by atomic ticket, or with ``ticket=False`` by a
-    static stride). ``qk_scale = softmax_scale·log2(e)``."""
+    static stride). ``qk_scale = softmax_scale·log2(e)``.
+
+    ``cu_seqlens_k`` (extend, as a prefill on top of cached keys): the documents' keys in
+    ``qkv.k_codes`` and the column layout, with ``cu_seqlens`` then counting only the query
+    rows; each document's queries are its last keys (query ``i`` of ``n`` sees keys ``j <=
+    L − n + i`` with ``causal``), and ``work`` was built with the same ``cu_seqlens_k``."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
     # (tensor, byte alignment the kernel may assume): TMA-loaded and paired-store tensors 16
+    extend = cu_seqlens_k is not None
     aligned = (
         (qkv.q_codes, 16), (qkv.k_codes, 16), (v_t, 16), (q_exp, 4), (qkv.kv_factors, 16),
-        (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4), (work.tile, 4),
+        (cu_seqlens, 4), (cu_seqlens_k if extend else cu_seqlens, 4), (qkv.doc_v_t_start, 4),
+        (work.doc, 4), (work.tile, 4),
         (work.count, 4), (torch.zeros(1, dtype=torch.int32, device=out.device), 4), (out, 16),
         (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]
     key = (d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
-           ticket, out.dtype)  # fmt: skip
+           ticket, out.dtype, extend)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
-            ticket,
+            ticket, extend,
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     sms = sm_count(out.device)

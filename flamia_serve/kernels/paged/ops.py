@@ -18,21 +18,27 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 
-from flamia_serve.kernels._common import cute_dsl_available, interpreted, sm_count
+from flamia_serve.kernels._common import cute_available, cute_dsl_available, interpreted, sm_count
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
     paged_attention_kernel,
+    prefill_offsets_kernel,
+    prefill_operands_kernel,
+    quantize_q_tokens_kernel,
     write_kv_cache_kernel,
 )
+from flamia_serve.kernels.schedule import build_work_list
 from flamia_serve.numerics import hadamard_transform
 from flamia_serve.numerics.checks import INPUT_DTYPES, check_softmax_scale, check_tensor
 from flamia_serve.numerics.exp2 import EXP_MODES, ExpMode, check_exp_mode
 from flamia_serve.numerics.kv_pages import KVCacheFormat, KVPageFormat, static_inverse
+from flamia_serve.numerics.operands import EXPONENT_DTYPE, KernelQKV, v_t_length
 
 _INDEX_DTYPES = (torch.int32,)
 MAX_DECODE_SPLITS = 64
@@ -79,9 +85,10 @@ class PagedConfig:
     """Tile shape of one launch: ``block_m`` rows (query tokens × GQA group), ``block_n``
     keys per step. ``keys_on_m`` (8-bit caches only): swap the MMA operands so the keys fill
     M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``). ``kernel="cute"`` (decodes from a quantized
-    cache, :func:`cute_decode_runs`): the CuTe DSL kernels of ``cute_decode_sm90.py`` for
-    ``exact`` exponentials without a window and pages of a multiple of 16 slots, the Triton
-    kernel (same numerics) otherwise; it ignores the tile fields."""
+    cache, :func:`cute_decode_runs`; prefills from the fp8 cache, :func:`cute_prefill_runs`):
+    the CuTe DSL kernels (``cute_decode_sm90.py``; the training forward ``attn_fwd.cute_sm90``
+    on operands laid out from the cache) for ``exact`` exponentials without a window and pages
+    of a multiple of 16 slots, the Triton kernel (same numerics, these tiles) otherwise."""
 
     block_m: int
     block_n: int
@@ -122,6 +129,16 @@ def cute_decode_runs(fmt: KVPageFormat, heads_q: int, heads_kv: int,
     return (
         fmt.dtype in CUTE_DECODE_FORMATS and fmt.head_dim in (64, 128)
         and heads_q // heads_kv <= max_group and cute_dsl_available(device)
+    )  # fmt: skip
+
+
+def cute_prefill_runs(fmt: KVPageFormat, device: torch.device) -> bool:
+    """Whether the training forward's CuTe kernel serves prefills from this cache: the fp8
+    cache (its numerics are the forward's with per-token Q and per-key K/V exponents), d in
+    {64, 128, 256}, an sm_90 GPU with ``nvidia-cutlass-dsl`` and ``flash-attn-4``."""
+    return (
+        fmt.dtype is KVCacheFormat.FP8 and fmt.head_dim in (64, 128, 256)
+        and cute_available(device)
     )  # fmt: skip
 
 
@@ -205,7 +222,9 @@ class PagedPlan:
     ``num_decodes`` leading sequences (at most one new token each, ``num_decode_tokens`` of
     them) run as split-K decodes with ``num_splits`` key ranges; the other ``num_seqs −
     num_decodes`` sequences run as causal prefill/extend on ``prefill_programs`` query
-    blocks (an upper bound is safe: extra programs exit).
+    blocks (an upper bound is safe: extra programs exit). ``max_seq_len`` bounds every
+    sequence's keys, ``prefill_keys`` the prefill sequences' keys together (0: unknown; the
+    CuTe prefill sizes its operands by it and needs it).
     """
 
     fmt: KVPageFormat
@@ -219,6 +238,8 @@ class PagedPlan:
     decode: PagedConfig
     prefill: PagedConfig
     prefill_programs: int
+    max_seq_len: int = 0
+    prefill_keys: int = 0
 
     @property
     def group_p2(self) -> int:
@@ -243,12 +264,14 @@ def plan_paged(
     decode_config: PagedConfig | None = None,
     prefill_config: PagedConfig | None = None,
     max_decodes: int | None = None,
+    seq_lens_host: torch.Tensor | None = None,
 ) -> PagedPlan:
     """Plan one batch from host data: ``query_start_loc_host`` ``[B+1]`` (a CPU tensor),
     ``max_seq_len`` (an upper bound on ``seq_lens``, sizes the split-K), ``num_tokens`` (rows
     of ``q``; default ``query_start_loc_host[-1]``). ``num_splits`` forces the decode split
     count (a power of two); ``*_config`` override the measured tile configs; ``max_decodes``
-    caps the decode run (the rest goes to the prefill launch)."""
+    caps the decode run (the rest goes to the prefill launch). ``seq_lens_host`` (a CPU
+    tensor, exact or an upper bound for the prefill sequences) lets the CuTe prefill run."""
     qsl = query_start_loc_host.tolist()
     batch = len(qsl) - 1
     total = int(qsl[-1]) if num_tokens is None else num_tokens
@@ -256,12 +279,15 @@ def plan_paged(
     num_decodes = 0
     while num_decodes < limit and qsl[num_decodes + 1] - qsl[num_decodes] <= 1:
         num_decodes += 1
+    prefill_keys = 0
+    if seq_lens_host is not None:
+        prefill_keys = int(seq_lens_host[num_decodes:batch].long().sum())
     return plan_paged_counts(fmt, heads_q, heads_kv, num_seqs=batch, num_tokens=total,
                              num_decodes=num_decodes,
                              num_decode_tokens=int(qsl[num_decodes]) if batch else 0,
                              max_seq_len=max_seq_len, device=device, num_splits=num_splits,
-                             decode_config=decode_config,
-                             prefill_config=prefill_config)  # fmt: skip
+                             decode_config=decode_config, prefill_config=prefill_config,
+                             prefill_keys=prefill_keys)  # fmt: skip
 
 
 def plan_paged_counts(
@@ -278,10 +304,12 @@ def plan_paged_counts(
     num_splits: int | None = None,
     decode_config: PagedConfig | None = None,
     prefill_config: PagedConfig | None = None,
+    prefill_keys: int = 0,
 ) -> PagedPlan:
     """:func:`plan_paged` from batch counts the caller already knows (no tensor at all):
     the first ``num_decodes`` of ``num_seqs`` sequences are decodes holding the first
-    ``num_decode_tokens`` of ``num_tokens`` query rows."""
+    ``num_decode_tokens`` of ``num_tokens`` query rows; the others hold at most
+    ``prefill_keys`` keys together (0: unknown)."""
     if heads_q % heads_kv:
         raise ValueError(f"q heads ({heads_q}) must be a multiple of the cache's Hkv ({heads_kv})")
     if not 0 <= num_decodes <= num_seqs or not 0 <= num_decode_tokens <= num_tokens:
@@ -294,6 +322,8 @@ def plan_paged_counts(
     decode_cfg = decode_config or _default_decode_config(fmt, heads_q, heads_kv,
                                                          torch.device(device))  # fmt: skip
     prefill_cfg = prefill_config or default_prefill
+    if prefill_config is None and cute_prefill_runs(fmt, torch.device(device)):
+        prefill_cfg = replace(prefill_cfg, kernel="cute")
     for cfg in (decode_cfg, prefill_cfg):
         if cfg.block_m % group_p2 or cfg.block_m < 16:
             raise ValueError(f"block_m must be >= 16 and a multiple of the GQA group, got {cfg}")
@@ -307,7 +337,8 @@ def plan_paged_counts(
     block_q = prefill_cfg.block_m // group_p2
     prefill = triton.cdiv(max(num_tokens - num_decode_tokens, 0), block_q) + rest if rest else 0
     return PagedPlan(fmt, heads_q, heads_kv, num_seqs, num_tokens, num_decodes,
-                     num_decode_tokens, splits, decode_cfg, prefill_cfg, prefill)  # fmt: skip
+                     num_decode_tokens, splits, decode_cfg, prefill_cfg, prefill, max_seq_len,
+                     max(prefill_keys, 0))  # fmt: skip
 
 
 @dataclass
@@ -357,26 +388,121 @@ def run_write_kv_cache(
     )  # fmt: skip
 
 
-#: why the CuTe decodes stopped being used in this process (None: they are used): the
-#: first import or compile error, e.g. a cutlass-dsl version they do not build with
-CUTE_DECODE_FAILURE: str | None = None
+#: why the CuTe ``"decode"`` / ``"prefill"`` stopped being used in this process (absent:
+#: it is used): the first import or compile error, e.g. a cutlass-dsl version it does not
+#: build with
+CUTE_FAILURES: dict[str, str] = {}
 
 
-def _cute_decode(*args: object, **kwargs: object) -> bool:
-    """Launch the CuTe decode; on an import or compile error, warn once, record it in
-    ``CUTE_DECODE_FAILURE`` and return False: the Triton decode (same numerics) runs from
-    then on."""
-    global CUTE_DECODE_FAILURE
+def _cute_fast_path(kind: str, launch: Callable[[], None]) -> bool:
+    """Run ``launch`` (import and launch of the CuTe ``kind``); on an error, warn once,
+    record it in ``CUTE_FAILURES[kind]`` and return False: the Triton kernel (same numerics)
+    runs from then on."""
     try:
-        from flamia_serve.kernels.paged.cute_decode_sm90 import paged_decode_sm90
-
-        paged_decode_sm90(*args, **kwargs)
+        launch()
     except Exception as exc:  # any failure of an optional fast path
-        CUTE_DECODE_FAILURE = f"{type(exc).__name__}: {exc}"[:500]
-        warnings.warn(f"the CuTe decode failed ({CUTE_DECODE_FAILURE}); using the Triton "
-                      "decode from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
+        CUTE_FAILURES[kind] = f"{type(exc).__name__}: {exc}"[:500]
+        warnings.warn(f"the CuTe {kind} failed ({CUTE_FAILURES[kind]}); using the Triton "
+                      f"{kind} from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
         return False
     return True
+
+
+def _cute_decode(**kwargs: object) -> None:
+    from flamia_serve.kernels.paged.cute_decode_sm90 import paged_decode_sm90
+
+    paged_decode_sm90(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class PrefillOperands:
+    """A batch's prefill sequences laid out for the training forward: ``qkv`` (Q̂ per
+    token ``[Tq, Hq, d]``, K̂ token-major ``[keys, Hkv, d]`` in key order, V̂ᵀ and the factors
+    ``2^eK``, ``eV``, ``2^−eV`` in the column layout aligned to ``column_align``; ``k_exp``
+    and ``v_exp`` are empty: the CuTe forward reads the factors), ``cu_q`` / ``cu_k``
+    (``[n + 1]`` int32: the sequences' query rows and keys)."""
+
+    qkv: KernelQKV
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def prefill_operands(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    plan: PagedPlan,
+    column_align: int,
+) -> PrefillOperands:
+    """The operands of ``plan``'s prefill sequences (the ``num_seqs − num_decodes`` after
+    the decodes, query rows ``num_decode_tokens..num_tokens``) from an fp8 cache: three
+    launches, no host reads; ``plan.prefill_keys`` and ``plan.max_seq_len`` bound the
+    sizes."""
+    fmt = plan.fmt
+    layout = PagedLayout.of(cache, fmt)
+    dev, d = q.device, fmt.head_dim
+    first, count = plan.num_decodes, plan.num_seqs - plan.num_decodes
+    rows = plan.num_tokens - plan.num_decode_tokens
+    offsets = torch.empty(3, count + 1, dtype=torch.int32, device=dev)
+    prefill_offsets_kernel[(1,)](
+        seq_lens, query_start_loc, first, count, offsets[0], offsets[1], offsets[2],
+        B_P2=triton.next_power_of_2(count + 1), ALIGN=column_align,
+    )  # fmt: skip
+    t_pad = v_t_length(plan.prefill_keys, count, column_align)
+    k_codes = torch.empty(plan.prefill_keys, plan.heads_kv, d, dtype=torch.uint8, device=dev)
+    v_t = torch.empty(plan.heads_kv, d, t_pad, dtype=torch.uint8, device=dev)
+    factors = torch.empty(plan.heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
+    groups = triton.cdiv(plan.max_seq_len, column_align) * (column_align // 16)
+    prefill_operands_kernel[(count, groups, plan.heads_kv)](
+        cache, layout.scales, block_table, block_table.stride(0), seq_lens, first, offsets[1],
+        offsets[2], k_codes, v_t, factors, t_pad, HKV=plan.heads_kv, D=d, ALIGN=column_align,
+        **layout.kernel_args(),
+    )  # fmt: skip
+    q_codes = torch.empty(rows, plan.heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
+    q_exp = torch.empty(plan.heads_q, rows, dtype=EXPONENT_DTYPE, device=dev)
+    block = 16 if interpreted() else 64
+    quantize_q_tokens_kernel[(triton.cdiv(rows, block), plan.heads_q)](
+        q[plan.num_decode_tokens :], q.stride(0), q.stride(1), rows, q_codes, q_exp,
+        HQ=plan.heads_q, D=d, BLOCK=block, INTERPRET=interpreted(),
+    )  # fmt: skip
+    no_exponents = torch.empty(plan.heads_kv, 0, dtype=EXPONENT_DTYPE, device=dev)
+    qkv = KernelQKV(
+        q_codes, q_exp.t(), k_codes.view(torch.float8_e4m3fn), no_exponents,
+        v_t.view(torch.float8_e4m3fn), offsets[2, :count], offsets[1], no_exponents, factors,
+        None, None, 1.0, k_exp_block=1, column_align=column_align,
+    )  # fmt: skip
+    return PrefillOperands(qkv, offsets[0], offsets[1])
+
+
+def _cute_prefill(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    plan: PagedPlan,
+    out: torch.Tensor,
+    qk_scale: float,
+) -> None:
+    """The prefill sequences of ``plan`` through the training forward's CuTe kernel (extend:
+    each sequence's queries are its last keys) into their rows of ``out``."""
+    from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90
+    from flamia_serve.kernels.attn_fwd.ops import default_config
+
+    cfg = default_config(plan.fmt.head_dim, q.device, kernel="cute")
+    ops = prefill_operands(q, cache, block_table, seq_lens, query_start_loc, plan, cfg.block_n)
+    rows = plan.num_tokens - plan.num_decode_tokens
+    work = build_work_list(ops.cu_q, rows, block_m=cfg.block_m, block_n=cfg.block_n,
+                           causal=True, cu_seqlens_k=ops.cu_k)  # fmt: skip
+    stats = torch.empty(2, rows, plan.heads_q, dtype=torch.float32, device=q.device)
+    attn_fwd_sm90(
+        ops.qkv, ops.cu_q, work, out[plan.num_decode_tokens : plan.num_tokens], stats[0],
+        stats[1], heads_q=plan.heads_q, causal=True, qk_scale=qk_scale, tile_m=cfg.block_m,
+        tile_n=cfg.block_n, num_stages=cfg.num_stages, overlap=cfg.overlap,
+        ticket=cfg.persistent, cu_seqlens_k=ops.cu_k,
+    )  # fmt: skip
 
 
 def run_paged_attention(
@@ -421,12 +547,13 @@ def run_paged_attention(
             part_o, part_ml = workspace.part_o, workspace.part_ml
         cfg = plan.decode
         cute = cfg.kernel == "cute" and window is None and exp_mode == "exact" \
-            and layout.page_size % 16 == 0 and CUTE_DECODE_FAILURE is None  # fmt: skip
-        if not cute or not _cute_decode(
-            q, cache, block_table, seq_lens, query_start_loc, out, part_o, part_ml,
+            and layout.page_size % 16 == 0 and "decode" not in CUTE_FAILURES  # fmt: skip
+        if not cute or not _cute_fast_path("decode", lambda: _cute_decode(
+            q=q, cache=cache, block_table=block_table, seq_lens=seq_lens,
+            query_start_loc=query_start_loc, out=out, part_o=part_o, part_ml=part_ml,
             fmt=fmt.dtype, num_decodes=num_decodes, num_splits=splits, part_tokens=rows,
             page_size=layout.page_size, qk_scale=qk_scale, v_scale=v_scale,
-        ):  # fmt: skip
+        )):  # fmt: skip
             paged_attention_kernel[(num_decodes, heads_kv, splits)](
                 *args, out, out.stride(0), out.stride(1), part_o, part_ml, rows,
                 0, num_decodes, qk_scale, win, v_scale,
@@ -442,6 +569,13 @@ def run_paged_attention(
     rest = plan.num_seqs - num_decodes
     if rest and plan.prefill_programs:
         cfg = plan.prefill
+        cute = cfg.kernel == "cute" and window is None and exp_mode == "exact" \
+            and layout.page_size % 16 == 0 and plan.prefill_keys > 0 \
+            and "prefill" not in CUTE_FAILURES  # fmt: skip
+        if cute and _cute_fast_path("prefill", lambda: _cute_prefill(
+            q, cache, block_table, seq_lens, query_start_loc, plan, out, qk_scale,
+        )):  # fmt: skip
+            return out
         paged_attention_kernel[(plan.prefill_programs, heads_kv, 1)](
             *args, out, out.stride(0), out.stride(1), out, out, 0,
             num_decodes, rest, qk_scale, win, v_scale,
@@ -592,6 +726,7 @@ def paged_attention(
     v_scale: float = 1.0,
     num_decodes: int | None = None,
     max_seq_len: int | None = None,
+    prefill_keys: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     validate: bool = True,
@@ -604,10 +739,13 @@ def paged_attention(
     ``block_table`` ``[B, pages]`` int32, ``seq_lens`` ``[B]`` int32 (cached tokens incl. the
     new ones), ``query_start_loc`` ``[B+1]`` int32. ``k_scale``/``v_scale``: ``fp8_static``'s
     static scales. ``num_decodes``: how many leading sequences to run as decodes (found on
-    the host when None); ``max_seq_len`` sizes the split-K of decodes (host-read when None).
-    ``validate`` checks index values on the host; with ``validate=False`` and both
-    ``num_decodes`` and ``max_seq_len`` given nothing is read from the GPU (CUDA-graph safe)
-    and each of the ``num_decodes`` sequences must have exactly one new token.
+    the host when None); ``max_seq_len`` sizes the split-K of decodes (host-read when None);
+    ``prefill_keys`` bounds the keys of the sequences after the decodes together (host-read
+    when None; the CuTe prefill of the fp8 cache needs it). ``validate`` checks index values
+    on the host; with ``validate=False`` and both ``num_decodes`` and ``max_seq_len`` given
+    nothing is read from the GPU (CUDA-graph safe; without ``prefill_keys`` the prefill then
+    runs on Triton) and each of the ``num_decodes`` sequences must have exactly one new
+    token.
     ``*_config`` override the measured tile configs. Returns ``out`` (``[T, Hq,
     d]``, q's dtype). The per-batch plan is rebuilt on every call: callers that run many
     layers per batch use :func:`plan_paged` + :func:`run_paged_attention`.
@@ -642,13 +780,17 @@ def paged_attention(
         # new token each
         plan = plan_paged_counts(fmt, heads_q, cache.shape[2], num_seqs=batch, num_tokens=total,
                                  num_decodes=num_decodes, num_decode_tokens=num_decodes,
-                                 max_seq_len=max_seq_len, **plan_args)  # type: ignore[arg-type]  # fmt: skip
+                                 max_seq_len=max_seq_len, prefill_keys=prefill_keys or 0,
+                                 **plan_args)  # type: ignore[arg-type]  # fmt: skip
     else:
         qsl_host = query_start_loc[: batch + 1].cpu()
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         plan = plan_paged(fmt, heads_q, cache.shape[2], qsl_host, max_seq_len, num_tokens=total,
-                          max_decodes=num_decodes, **plan_args)  # type: ignore[arg-type]  # fmt: skip
+                          max_decodes=num_decodes, seq_lens_host=seq_lens.cpu(),
+                          **plan_args)  # type: ignore[arg-type]  # fmt: skip
+        if prefill_keys is not None:
+            plan = replace(plan, prefill_keys=prefill_keys)
         if num_decodes is not None and num_decodes != plan.num_decodes:
             raise ValueError(f"num_decodes={num_decodes} exceeds the {plan.num_decodes} leading "
                              "sequences with at most one new token")  # fmt: skip

@@ -22,6 +22,7 @@ from flamia_serve.kernels._common import (
     to_bf16,
     to_e4m3,
     to_out,
+    v_t_key,
 )
 from flamia_serve.numerics.exp2 import SCHRAUDOLPH_C
 from flamia_serve.numerics.formats import P_HAT_EXP
@@ -564,3 +565,93 @@ def combine_splits_kernel(
     total = tl.sum(weight, axis=0)
     merged = tl.sum(o * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, to_out(merged, out_ptr, INTERPRET))
+
+
+# ------------------------------------------------------------------ FP8-cache prefill operands
+# The prefill of the fp8 cache runs the training forward's CuTe kernel (same numerics: per-token
+# Q exponents, per-key K and V exponents). These kernels lay its operands out from the cache.
+
+
+@triton.jit
+def prefill_offsets_kernel(
+    seq_lens_ptr, qsl_ptr, first, count, cu_q_ptr, cu_k_ptr, vt_start_ptr,
+    B_P2: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """One program, for the ``count`` sequences from ``first``: query and key prefix sums
+    (``cu_q``, ``cu_k``, ``count + 1`` int32 each) and each sequence's first column in the
+    column layout (key counts padded to ``ALIGN``)."""
+    i = tl.arange(0, B_P2)
+    ok = i < count
+    keys = tl.load(seq_lens_ptr + first + i, mask=ok, other=0)
+    q_end = tl.load(qsl_ptr + first + 1 + i, mask=ok, other=0) - tl.load(qsl_ptr + first)
+    padded = (keys + ALIGN - 1) // ALIGN * ALIGN
+    tl.store(cu_q_ptr + i, tl.zeros_like(i), mask=i == 0)
+    tl.store(cu_k_ptr + i, tl.zeros_like(i), mask=i == 0)
+    tl.store(cu_q_ptr + 1 + i, q_end, mask=ok)
+    tl.store(cu_k_ptr + 1 + i, tl.cumsum(keys, 0), mask=ok)
+    tl.store(vt_start_ptr + i, tl.cumsum(padded, 0) - padded, mask=ok)
+
+
+@triton.jit
+def prefill_operands_kernel(
+    cache_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, first, cu_k_ptr,
+    vt_start_ptr, k_out_ptr, v_t_ptr, factors_ptr, t_pad,
+    HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, REGION_CODES: tl.constexpr,
+    REGION_SCALES: tl.constexpr, SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, V_COL: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """One 16-key group of one sequence (``first + program 0``) and K/V head: its K codes
+    to token-major ``k_out`` ``[*, HKV, D]`` (row ``cu_k[b] + key``), its V codes to the
+    column layout ``v_t`` ``[HKV, D, t_pad]`` and its factors ``2^eK``, ``eV``, ``2^-eV`` to
+    ``factors`` ``[HKV, 3, t_pad]`` (operands.KernelQKV). Groups past the sequence up to its
+    ``ALIGN``-padded end write zero codes and factors (the forward loads whole tiles)."""
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    h = tl.program_id(2)
+    seq = first + b
+    length = tl.load(seq_lens_ptr + seq)
+    if g * 16 >= (length + ALIGN - 1) // ALIGN * ALIGN:
+        return
+    rows = tl.arange(0, 16)
+    keys = g * 16 + v_t_key(rows)  # column g·16 + r holds this key (operands.v_t_position)
+    ok = keys < length
+    blk = tl.load(block_table_ptr + seq * stride_bt + keys // PAGE, mask=ok, other=0)
+    off = keys % PAGE
+    k_region = blk.to(tl.int64) * 2 * HKV + h
+    v_region = k_region + HKV
+    cols = tl.arange(0, D)
+    k = tl.load(cache_ptr + k_region[:, None] * REGION_CODES + off[:, None] * CODE_ROW
+                + cols[None, :], mask=ok[:, None], other=0)  # fmt: skip
+    k_rows = tl.load(cu_k_ptr + b).to(tl.int64) + keys
+    tl.store(k_out_ptr + (k_rows * HKV + h)[:, None] * D + cols[None, :], k, mask=ok[:, None])
+    v = tl.load(cache_ptr + v_region[:, None] * REGION_CODES + off[:, None] * V_ROW
+                + cols[None, :] * V_COL, mask=ok[:, None], other=0)  # fmt: skip
+    col = tl.load(vt_start_ptr + b).to(tl.int64) + g * 16 + rows
+    tl.store(v_t_ptr + (h * D + cols[None, :]).to(tl.int64) * t_pad + col[:, None], v)
+    e_k = tl.load(scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW,
+                  mask=ok, other=0)  # fmt: skip
+    e_v = tl.load(scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW,
+                  mask=ok, other=0)  # fmt: skip
+    factors = factors_ptr + h * 3 * t_pad + col
+    tl.store(factors, tl.where(ok, exp2i(e_k), 0.0))
+    tl.store(factors + t_pad, tl.where(ok, e_v.to(tl.float32), 0.0))
+    tl.store(factors + 2 * t_pad, tl.where(ok, exp2i(-e_v), 0.0))
+
+
+@triton.jit
+def quantize_q_tokens_kernel(
+    q_ptr, stride_qt, stride_qh, n_tokens, codes_ptr, exp_ptr,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Q per token (N1, as the fp8 cache's reference): E4M3 codes ``[T, HQ, D]`` and int16
+    exponents ``[HQ, T]`` (head-major), ``BLOCK`` tokens of one head per program."""
+    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    ok = tok < n_tokens
+    cols = tl.arange(0, D)
+    x = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + h * stride_qh + cols[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    codes, e = fp8_rows(x, True, INTERPRET)
+    tl.store(codes_ptr + (tok.to(tl.int64) * HQ + h)[:, None] * D + cols[None, :], codes,
+             mask=ok[:, None])  # fmt: skip
+    tl.store(exp_ptr + h * n_tokens + tok, e.to(tl.int16), mask=ok)

@@ -1,0 +1,106 @@
+"""Prefill from the fp8 cache through the training forward's CuTe kernel (sm_90, extend mode
+on operands laid out from the cache) against the reference twin and the Triton prefill: run
+on the H200 (``pytest -m gpu``) with the ``cute`` extra; skipped elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia_serve.kernels import paged as kernels
+from flamia_serve.kernels._common import cute_available
+from flamia_serve.kernels.paged import ops
+from flamia_serve.reference import paged as ref
+from tests.kernels.paged_cases import make_batch
+from tests.kernels.test_paged import _assert_close, poisoned_cache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not cute_available(torch.device("cuda")),
+        reason="needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4",
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def _cute_prefill_really_runs():
+    """The CuTe prefill falls back to Triton on an import or compile error (a warning):
+    here that is a failure."""
+    yield
+    assert "prefill" not in ops.CUTE_FAILURES, ops.CUTE_FAILURES
+
+
+def _triton_prefill(fmt, heads_q: int, heads_kv: int) -> kernels.PagedConfig:
+    group_p2 = 1 << (heads_q // heads_kv - 1).bit_length()
+    return ops.default_configs(group_p2, fmt.head_dim, fmt.dtype)[1]
+
+
+@pytest.mark.parametrize(
+    ("new", "cached", "heads_q", "heads_kv", "head_dim", "page_size"),
+    [
+        ([300, 1, 77, 129], [0, 50, 1000, 128], 32, 8, 128, 16),  # a 1-token prefill too
+        ([1, 1, 200, 64], [100, 7, 33, 0], 32, 8, 128, 16),  # two decodes first
+        ([513, 40], [255, 2000], 8, 8, 64, 32),  # MHA, d = 64, 32-slot pages
+        ([130, 17], [70, 0], 16, 2, 256, 16),  # group 8, d = 256
+        ([250], [3], 24, 4, 128, 16),  # group 6
+    ],
+)
+def test_cute_prefill_matches_reference_and_triton(
+    new: list[int], cached: list[int], heads_q: int, heads_kv: int, head_dim: int,
+    page_size: int,
+) -> None:  # fmt: skip
+    b = make_batch(new, cached, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                   page_size=page_size, dtype="fp8", device="cuda", seed=sum(new))  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    plan = kernels.plan_paged(b.fmt, heads_q, heads_kv, b.query_start_loc.cpu(),
+                              int(b.seq_lens.max()), seq_lens_host=b.seq_lens.cpu())  # fmt: skip
+    assert plan.prefill.kernel == "cute" and plan.prefill_keys > 0
+    q_before = b.q.clone()
+    out = kernels.paged_attention(*args)
+    assert torch.equal(b.q, q_before)
+    expected = ref.paged_attention(*args, softmax_scale=head_dim**-0.5)
+    _assert_close(out, expected, b.fmt)
+    triton = kernels.paged_attention(*args,
+                                     prefill_config=_triton_prefill(b.fmt, heads_q, heads_kv))
+    _assert_close(out, triton, b.fmt)
+    # the planned, host-read-free path (what the vLLM backend and the benchmarks run)
+    decodes = plan.num_decodes
+    fast = kernels.paged_attention(*args, validate=False, num_decodes=decodes,
+                                   max_seq_len=int(b.seq_lens.max()),
+                                   prefill_keys=int(b.seq_lens[decodes:].sum()))  # fmt: skip
+    assert torch.equal(fast, out)
+
+
+def test_cute_prefill_no_future_leakage() -> None:
+    """Each new token's output is bit-identical when later tokens' K/V are replaced."""
+    b = make_batch([300, 200], [20, 500], dtype="fp8", device="cuda", heads_q=32, heads_kv=8,
+                   head_dim=128)  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    args = (b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    out = kernels.paged_attention(b.q, cache, *args)
+    key, value = b.key.clone(), b.value.clone()
+    cut = 20 + 150  # first sequence: positions >= 170 changed (its keys come first)
+    key[cut:320] *= 1024.0
+    value[cut:320] = -value[cut:320] * 1024.0
+    other = b.cache.clone()
+    ref.write_kv_cache(other, key, value, b.slot_mapping, b.fmt)
+    out2 = kernels.paged_attention(b.q, other, *args)
+    assert torch.equal(out[:150], out2[:150])  # positions 20..169 see no changed key
+    assert not torch.equal(out[150:300], out2[150:300])
+    assert torch.equal(out[300:], out2[300:])  # the other sequence is untouched
+
+
+def test_cute_prefill_never_reads_unwritten_slots() -> None:
+    """Slots past a sequence's end and spare pages full of NaN bytes: bit-identical output
+    (whole 128-key tiles are laid out with zero codes past each sequence's end)."""
+    b = make_batch([100, 37, 1], [29, 0, 250], dtype="fp8", device="cuda", heads_q=16,
+                   heads_kv=4, head_dim=128)  # fmt: skip
+    clean, poisoned, table, _ = poisoned_cache(b)
+    outs = [kernels.paged_attention(b.q, c, b.fmt, table, b.seq_lens, b.query_start_loc)
+            for c in (clean, poisoned)]  # fmt: skip
+    assert torch.isfinite(outs[1].float()).all()
+    assert torch.equal(outs[0], outs[1])
