@@ -13,8 +13,12 @@ import torch
 
 from benchmarks.common import graph_time
 from flamia_serve.kernels.paged import (
+    PagedConfig,
+    PagedWorkspace,
     leading_decodes,
-    paged_attention,
+    plan_paged_counts,
+    plan_prefill_schedule,
+    run_paged_attention,
     triton_decode_config,
     write_kv_cache,
 )
@@ -84,52 +88,56 @@ def make_serving_batch(q_lens: list[int], seq_lens: list[int], device: torch.dev
     return batch
 
 
+def planned_call(batch: ServingBatch, dtype: str, *, exp_mode: str = "exact",
+                 prefill_keys: int = 0, decode_config: PagedConfig | None = None,
+                 ) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """One layer's attention as the vLLM backend runs it: the batch planned once (the host
+    plan and, with ``prefill_keys``, the CuTe prefill's GPU schedule; as FlashInfer's
+    ``plan()`` stays outside its timed ``run()``), the call only launches. Without
+    ``prefill_keys`` the prefills run on Triton."""
+    fmt = KVPageFormat(dtype, HEAD_DIM)
+    num_decodes = leading_decodes(batch.query_start_loc)
+    plan = plan_paged_counts(fmt, HQ, HKV, num_seqs=batch.batch, num_tokens=batch.q.shape[0],
+                             num_decodes=num_decodes, num_decode_tokens=num_decodes,
+                             max_seq_len=max(batch.seq_lens_list), device=batch.q.device,
+                             decode_config=decode_config, prefill_keys=prefill_keys)  # fmt: skip
+    schedule = plan_prefill_schedule(plan, batch.seq_lens, batch.query_start_loc)
+    workspace = PagedWorkspace.allocate(plan.workspace_rows, HQ, HEAD_DIM, batch.q.device)
+    out = torch.empty_like(batch.q)
+    qk_scale = HEAD_DIM**-0.5 * math.log2(math.e)
+
+    def call() -> torch.Tensor:
+        return run_paged_attention(
+            batch.q, batch.caches[dtype], batch.block_table, batch.seq_lens,
+            batch.query_start_loc, plan, out, qk_scale=qk_scale, exp_mode=exp_mode,  # type: ignore[arg-type]
+            workspace=workspace, prefill_schedule=schedule,
+        )  # fmt: skip
+
+    return call
+
+
 def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
                  ) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:  # fmt: skip
-    """``flamia-<cache>-<exp mode>`` -> (cache dtype, call) with no host synchronisation, and
-    the Triton kernels beside the CuTe ones where those are the default
-    (``flamia-<cache>-triton-decode`` / ``-triton-prefill``)."""
+    """``flamia-<cache>-<exp mode>`` -> (cache dtype, call) with no host synchronisation
+    (:func:`planned_call`), and the Triton kernels beside the CuTe ones where those are the
+    default (``flamia-<cache>-triton-decode`` / ``flamia-fp8-triton-prefill``)."""
     num_decodes = leading_decodes(batch.query_start_loc)
     prefill_keys = sum(batch.seq_lens_list[num_decodes:])
     impls = {}
     for dtype in BENCH_DTYPES:
-        fmt = KVPageFormat(dtype, HEAD_DIM)
         for mode in modes:
-            def call(fmt=fmt, mode=mode, cache=batch.caches[dtype]) -> torch.Tensor:
-                return paged_attention(
-                    batch.q, cache, fmt, batch.block_table, batch.seq_lens,
-                    batch.query_start_loc, exp_mode=mode, num_decodes=num_decodes,
-                    max_seq_len=max(batch.seq_lens_list), prefill_keys=prefill_keys,
-                    validate=False,
-                )  # fmt: skip
-
+            call = planned_call(batch, dtype, exp_mode=mode, prefill_keys=prefill_keys)
             impls[f"flamia-{dtype}-{mode}"] = (dtype, call)
     for dtype in ("nvfp4", "fp8"):  # the Triton decode beside the CuTe one (the default)
         fmt = KVPageFormat(dtype, HEAD_DIM)
         if not num_decodes or dtype not in BENCH_DTYPES or not cute_decode_runs(
                 fmt, HQ, HKV, batch.q.device):  # fmt: skip
             continue
-        triton_decode = triton_decode_config(fmt, HQ, HKV)
-
-        def call_triton(fmt=fmt, cache=batch.caches[dtype], cfg=triton_decode) -> torch.Tensor:
-            return paged_attention(
-                batch.q, cache, fmt, batch.block_table, batch.seq_lens,
-                batch.query_start_loc, num_decodes=num_decodes,
-                max_seq_len=max(batch.seq_lens_list), validate=False, decode_config=cfg,
-            )  # fmt: skip
-
-        impls[f"flamia-{dtype}-triton-decode"] = (dtype, call_triton)
-    fmt = KVPageFormat("fp8", HEAD_DIM)
-    if prefill_keys and "fp8" in BENCH_DTYPES and cute_prefill_runs(fmt, batch.q.device):
-
-        def call_triton_prefill(cache=batch.caches["fp8"]) -> torch.Tensor:
-            return paged_attention(
-                batch.q, cache, fmt, batch.block_table, batch.seq_lens,
-                batch.query_start_loc, num_decodes=num_decodes,
-                max_seq_len=max(batch.seq_lens_list), validate=False,
-            )  # no prefill_keys: the Triton prefill  # fmt: skip
-
-        impls["flamia-fp8-triton-prefill"] = ("fp8", call_triton_prefill)
+        call = planned_call(batch, dtype, prefill_keys=prefill_keys,
+                            decode_config=triton_decode_config(fmt, HQ, HKV))  # fmt: skip
+        impls[f"flamia-{dtype}-triton-decode"] = (dtype, call)
+    if prefill_keys and cute_prefill_runs(KVPageFormat("fp8", HEAD_DIM), batch.q.device):
+        impls["flamia-fp8-triton-prefill"] = ("fp8", planned_call(batch, "fp8"))
     return impls
 
 

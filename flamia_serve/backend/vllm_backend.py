@@ -47,8 +47,10 @@ from flamia_serve.backend._vllm import (
 from flamia_serve.kernels.paged import (
     PagedPlan,
     PagedWorkspace,
+    PrefillSchedule,
     max_workspace_rows,
     plan_paged,
+    plan_prefill_schedule,
     run_paged_attention,
     run_write_kv_cache,
 )
@@ -171,7 +173,8 @@ class FlamiaAttentionBackend(AttentionBackend):
 @dataclass
 class FlamiaMetadata:
     """One step's attention metadata: vLLM's batch tensors (views of its persistent
-    buffers) plus the host-built launch plan and the builder's workspace."""
+    buffers) plus the host-built launch plan, the builder's workspace and, where the
+    fp8 cache's prefills run on the CuTe kernel, their GPU schedule (built once per step)."""
 
     num_actual_tokens: int
     max_query_len: int
@@ -182,6 +185,7 @@ class FlamiaMetadata:
     slot_mapping: torch.Tensor
     plan: PagedPlan
     workspace: PagedWorkspace
+    prefill_schedule: PrefillSchedule | None = None
 
 
 class FlamiaMetadataBuilder(AttentionMetadataBuilder[FlamiaMetadata]):
@@ -244,6 +248,7 @@ class FlamiaMetadataBuilder(AttentionMetadataBuilder[FlamiaMetadata]):
             slot_mapping=cm.slot_mapping,
             plan=plan,
             workspace=self.workspace,
+            prefill_schedule=plan_prefill_schedule(plan, cm.seq_lens, cm.query_start_loc),
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
@@ -369,7 +374,8 @@ class FlamiaAttentionImpl(AttentionImpl[FlamiaMetadata]):
         run_paged_attention(query, self._bytes(kv_cache), md.block_table, md.seq_lens,
                             md.query_start_loc, md.plan, output, qk_scale=qk_scale,
                             window=self.sliding_window, exp_mode=self.exp_mode,
-                            v_scale=v_scale, workspace=md.workspace)  # fmt: skip
+                            v_scale=v_scale, workspace=md.workspace,
+                            prefill_schedule=md.prefill_schedule)  # fmt: skip
         return output
 
 

@@ -507,7 +507,7 @@ def test_prefill_operands_layout(page_size: int, align: int) -> None:
     permuted columns), factors 2^eK, eV, 2^-eV from the cache's exponents, zeros over each
     sequence's padding up to ``align``, Q per token as the reference quantizes it; the
     decodes before the prefills are left out."""
-    from flamia_serve.kernels.paged.ops import prefill_operands
+    from flamia_serve.kernels.paged.ops import prefill_offsets, prefill_operands
     from flamia_serve.numerics import Granularity, quantize_fp8
     from flamia_serve.numerics.kv_pages import region_view
     from flamia_serve.numerics.operands import v_t_position
@@ -518,16 +518,17 @@ def test_prefill_operands_layout(page_size: int, align: int) -> None:
     plan = kernels.plan_paged(b.fmt, 4, 2, b.query_start_loc, int(b.seq_lens.max()),
                               device="cpu", seq_lens_host=b.seq_lens)  # fmt: skip
     assert (plan.num_decodes, plan.num_decode_tokens, plan.prefill_keys) == (2, 2, 30 + 1 + 140)
-    ops = prefill_operands(b.q, cache, b.block_table, b.seq_lens, b.query_start_loc, plan, align)
-    qkv = ops.qkv
-    assert ops.cu_q.tolist() == [0, 9, 10, 50] and ops.cu_k.tolist() == [0, 30, 31, 171]
+    offsets = prefill_offsets(plan, b.seq_lens, b.query_start_loc, align)
+    qkv = prefill_operands(b.q, cache, b.block_table, b.seq_lens, plan, offsets, align)
+    assert offsets[:2].tolist() == [[0, 9, 10, 50], [0, 30, 31, 171]]
+    assert torch.equal(qkv.cu_seqlens, offsets[1])
     pads = [-(-n // align) * align for n in (30, 1, 140)]
     assert qkv.doc_v_t_start.tolist() == [0, pads[0], pads[0] + pads[1]]
     codes, _ = region_view(cache, b.fmt)
     for s, length in zip(range(2, 5), (30, 1, 140), strict=True):
         pos = torch.arange(length)
         blk, off = b.block_table[s].long()[pos // page_size], pos % page_size
-        k0 = int(ops.cu_k[s - 2])
+        k0 = int(offsets[1, s - 2])
         assert torch.equal(qkv.k_codes[k0 : k0 + length].view(torch.uint8), codes[0][blk, :, off])
         start = int(qkv.doc_v_t_start[s - 2])
         cols = start + v_t_position(pos)

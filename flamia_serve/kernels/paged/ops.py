@@ -25,6 +25,7 @@ import torch
 import triton
 
 from flamia_serve.kernels._common import cute_available, cute_dsl_available, interpreted, sm_count
+from flamia_serve.kernels.attn_fwd.ops import FwdConfig, default_config
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
     paged_attention_kernel,
@@ -33,7 +34,7 @@ from flamia_serve.kernels.paged.triton import (
     quantize_q_tokens_kernel,
     write_kv_cache_kernel,
 )
-from flamia_serve.kernels.schedule import build_work_list
+from flamia_serve.kernels.schedule import WorkList, build_work_list
 from flamia_serve.numerics import hadamard_transform
 from flamia_serve.numerics.checks import INPUT_DTYPES, check_softmax_scale, check_tensor
 from flamia_serve.numerics.exp2 import EXP_MODES, ExpMode, check_exp_mode
@@ -415,16 +416,44 @@ def _cute_decode(**kwargs: object) -> None:
 
 
 @dataclass(frozen=True)
-class PrefillOperands:
-    """A batch's prefill sequences laid out for the training forward: ``qkv`` (Q̂ per
-    token ``[Tq, Hq, d]``, K̂ token-major ``[keys, Hkv, d]`` in key order, V̂ᵀ and the factors
-    ``2^eK``, ``eV``, ``2^−eV`` in the column layout aligned to ``column_align``; ``k_exp``
-    and ``v_exp`` are empty: the CuTe forward reads the factors), ``cu_q`` / ``cu_k``
-    (``[n + 1]`` int32: the sequences' query rows and keys)."""
+class PrefillSchedule:
+    """The CuTe prefill's per-batch GPU schedule (built once per batch, shared by every layer,
+    no host reads): ``offsets`` ``[3, n + 1]`` int32 for the ``n`` prefill sequences (rows:
+    query-row prefix sums, key prefix sums, first columns in the column layout), the
+    forward's ``work`` list and its tile ``config``."""
 
-    qkv: KernelQKV
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
+    offsets: torch.Tensor
+    work: WorkList
+    config: FwdConfig
+
+
+def prefill_offsets(
+    plan: PagedPlan, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, column_align: int
+) -> torch.Tensor:
+    """``PrefillSchedule.offsets`` of ``plan``'s prefill sequences (the ``num_seqs −
+    num_decodes`` after the decodes), each one's keys padded to ``column_align`` columns."""
+    count = plan.num_seqs - plan.num_decodes
+    offsets = torch.empty(3, count + 1, dtype=torch.int32, device=seq_lens.device)
+    prefill_offsets_kernel[(1,)](
+        seq_lens, query_start_loc, plan.num_decodes, count, offsets[0], offsets[1], offsets[2],
+        B_P2=triton.next_power_of_2(count + 1), ALIGN=column_align,
+    )  # fmt: skip
+    return offsets
+
+
+def plan_prefill_schedule(
+    plan: PagedPlan, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> PrefillSchedule | None:
+    """The schedule of ``plan``'s CuTe prefill, or None when its prefills run on Triton
+    (not an fp8 cache on sm_90 with the ``cute`` extra, no host key count, no prefill)."""
+    if plan.prefill.kernel != "cute" or plan.prefill_keys <= 0 or plan.num_seqs == plan.num_decodes:
+        return None
+    cfg = default_config(plan.fmt.head_dim, seq_lens.device, kernel="cute")
+    offsets = prefill_offsets(plan, seq_lens, query_start_loc, cfg.block_n)
+    work = build_work_list(offsets[0], plan.num_tokens - plan.num_decode_tokens,
+                           block_m=cfg.block_m, block_n=cfg.block_n, causal=True,
+                           cu_seqlens_k=offsets[1])  # fmt: skip
+    return PrefillSchedule(offsets, work, cfg)
 
 
 def prefill_operands(
@@ -432,33 +461,31 @@ def prefill_operands(
     cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
     plan: PagedPlan,
+    offsets: torch.Tensor,
     column_align: int,
-) -> PrefillOperands:
-    """The operands of ``plan``'s prefill sequences (the ``num_seqs − num_decodes`` after
-    the decodes, query rows ``num_decode_tokens..num_tokens``) from an fp8 cache: three
-    launches, no host reads; ``plan.prefill_keys`` and ``plan.max_seq_len`` bound the
-    sizes."""
+) -> KernelQKV:
+    """The training forward's operands for ``plan``'s prefill sequences (query rows
+    ``num_decode_tokens..num_tokens``) from an fp8 cache, with ``offsets`` from
+    :func:`prefill_offsets` (same ``column_align``); two launches, no host reads
+    (``plan.prefill_keys`` and ``plan.max_seq_len`` bound the sizes). Q̂ per token ``[Tq,
+    Hq, d]``; K̂ ``[keys, Hkv, d]`` token-major in key order; V̂ᵀ and the factors ``2^eK``,
+    ``eV``, ``2^−eV`` in the column layout; ``cu_seqlens`` counts keys; ``k_exp`` and
+    ``v_exp`` are empty (the CuTe forward reads the factors)."""
     fmt = plan.fmt
     layout = PagedLayout.of(cache, fmt)
     dev, d = q.device, fmt.head_dim
-    first, count = plan.num_decodes, plan.num_seqs - plan.num_decodes
+    count = plan.num_seqs - plan.num_decodes
     rows = plan.num_tokens - plan.num_decode_tokens
-    offsets = torch.empty(3, count + 1, dtype=torch.int32, device=dev)
-    prefill_offsets_kernel[(1,)](
-        seq_lens, query_start_loc, first, count, offsets[0], offsets[1], offsets[2],
-        B_P2=triton.next_power_of_2(count + 1), ALIGN=column_align,
-    )  # fmt: skip
     t_pad = v_t_length(plan.prefill_keys, count, column_align)
     k_codes = torch.empty(plan.prefill_keys, plan.heads_kv, d, dtype=torch.uint8, device=dev)
     v_t = torch.empty(plan.heads_kv, d, t_pad, dtype=torch.uint8, device=dev)
     factors = torch.empty(plan.heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
     groups = triton.cdiv(plan.max_seq_len, column_align) * (column_align // 16)
     prefill_operands_kernel[(count, groups, plan.heads_kv)](
-        cache, layout.scales, block_table, block_table.stride(0), seq_lens, first, offsets[1],
-        offsets[2], k_codes, v_t, factors, t_pad, HKV=plan.heads_kv, D=d, ALIGN=column_align,
-        **layout.kernel_args(),
+        cache, layout.scales, block_table, block_table.stride(0), seq_lens, plan.num_decodes,
+        offsets[1], offsets[2], k_codes, v_t, factors, t_pad, HKV=plan.heads_kv, D=d,
+        ALIGN=column_align, **layout.kernel_args(),
     )  # fmt: skip
     q_codes = torch.empty(rows, plan.heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
     q_exp = torch.empty(plan.heads_q, rows, dtype=EXPONENT_DTYPE, device=dev)
@@ -468,12 +495,11 @@ def prefill_operands(
         HQ=plan.heads_q, D=d, BLOCK=block, INTERPRET=interpreted(),
     )  # fmt: skip
     no_exponents = torch.empty(plan.heads_kv, 0, dtype=EXPONENT_DTYPE, device=dev)
-    qkv = KernelQKV(
+    return KernelQKV(
         q_codes, q_exp.t(), k_codes.view(torch.float8_e4m3fn), no_exponents,
         v_t.view(torch.float8_e4m3fn), offsets[2, :count], offsets[1], no_exponents, factors,
         None, None, 1.0, k_exp_block=1, column_align=column_align,
     )  # fmt: skip
-    return PrefillOperands(qkv, offsets[0], offsets[1])
 
 
 def _cute_prefill(
@@ -485,23 +511,23 @@ def _cute_prefill(
     plan: PagedPlan,
     out: torch.Tensor,
     qk_scale: float,
+    schedule: PrefillSchedule | None,
 ) -> None:
     """The prefill sequences of ``plan`` through the training forward's CuTe kernel (extend:
     each sequence's queries are its last keys) into their rows of ``out``."""
     from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90
-    from flamia_serve.kernels.attn_fwd.ops import default_config
 
-    cfg = default_config(plan.fmt.head_dim, q.device, kernel="cute")
-    ops = prefill_operands(q, cache, block_table, seq_lens, query_start_loc, plan, cfg.block_n)
+    schedule = schedule or plan_prefill_schedule(plan, seq_lens, query_start_loc)
+    assert schedule is not None
+    cfg, offsets = schedule.config, schedule.offsets
+    qkv = prefill_operands(q, cache, block_table, seq_lens, plan, offsets, cfg.block_n)
     rows = plan.num_tokens - plan.num_decode_tokens
-    work = build_work_list(ops.cu_q, rows, block_m=cfg.block_m, block_n=cfg.block_n,
-                           causal=True, cu_seqlens_k=ops.cu_k)  # fmt: skip
     stats = torch.empty(2, rows, plan.heads_q, dtype=torch.float32, device=q.device)
     attn_fwd_sm90(
-        ops.qkv, ops.cu_q, work, out[plan.num_decode_tokens : plan.num_tokens], stats[0],
+        qkv, offsets[0], schedule.work, out[plan.num_decode_tokens : plan.num_tokens], stats[0],
         stats[1], heads_q=plan.heads_q, causal=True, qk_scale=qk_scale, tile_m=cfg.block_m,
         tile_n=cfg.block_n, num_stages=cfg.num_stages, overlap=cfg.overlap,
-        ticket=cfg.persistent, cu_seqlens_k=ops.cu_k,
+        ticket=cfg.persistent, cu_seqlens_k=offsets[1],
     )  # fmt: skip
 
 
@@ -519,11 +545,13 @@ def run_paged_attention(
     exp_mode: ExpMode = "exact",
     v_scale: float = 1.0,
     workspace: PagedWorkspace | None = None,
+    prefill_schedule: PrefillSchedule | None = None,
 ) -> torch.Tensor:
     """Launch paged attention with a plan (no checks, no host reads). ``qk_scale`` is the
     base-2 logit scale (``softmax_scale · log2 e``, times the static K scale for
     ``fp8_static``, over ``d`` after a Hadamard rotation of ``q``). ``q``/``out`` have at
-    least ``plan.num_tokens`` rows."""
+    least ``plan.num_tokens`` rows. ``prefill_schedule``: :func:`plan_prefill_schedule` of
+    this batch (built here when the CuTe prefill runs without one)."""
     fmt = plan.fmt
     if plan.num_seqs == 0 or plan.num_tokens == 0:
         return out
@@ -574,6 +602,7 @@ def run_paged_attention(
             and "prefill" not in CUTE_FAILURES  # fmt: skip
         if cute and _cute_fast_path("prefill", lambda: _cute_prefill(
             q, cache, block_table, seq_lens, query_start_loc, plan, out, qk_scale,
+            prefill_schedule,
         )):  # fmt: skip
             return out
         paged_attention_kernel[(plan.prefill_programs, heads_kv, 1)](
