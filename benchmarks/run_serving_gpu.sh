@@ -52,6 +52,10 @@ if [[ $steps == *,cute-train-tests,* ]]; then
   PYTHONPATH=$CUTE_SITE run pytest_gpu_cute_train 330 python -m pytest -q -m gpu \
     tests/kernels/test_gpu_cute.py tests/kernels/test_gpu_cute_bwd.py
 fi
+if [[ $steps == *,cute-prefill-profile,* ]]; then
+  PYTHONPATH=$CUTE_SITE run profile_cute_prefill 300 python benchmarks/profile_cute_prefill.py \
+    --quick
+fi
 if [[ $steps == *,cute-prefill,* ]]; then
   [ -n "${warm_pid:-}" ] && { wait "$warm_pid"; tail -n 5 /tmp/flashinfer_warm.log; }
   PYTHONPATH=$CUTE_SITE run prefill 300 python benchmarks/prefill.py --quick \
