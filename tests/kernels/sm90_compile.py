@@ -22,6 +22,9 @@ from flamia_serve.kernels.paged.ops import PagedLayout
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
     paged_attention_kernel,
+    prefill_offsets_kernel,
+    prefill_operands_kernel,
+    quantize_q_tokens_kernel,
     write_kv_cache_kernel,
 )
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
@@ -173,6 +176,28 @@ def paged_variants() -> None:
     ptrs = {"part_o_ptr": F32, "part_ml_ptr": F32, "out_ptr": BF16}
     _compile(combine_splits_kernel, ptrs, dict(NUM_SPLITS=8, D=128, INTERPRET=False), 4)
     print("combine_splits: ok")
+    prefill_operand_variants()
+
+
+def prefill_operand_variants(verbose: bool = False) -> dict:
+    """The fp8-cache prefill's operand kernels; returns them compiled (for PTX checks)."""
+    _, scales, layout = _paged_layout(1)
+    offsets = {"seq_lens_ptr": I32, "qsl_ptr": I32, "cu_q_ptr": I32, "cu_k_ptr": I32,
+               "vt_start_ptr": I32}  # fmt: skip
+    compiled = {"offsets": _compile(prefill_offsets_kernel, offsets,
+                                    dict(B_P2=16, ALIGN=128), 1)}  # fmt: skip
+    ptrs = {"cache_ptr": U8, "scales_ptr": scales, "block_table_ptr": I32, "seq_lens_ptr": I32,
+            "cu_k_ptr": I32, "vt_start_ptr": I32, "k_out_ptr": U8, "v_t_ptr": U8,
+            "factors_ptr": F32}  # fmt: skip
+    consts = dict(HKV=8, D=128, ALIGN=128, CHUNK=64, **layout)
+    compiled["operands"] = _compile(prefill_operands_kernel, ptrs, consts, 4)
+    ptrs = {"q_ptr": BF16, "codes_ptr": FP8, "exp_ptr": I16}
+    consts = dict(HQ=32, D=128, BLOCK=64, INTERPRET=False)
+    compiled["quantize_q"] = _compile(quantize_q_tokens_kernel, ptrs, consts, 4)
+    for name, kernel in compiled.items():
+        extra = f" {resource_usage(kernel)}" if verbose else ""
+        print(f"prefill {name}: ok{extra}")
+    return compiled
 
 
 if __name__ == "__main__":

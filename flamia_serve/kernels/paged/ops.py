@@ -481,11 +481,12 @@ def prefill_operands(
     k_codes = torch.empty(plan.prefill_keys, plan.heads_kv, d, dtype=torch.uint8, device=dev)
     v_t = torch.empty(plan.heads_kv, d, t_pad, dtype=torch.uint8, device=dev)
     factors = torch.empty(plan.heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
-    groups = triton.cdiv(plan.max_seq_len, column_align) * (column_align // 16)
-    prefill_operands_kernel[(count, groups, plan.heads_kv)](
+    chunk = 64  # keys per program
+    chunks = triton.cdiv(triton.cdiv(plan.max_seq_len, column_align) * column_align, chunk)
+    prefill_operands_kernel[(count, chunks, plan.heads_kv)](
         cache, layout.scales, block_table, block_table.stride(0), seq_lens, plan.num_decodes,
         offsets[1], offsets[2], k_codes, v_t, factors, t_pad, HKV=plan.heads_kv, D=d,
-        ALIGN=column_align, **layout.kernel_args(),
+        ALIGN=column_align, CHUNK=chunk, **layout.kernel_args(),
     )  # fmt: skip
     q_codes = torch.empty(rows, plan.heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
     q_exp = torch.empty(plan.heads_q, rows, dtype=EXPONENT_DTYPE, device=dev)

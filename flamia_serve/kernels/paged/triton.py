@@ -22,7 +22,6 @@ from flamia_serve.kernels._common import (
     to_bf16,
     to_e4m3,
     to_out,
-    v_t_key,
 )
 from flamia_serve.numerics.exp2 import SCHRAUDOLPH_C
 from flamia_serve.numerics.formats import P_HAT_EXP
@@ -593,49 +592,75 @@ def prefill_offsets_kernel(
 
 
 @triton.jit
+def _v_t_order(x):
+    """``[R, 16]`` -> the same rows with their 16 columns in the column layout's order
+    (column ``4b + 2a + c`` takes column ``8a + 2b + c``: ``operands.v_t_position``)."""
+    rows: tl.constexpr = x.shape[0]
+    x = tl.reshape(x, (rows, 2, 4, 2))
+    return tl.reshape(tl.permute(x, (0, 2, 1, 3)), (rows, 16))
+
+
+@triton.jit
 def prefill_operands_kernel(
     cache_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, first, cu_k_ptr,
     vt_start_ptr, k_out_ptr, v_t_ptr, factors_ptr, t_pad,
     HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, REGION_CODES: tl.constexpr,
     REGION_SCALES: tl.constexpr, SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr,
     SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, V_COL: tl.constexpr, ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """One 16-key group of one sequence (``first + program 0``) and K/V head: its K codes
-    to token-major ``k_out`` ``[*, HKV, D]`` (row ``cu_k[b] + key``), its V codes to the
-    column layout ``v_t`` ``[HKV, D, t_pad]`` and its factors ``2^eK``, ``eV``, ``2^-eV`` to
-    ``factors`` ``[HKV, 3, t_pad]`` (operands.KernelQKV). Groups past the sequence up to its
-    ``ALIGN``-padded end write zero codes and factors (the forward loads whole tiles)."""
+    """``CHUNK`` keys (16-key groups, each inside one page) of one sequence (``first +
+    program 0``) and K/V head: K codes to token-major ``k_out`` ``[*, HKV, D]`` (row
+    ``cu_k[b] + key``), V codes (dim-major pages, ``V_ROW`` = 1) to the column layout
+    ``v_t`` ``[HKV, D, t_pad]`` and the factors ``2^eK``, ``eV``, ``2^-eV`` to ``factors``
+    ``[HKV, 3, t_pad]`` (operands.KernelQKV), 16-byte vectors both ways (the column order
+    is permuted in registers). Groups past the sequence up to its ``ALIGN``-padded end get
+    zero codes and factors (the forward loads whole tiles)."""
     b = tl.program_id(0)
-    g = tl.program_id(1)
-    h = tl.program_id(2)
     seq = first + b
+    h = tl.program_id(2)
     length = tl.load(seq_lens_ptr + seq)
-    if g * 16 >= (length + ALIGN - 1) // ALIGN * ALIGN:
-        return
-    rows = tl.arange(0, 16)
-    keys = g * 16 + v_t_key(rows)  # column g·16 + r holds this key (operands.v_t_position)
-    ok = keys < length
-    blk = tl.load(block_table_ptr + seq * stride_bt + keys // PAGE, mask=ok, other=0)
-    off = keys % PAGE
-    k_region = blk.to(tl.int64) * 2 * HKV + h
-    v_region = k_region + HKV
+    padded = (length + ALIGN - 1) // ALIGN * ALIGN
+    k_base = tl.load(cu_k_ptr + b).to(tl.int64)
+    col_base = tl.multiple_of(tl.load(vt_start_ptr + b).to(tl.int64), 16)  # ALIGN >= 16
     cols = tl.arange(0, D)
-    k = tl.load(cache_ptr + k_region[:, None] * REGION_CODES + off[:, None] * CODE_ROW
-                + cols[None, :], mask=ok[:, None], other=0)  # fmt: skip
-    k_rows = tl.load(cu_k_ptr + b).to(tl.int64) + keys
-    tl.store(k_out_ptr + (k_rows * HKV + h)[:, None] * D + cols[None, :], k, mask=ok[:, None])
-    v = tl.load(cache_ptr + v_region[:, None] * REGION_CODES + off[:, None] * V_ROW
-                + cols[None, :] * V_COL, mask=ok[:, None], other=0)  # fmt: skip
-    col = tl.load(vt_start_ptr + b).to(tl.int64) + g * 16 + rows
-    tl.store(v_t_ptr + (h * D + cols[None, :]).to(tl.int64) * t_pad + col[:, None], v)
-    e_k = tl.load(scales_ptr + k_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW,
-                  mask=ok, other=0)  # fmt: skip
-    e_v = tl.load(scales_ptr + v_region * REGION_SCALES + SCALE_BASE + off * SCALE_ROW,
-                  mask=ok, other=0)  # fmt: skip
-    factors = factors_ptr + h * 3 * t_pad + col
-    tl.store(factors, tl.where(ok, exp2i(e_k), 0.0))
-    tl.store(factors + t_pad, tl.where(ok, e_v.to(tl.float32), 0.0))
-    tl.store(factors + 2 * t_pad, tl.where(ok, exp2i(-e_v), 0.0))
+    r16 = tl.arange(0, 16)
+    for i in tl.static_range(CHUNK // 16):
+        k0 = tl.program_id(1) * CHUNK + i * 16  # first key of the group
+        if k0 < padded:
+            keys = k0 + r16
+            ok = keys < length
+            blk = tl.load(block_table_ptr + seq * stride_bt + k0 // PAGE, mask=k0 < length,
+                          other=0).to(tl.int64)  # fmt: skip
+            off0 = tl.multiple_of(k0 % PAGE, 16)
+            k_region = (blk * 2 * HKV + h) * REGION_CODES
+            v_region = ((blk * 2 + 1) * HKV + h) * REGION_CODES
+            k = tl.load(cache_ptr + k_region + (off0 + r16)[:, None] * CODE_ROW + cols[None, :],
+                        mask=ok[:, None], other=0)  # fmt: skip
+            k_rows = k_base + keys
+            tl.store(k_out_ptr + (k_rows * HKV + h)[:, None] * D + cols[None, :], k,
+                     mask=ok[:, None])  # fmt: skip
+            # the group's page exists (block 0 stands in past the end): an unmasked 16-byte
+            # load per dim, the slots past the sequence zeroed after it
+            v = tl.load(cache_ptr + v_region + (off0 + r16)[None, :] * V_ROW
+                        + cols[:, None] * V_COL)  # [D, 16]  # fmt: skip
+            v = tl.where(ok[None, :], v, 0)
+            col = col_base + k0 + r16
+            tl.store(v_t_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :],
+                     _v_t_order(v))  # fmt: skip
+            scale_at = SCALE_BASE + (off0 + r16) * SCALE_ROW
+            e_k = tl.load(scales_ptr + (blk * 2 * HKV + h) * REGION_SCALES + scale_at, mask=ok,
+                          other=0)  # fmt: skip
+            e_v = tl.load(scales_ptr + ((blk * 2 + 1) * HKV + h) * REGION_SCALES + scale_at,
+                          mask=ok, other=0)  # fmt: skip
+            factors = factors_ptr + h * 3 * t_pad + col
+            f_k = tl.where(ok, exp2i(e_k), 0.0)
+            f_v = tl.where(ok, e_v.to(tl.float32), 0.0)
+            f_v_inv = tl.where(ok, exp2i(-e_v), 0.0)
+            tl.store(factors, tl.reshape(_v_t_order(tl.reshape(f_k, (1, 16))), (16,)))
+            tl.store(factors + t_pad, tl.reshape(_v_t_order(tl.reshape(f_v, (1, 16))), (16,)))
+            tl.store(factors + 2 * t_pad,
+                     tl.reshape(_v_t_order(tl.reshape(f_v_inv, (1, 16))), (16,)))  # fmt: skip
 
 
 @triton.jit
