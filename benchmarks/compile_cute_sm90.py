@@ -77,23 +77,28 @@ def main() -> None:
     keep = compile_parser(__doc__).parse_args().keep
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        # the last: the FP8-cache prefill's (per-key K exponents, queries after cached keys)
-        for d, causal, tile_n, overlap, k_exp_block, extend in (
-            (128, True, 128, False, 32, False), (128, True, 128, True, 32, False),
-            (64, True, 128, False, 32, False), (128, False, 128, False, 32, False),
-            (256, True, 64, False, 32, False), (256, True, 128, False, 32, False),
-            (128, True, 128, False, 1, True),
+        # the last two: the FP8-cache prefill's (per-key K exponents, queries after cached
+        # keys), with exact exponentials and with Mitchell-P
+        for d, causal, tile_n, overlap, k_exp_block, extend, exp_mode in (
+            (128, True, 128, False, 32, False, "exact"),
+            (128, True, 128, True, 32, False, "exact"),
+            (64, True, 128, False, 32, False, "exact"),
+            (128, False, 128, False, 32, False, "exact"),
+            (256, True, 64, False, 32, False, "exact"),
+            (256, True, 128, False, 32, False, "exact"),
+            (128, True, 128, False, 1, True, "exact"),
+            (128, True, 128, False, 1, True, "mitchell"),
         ):  # fmt: skip
             kernel = FlamiaFwdSm90(
-                d, 8, 2, causal, k_exp_block, 128, tile_n, 2, overlap, True, extend
+                d, 8, 2, causal, k_exp_block, 128, tile_n, 2, overlap, True, extend, exp_mode
             )
             name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}"
-            name += "_extend.cubin" if extend else ".cubin"
+            name += f"_extend_{exp_mode}.cubin" if extend else ".cubin"
             compile_and_keep(
                 kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1), keep=keep, name=name
             )
             print(f"cute forward d={d} causal={causal} 128x{tile_n} overlap={overlap} "
-                  f"extend={extend}: compiled")  # fmt: skip
+                  f"extend={extend} {exp_mode}: compiled")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ ExpMode = Literal["exact", "schraudolph", "mitchell"]
 EXP_MODES: tuple[ExpMode, ...] = ("exact", "schraudolph", "mitchell")
 SCHRAUDOLPH_SIGMA = 0.0497
 SCHRAUDOLPH_C = round(SCHRAUDOLPH_SIGMA * 2**23)
+#: 1.5·2^23 and its float32 bits: adding it to |x| < 2^22 rounds x to an integer (RNE) held in
+#: the sum's low mantissa bits, which kernels read with integer operations instead of a
+#: float→int conversion (Mitchell-P's code)
+RNE_MAGIC = 12582912.0
+RNE_MAGIC_BITS = 0x4B400000
 
 
 @dataclass(frozen=True)

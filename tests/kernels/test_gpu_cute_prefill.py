@@ -74,6 +74,27 @@ def test_cute_prefill_matches_reference_and_triton(
     assert torch.equal(fast, out)
 
 
+@pytest.mark.parametrize("exp_mode", ["mitchell", "exact"])
+def test_cute_prefill_exp_modes(exp_mode: str) -> None:
+    """Mitchell-P in the CuTe prefill (FMA and integer operations, no exponential) against
+    the reference's Mitchell-P and the Triton prefill's, and close to exact (cos-sim >= 0.999,
+    the bar for an inference default)."""
+    b = make_batch([200, 333], [1000, 60], heads_q=32, heads_kv=8, head_dim=128, dtype="fp8",
+                   device="cuda", seed=7)  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    out = kernels.paged_attention(*args, exp_mode=exp_mode)
+    _assert_close(out, ref.paged_attention(*args, softmax_scale=128**-0.5, exp_mode=exp_mode),
+                  b.fmt)  # fmt: skip
+    triton = kernels.paged_attention(*args, exp_mode=exp_mode,
+                                     prefill_config=_triton_prefill(b.fmt, 32, 8))  # fmt: skip
+    _assert_close(out, triton, b.fmt)
+    exact = kernels.paged_attention(*args).float().flatten()
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), exact, dim=0)
+    assert cos >= 0.999, cos
+
+
 def test_cute_prefill_no_future_leakage() -> None:
     """Each new token's output is bit-identical when later tokens' K/V are replaced."""
     b = make_batch([300, 200], [20, 500], dtype="fp8", device="cuda", heads_q=32, heads_kv=8,

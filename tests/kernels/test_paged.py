@@ -574,9 +574,12 @@ def test_cute_prefill_plan_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None
     cache = _written(b)
     args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
     expected = ref.paged_attention(*args, softmax_scale=0.125)
-    # no host key count (the graph-safe path): Triton, no attempt
+    # no host key count (the graph-safe path), or Schraudolph exponentials: Triton, no attempt
     out = kernels.paged_attention(*args, validate=False, num_decodes=1, max_seq_len=140)
     _assert_close(out, expected, b.fmt)
+    schraudolph = kernels.paged_attention(*args, exp_mode="schraudolph")
+    _assert_close(schraudolph, ref.paged_attention(*args, softmax_scale=0.125,
+                                                   exp_mode="schraudolph"), b.fmt)  # fmt: skip
     assert not calls
     with pytest.warns(RuntimeWarning, match="CuTe prefill failed.*stand-in"):
         out = kernels.paged_attention(*args)

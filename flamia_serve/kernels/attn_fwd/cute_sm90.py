@@ -52,10 +52,15 @@ from flamia_serve.kernels.cute_sm90_common import (
 )
 from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.numerics import P_HAT_EXP
+from flamia_serve.numerics.exp2 import P_E4M3, RNE_MAGIC, RNE_MAGIC_BITS
 from flamia_serve.numerics.operands import KernelQKV
 
 # named barriers (0 is __syncthreads): the tensor-core turns of consumer warpgroups 0..2
 _BAR_TURN = 1
+# Mitchell-P's E4M3 codes: code = RNE(8·t') + bias·8 for t' = t + P_HAT_EXP; adding
+# (127 − bias)·8 and shifting by 20 makes a code the top bits of its float32
+_MITCHELL_BIAS = float(P_E4M3.bias << P_E4M3.mant_bits)
+_E4M3_TO_F32 = (127 - P_E4M3.bias) << P_E4M3.mant_bits
 _WORK_STAGES = 2  # work items the producer warp may publish ahead of the consumers
 
 
@@ -75,6 +80,7 @@ class FlamiaFwdSm90:
         overlap: bool,
         ticket: bool,
         extend: bool = False,
+        exp_mode: str = "exact",
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
@@ -95,6 +101,9 @@ class FlamiaFwdSm90:
         self.overlap = overlap
         self.ticket = ticket
         self.extend = extend
+        if exp_mode not in ("exact", "mitchell"):
+            raise ValueError(f"exp_mode must be 'exact' or 'mitchell' (serving), got {exp_mode!r}")
+        self.exp_mode = exp_mode
         self.num_wg = self.tile_m // 64
         assert self.num_wg in (1, 2, 3)
         self.num_threads = 128 * (self.num_wg + 1)
@@ -609,15 +618,21 @@ class FlamiaFwdSm90:
             ref[r] = m_safe - P_HAT_EXP
             l_tile[r, 0] = Float32(0.0)
             l_tile[r, 1] = Float32(0.0)
-        for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            for r in cutlass.range_constexpr(n_rows):
-                s_mn[r, j] = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
-        # l sums P̂ itself (N3): E4M3 round trips by the hardware conversions, two values each
-        p8 = cute.make_rmem_tensor(cute.size(acc_S), FP8)
-        p8.store(acc_S.load().to(FP8))
-        p_hat = cute.make_rmem_tensor(cute.size(acc_S), Float32)
-        p_hat.store(p8.load().to(Float32))
-        p_hat_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(p_hat.iterator, acc_S.layout))
+        if const_expr(self.exp_mode == "mitchell"):
+            self.mitchell_p(s_mn, ref)
+            p_hat_mn = s_mn  # E4M3 values already: the normaliser sums them as they are
+        else:
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                for r in cutlass.range_constexpr(n_rows):
+                    s_mn[r, j] = cute.math.exp2(s_mn[r, j] - ref[r], fastmath=True)
+            # l sums P̂ itself (N3): E4M3 round trips by the hardware conversions, two each
+            p8 = cute.make_rmem_tensor(cute.size(acc_S), FP8)
+            p8.store(acc_S.load().to(FP8))
+            p_hat = cute.make_rmem_tensor(cute.size(acc_S), Float32)
+            p_hat.store(p8.load().to(Float32))
+            p_hat_mn = layout_utils.reshape_acc_to_mn(
+                cute.make_tensor(p_hat.iterator, acc_S.layout)
+            )
         for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             v_inv = thr_factors[_factor_offset(j), 2]
             if const_expr(mask):
@@ -627,6 +642,24 @@ class FlamiaFwdSm90:
                 l_tile[r, j % 2] += p_hat_mn[r, j] * v_inv
         for r in cutlass.range_constexpr(n_rows):
             ctx.l_run[r] = ctx.l_run[r] * ctx.alpha[r] + (l_tile[r, 0] + l_tile[r, 1])
+
+    @cute.jit
+    def mitchell_p(self, s_mn, ref):
+        """Mitchell-P (serving only, DESIGN N9, twin ``numerics.exp2.mitchell_codes``): the
+        E4M3 code of ``2^(y − ref)`` is ``RNE(8·(y − ref)) + 56`` (integer part → exponent,
+        fraction → mantissa), codes under the smallest normal (8) flushed to 0. One FMA
+        rounds ``8y + 56 − 8·ref`` through the magic number 1.5·2^23 (its low bits are then
+        the code), integer operations make the code's float32 value ``(code + 960) << 20``:
+        no exponential, no float→int conversion. ``s_mn`` takes the values."""
+        n_rows = cute.size(ref)
+        offset = cute.make_rmem_tensor(n_rows, Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            offset[r] = RNE_MAGIC + (_MITCHELL_BIAS - 8.0 * ref[r])  # exact: ref is integral
+        for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            for r in cutlass.range_constexpr(n_rows):
+                code = (s_mn[r, j] * 8.0 + offset[r]).bitcast(Int32) - RNE_MAGIC_BITS
+                value = ((code + _E4M3_TO_F32) << 20).bitcast(Float32)
+                s_mn[r, j] = value if code >= 8 else Float32(0.0)
 
     @cute.jit
     def stage_p(self, ctx, acc_S):
@@ -698,6 +731,7 @@ def attn_fwd_sm90(
     overlap: bool,
     ticket: bool = True,
     cu_seqlens_k: torch.Tensor | None = None,
+    exp_mode: str = "exact",
 ) -> None:
     """Fill ``out [T, Hq, d]`` (BF16/FP16), ``m_rows``/``lse_rows [T, Hq]`` (float32) from
     quantized operands; ``work`` was built with ``block_m = tile_m`` (one persistent CTA per SM
@@ -707,7 +741,9 @@ def attn_fwd_sm90(
     ``cu_seqlens_k`` (extend, as a prefill on top of cached keys): the documents' keys in
     ``qkv.k_codes`` and the column layout, with ``cu_seqlens`` then counting only the query
     rows; each document's queries are its last keys (query ``i`` of ``n`` sees keys ``j <=
-    L − n + i`` with ``causal``), and ``work`` was built with the same ``cu_seqlens_k``."""
+    L − n + i`` with ``causal``), and ``work`` was built with the same ``cu_seqlens_k``.
+    ``exp_mode="mitchell"`` (serving only; training is always exact): Mitchell-P instead of
+    ``exp2`` (``numerics.exp2``)."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
@@ -722,11 +758,11 @@ def attn_fwd_sm90(
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]
     key = (d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
-           ticket, out.dtype, extend)  # fmt: skip
+           ticket, out.dtype, extend, exp_mode)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
-            ticket, extend,
+            ticket, extend, exp_mode,
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     sms = sm_count(out.device)

@@ -88,8 +88,9 @@ class PagedConfig:
     M and the query rows N (``Sᵀ = K̂·Q̂ᵀ``). ``kernel="cute"`` (decodes from a quantized
     cache, :func:`cute_decode_runs`; prefills from the fp8 cache, :func:`cute_prefill_runs`):
     the CuTe DSL kernels (``cute_decode_sm90.py``; the training forward ``attn_fwd.cute_sm90``
-    on operands laid out from the cache) for ``exact`` exponentials without a window and pages
-    of a multiple of 16 slots, the Triton kernel (same numerics, these tiles) otherwise."""
+    on operands laid out from the cache) for ``exact`` exponentials (prefill: also Mitchell-P)
+    without a window and pages of a multiple of 16 slots, the Triton kernel (same numerics,
+    these tiles) otherwise."""
 
     block_m: int
     block_n: int
@@ -119,6 +120,8 @@ def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedCon
 
 #: cache formats the CuTe decodes serve (``cute_decode_sm90.py``; the default on sm_90)
 CUTE_DECODE_FORMATS = (KVCacheFormat.NVFP4, KVCacheFormat.FP8, KVCacheFormat.FP8_STATIC)
+#: exponentials the CuTe prefill runs (Schraudolph runs on the Triton prefill)
+CUTE_PREFILL_EXP_MODES = ("exact", "mitchell")
 
 
 def cute_decode_runs(fmt: KVPageFormat, heads_q: int, heads_kv: int,
@@ -513,9 +516,11 @@ def _cute_prefill(
     out: torch.Tensor,
     qk_scale: float,
     schedule: PrefillSchedule | None,
+    exp_mode: ExpMode,
 ) -> None:
     """The prefill sequences of ``plan`` through the training forward's CuTe kernel (extend:
-    each sequence's queries are its last keys) into their rows of ``out``."""
+    each sequence's queries are its last keys; ``exp_mode`` one of
+    ``CUTE_PREFILL_EXP_MODES``) into their rows of ``out``."""
     from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90
 
     schedule = schedule or plan_prefill_schedule(plan, seq_lens, query_start_loc)
@@ -528,7 +533,7 @@ def _cute_prefill(
         qkv, offsets[0], schedule.work, out[plan.num_decode_tokens : plan.num_tokens], stats[0],
         stats[1], heads_q=plan.heads_q, causal=True, qk_scale=qk_scale, tile_m=cfg.block_m,
         tile_n=cfg.block_n, num_stages=cfg.num_stages, overlap=cfg.overlap,
-        ticket=cfg.persistent, cu_seqlens_k=offsets[1],
+        ticket=cfg.persistent, cu_seqlens_k=offsets[1], exp_mode=exp_mode,
     )  # fmt: skip
 
 
@@ -598,12 +603,12 @@ def run_paged_attention(
     rest = plan.num_seqs - num_decodes
     if rest and plan.prefill_programs:
         cfg = plan.prefill
-        cute = cfg.kernel == "cute" and window is None and exp_mode == "exact" \
+        cute = cfg.kernel == "cute" and window is None and exp_mode in CUTE_PREFILL_EXP_MODES \
             and layout.page_size % 16 == 0 and plan.prefill_keys > 0 \
             and "prefill" not in CUTE_FAILURES  # fmt: skip
         if cute and _cute_fast_path("prefill", lambda: _cute_prefill(
             q, cache, block_table, seq_lens, query_start_loc, plan, out, qk_scale,
-            prefill_schedule,
+            prefill_schedule, exp_mode,
         )):  # fmt: skip
             return out
         paged_attention_kernel[(plan.prefill_programs, heads_kv, 1)](

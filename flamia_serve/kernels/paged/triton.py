@@ -23,6 +23,8 @@ from flamia_serve.kernels._common import (
     to_e4m3,
     to_out,
 )
+from flamia_serve.numerics.exp2 import RNE_MAGIC as _RNE_MAGIC
+from flamia_serve.numerics.exp2 import RNE_MAGIC_BITS as _RNE_MAGIC_BITS
 from flamia_serve.numerics.exp2 import SCHRAUDOLPH_C
 from flamia_serve.numerics.formats import P_HAT_EXP
 
@@ -43,8 +45,8 @@ P_SCALE: tl.constexpr = tl.constexpr(float(2**P_HAT_EXP))
 L_BITS_BASE: tl.constexpr = tl.constexpr(8 * (120 - P_HAT_EXP))
 # 2**15 = 1.0 * 2**15: the FP16 row maximum of Q for the NVFP4 cache (reference.Q_FP16_MAX)
 Q16_EXP: tl.constexpr = tl.constexpr(15)
-RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23
-MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B400000)  # its float32 bits
+RNE_MAGIC: tl.constexpr = tl.constexpr(_RNE_MAGIC)  # 1.5 * 2**23
+MAGIC_BITS: tl.constexpr = tl.constexpr(_RNE_MAGIC_BITS)  # its float32 bits
 NO_MAX: tl.constexpr = tl.constexpr(-1073741824.0)  # running-max sentinel (-2**30)
 
 
