@@ -56,9 +56,9 @@ def _profile(name: str, seed: int, rep: int) -> list[dict]:
     out = torch.empty_like(batch.q)
     stats = torch.empty(2, rows_q, HQ, dtype=torch.float32, device=dev)
 
-    def layout() -> None:
+    def layout(chunk: int) -> None:
         prefill_operands(batch.q, cache, batch.block_table, batch.seq_lens, plan, offsets,
-                         cfg.block_n)  # fmt: skip
+                         cfg.block_n, chunk)  # fmt: skip
 
     def forward(tile_m: int, stages: int, overlap: bool, work: WorkList) -> None:
         attn_fwd_sm90(qkv, offsets[0], work, out[decodes:], stats[0], stats[1], heads_q=HQ,
@@ -68,7 +68,7 @@ def _profile(name: str, seed: int, rep: int) -> list[dict]:
 
     parts = {
         "planned call": planned_call(batch, "fp8", prefill_keys=keys),
-        "operand layout": layout,
+        **{f"operand layout, {c}-key programs": partial(layout, c) for c in (16, 32, 64)},
         "schedule (per batch)": partial(plan_prefill_schedule, plan, batch.seq_lens,
                                         batch.query_start_loc),
     }  # fmt: skip

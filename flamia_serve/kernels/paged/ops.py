@@ -467,11 +467,13 @@ def prefill_operands(
     plan: PagedPlan,
     offsets: torch.Tensor,
     column_align: int,
+    chunk: int = 16,
 ) -> KernelQKV:
     """The training forward's operands for ``plan``'s prefill sequences (query rows
     ``num_decode_tokens..num_tokens``) from an fp8 cache, with ``offsets`` from
     :func:`prefill_offsets` (same ``column_align``); two launches, no host reads
-    (``plan.prefill_keys`` and ``plan.max_seq_len`` bound the sizes). Q̂ per token ``[Tq,
+    (``plan.prefill_keys`` and ``plan.max_seq_len`` bound the sizes; ``chunk`` keys per
+    program of the layout kernel, a multiple of 16). Q̂ per token ``[Tq,
     Hq, d]``; K̂ ``[keys, Hkv, d]`` token-major in key order; V̂ᵀ and the factors ``2^eK``,
     ``eV``, ``2^−eV`` in the column layout; ``cu_seqlens`` counts keys; ``k_exp`` and
     ``v_exp`` are empty (the CuTe forward reads the factors)."""
@@ -484,7 +486,6 @@ def prefill_operands(
     k_codes = torch.empty(plan.prefill_keys, plan.heads_kv, d, dtype=torch.uint8, device=dev)
     v_t = torch.empty(plan.heads_kv, d, t_pad, dtype=torch.uint8, device=dev)
     factors = torch.empty(plan.heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
-    chunk = 64  # keys per program
     chunks = triton.cdiv(triton.cdiv(plan.max_seq_len, column_align) * column_align, chunk)
     prefill_operands_kernel[(count, chunks, plan.heads_kv)](
         cache, layout.scales, block_table, block_table.stride(0), seq_lens, plan.num_decodes,
