@@ -29,6 +29,8 @@ from flamia_serve.kernels.paged.ops import prefill_operands
 from flamia_serve.kernels.schedule import WorkList, build_work_list
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
+#: (keys, K/V heads) per program of the operand layout kernel
+LAYOUT_VARIANTS = ((16, 1), (16, 8), (32, 8))
 #: (tile_m, num_stages, overlap) of the forward; tile_n stays 128 (the operands' alignment)
 FWD_VARIANTS = ((128, 2, False), (128, 3, False), (128, 2, True), (192, 2, False))
 
@@ -56,9 +58,9 @@ def _profile(name: str, seed: int, rep: int) -> list[dict]:
     out = torch.empty_like(batch.q)
     stats = torch.empty(2, rows_q, HQ, dtype=torch.float32, device=dev)
 
-    def layout(chunk: int) -> None:
+    def layout(chunk: int, heads: int) -> None:
         prefill_operands(batch.q, cache, batch.block_table, batch.seq_lens, plan, offsets,
-                         cfg.block_n, chunk)  # fmt: skip
+                         cfg.block_n, chunk, heads)  # fmt: skip
 
     def forward(tile_m: int, stages: int, overlap: bool, work: WorkList) -> None:
         attn_fwd_sm90(qkv, offsets[0], work, out[decodes:], stats[0], stats[1], heads_q=HQ,
@@ -68,7 +70,8 @@ def _profile(name: str, seed: int, rep: int) -> list[dict]:
 
     parts = {
         "planned call": planned_call(batch, "fp8", prefill_keys=keys),
-        **{f"operand layout, {c}-key programs": partial(layout, c) for c in (16, 32, 64)},
+        **{f"operand layout, {c} keys x {h} heads per program": partial(layout, c, h)
+           for c, h in LAYOUT_VARIANTS},
         "schedule (per batch)": partial(plan_prefill_schedule, plan, batch.seq_lens,
                                         batch.query_start_loc),
     }  # fmt: skip

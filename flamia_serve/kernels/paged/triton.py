@@ -609,24 +609,26 @@ def prefill_operands_kernel(
     HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, REGION_CODES: tl.constexpr,
     REGION_SCALES: tl.constexpr, SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr,
     SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, V_COL: tl.constexpr, ALIGN: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
     """``CHUNK`` keys (16-key groups, each inside one page) of one sequence (``first +
-    program 0``) and K/V head: K codes to token-major ``k_out`` ``[*, HKV, D]`` (row
-    ``cu_k[b] + key``), V codes (dim-major pages, ``V_ROW`` = 1) to the column layout
-    ``v_t`` ``[HKV, D, t_pad]`` and the factors ``2^eK``, ``eV``, ``2^-eV`` to ``factors``
-    ``[HKV, 3, t_pad]`` (operands.KernelQKV), 16-byte vectors both ways (the column order
-    is permuted in registers). Groups past the sequence up to its ``ALIGN``-padded end get
-    zero codes and factors (the forward loads whole tiles)."""
+    program 0``) and ``HEADS`` K/V heads (a power of two dividing ``HKV``, from ``HEADS ·
+    program 2``): K codes to token-major ``k_out`` ``[*, HKV, D]`` (row ``cu_k[b] + key``),
+    V codes (dim-major pages, ``V_ROW`` = 1) to the column layout ``v_t`` ``[HKV, D, t_pad]``
+    and the factors ``2^eK``, ``eV``, ``2^-eV`` to ``factors`` ``[HKV, 3, t_pad]``
+    (operands.KernelQKV), 16-byte vectors both ways (the column order is permuted in
+    registers). Groups past the sequence up to its ``ALIGN``-padded end get zero codes and
+    factors (the forward loads whole tiles)."""
     b = tl.program_id(0)
     seq = first + b
-    h = tl.program_id(2)
+    hh = tl.program_id(2) * HEADS + tl.arange(0, HEADS)
     length = tl.load(seq_lens_ptr + seq)
     padded = (length + ALIGN - 1) // ALIGN * ALIGN
     k_base = tl.load(cu_k_ptr + b).to(tl.int64)
     col_base = tl.multiple_of(tl.load(vt_start_ptr + b).to(tl.int64), 16)  # ALIGN >= 16
     cols = tl.arange(0, D)
     r16 = tl.arange(0, 16)
+    v_rows = tl.reshape(hh[:, None] * D + cols[None, :], (HEADS * D,)).to(tl.int64)
     for i in tl.static_range(CHUNK // 16):
         k0 = tl.program_id(1) * CHUNK + i * 16  # first key of the group
         if k0 < padded:
@@ -634,35 +636,32 @@ def prefill_operands_kernel(
             ok = keys < length
             blk = tl.load(block_table_ptr + seq * stride_bt + k0 // PAGE, mask=k0 < length,
                           other=0).to(tl.int64)  # fmt: skip
-            off0 = tl.multiple_of(k0 % PAGE, 16)
-            k_region = (blk * 2 * HKV + h) * REGION_CODES
-            v_region = ((blk * 2 + 1) * HKV + h) * REGION_CODES
-            k = tl.load(cache_ptr + k_region + (off0 + r16)[:, None] * CODE_ROW + cols[None, :],
-                        mask=ok[:, None], other=0)  # fmt: skip
-            k_rows = k_base + keys
-            tl.store(k_out_ptr + (k_rows * HKV + h)[:, None] * D + cols[None, :], k,
-                     mask=ok[:, None])  # fmt: skip
+            off = tl.multiple_of(k0 % PAGE, 16) + r16
+            k_region = blk * 2 * HKV + hh  # [HEADS]
+            v_region = k_region + HKV
+            k = tl.load(cache_ptr + (k_region * REGION_CODES)[:, None, None]
+                        + (off * CODE_ROW)[None, :, None] + cols[None, None, :],
+                        mask=ok[None, :, None], other=0)  # [HEADS, 16, D]  # fmt: skip
+            k_rows = (k_base + keys) * HKV
+            tl.store(k_out_ptr + (k_rows[None, :, None] + hh[:, None, None]) * D
+                     + cols[None, None, :], k, mask=ok[None, :, None])  # fmt: skip
             # the group's page exists (block 0 stands in past the end): an unmasked 16-byte
             # load per dim, the slots past the sequence zeroed after it
-            v = tl.load(cache_ptr + v_region + (off0 + r16)[None, :] * V_ROW
-                        + cols[:, None] * V_COL)  # [D, 16]  # fmt: skip
-            v = tl.where(ok[None, :], v, 0)
+            v = tl.load(cache_ptr + (v_region * REGION_CODES)[:, None, None]
+                        + cols[None, :, None] * V_COL
+                        + (off * V_ROW)[None, None, :])  # [HEADS, D, 16]  # fmt: skip
+            v = tl.reshape(tl.where(ok[None, None, :], v, 0), (HEADS * D, 16))
             col = col_base + k0 + r16
-            tl.store(v_t_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :],
-                     _v_t_order(v))  # fmt: skip
-            scale_at = SCALE_BASE + (off0 + r16) * SCALE_ROW
-            e_k = tl.load(scales_ptr + (blk * 2 * HKV + h) * REGION_SCALES + scale_at, mask=ok,
-                          other=0)  # fmt: skip
-            e_v = tl.load(scales_ptr + ((blk * 2 + 1) * HKV + h) * REGION_SCALES + scale_at,
-                          mask=ok, other=0)  # fmt: skip
-            factors = factors_ptr + h * 3 * t_pad + col
-            f_k = tl.where(ok, exp2i(e_k), 0.0)
-            f_v = tl.where(ok, e_v.to(tl.float32), 0.0)
-            f_v_inv = tl.where(ok, exp2i(-e_v), 0.0)
-            tl.store(factors, tl.reshape(_v_t_order(tl.reshape(f_k, (1, 16))), (16,)))
-            tl.store(factors + t_pad, tl.reshape(_v_t_order(tl.reshape(f_v, (1, 16))), (16,)))
-            tl.store(factors + 2 * t_pad,
-                     tl.reshape(_v_t_order(tl.reshape(f_v_inv, (1, 16))), (16,)))  # fmt: skip
+            tl.store(v_t_ptr + v_rows[:, None] * t_pad + col[None, :], _v_t_order(v))
+            scale_at = SCALE_BASE + off * SCALE_ROW
+            e_k = tl.load(scales_ptr + (k_region * REGION_SCALES)[:, None] + scale_at[None, :],
+                          mask=ok[None, :], other=0)  # [HEADS, 16]  # fmt: skip
+            e_v = tl.load(scales_ptr + (v_region * REGION_SCALES)[:, None] + scale_at[None, :],
+                          mask=ok[None, :], other=0)  # fmt: skip
+            factors = factors_ptr + (hh * 3 * t_pad)[:, None] + col[None, :]
+            tl.store(factors, _v_t_order(tl.where(ok[None, :], exp2i(e_k), 0.0)))
+            tl.store(factors + t_pad, _v_t_order(tl.where(ok[None, :], e_v.to(tl.float32), 0.0)))
+            tl.store(factors + 2 * t_pad, _v_t_order(tl.where(ok[None, :], exp2i(-e_v), 0.0)))
 
 
 @triton.jit
