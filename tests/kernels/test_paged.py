@@ -545,9 +545,9 @@ def test_prefill_operands_layout(page_size: int, align: int) -> None:
     q8 = quantize_fp8(b.q[2:].float(), None, Granularity.TOKEN)
     assert torch.equal(qkv.q_codes.view(torch.uint8), q8.codes.view(torch.uint8))
     assert torch.equal(qkv.q_exp.long(), q8.exponents.long())
-    # one head and 32 keys per program of the layout kernel (default: both heads, 16 keys)
+    # both heads and 32 keys per program of the layout kernel (default: one head, 16 keys)
     one = prefill_operands(b.q, cache, b.block_table, b.seq_lens, plan, offsets, align,
-                           chunk=32, heads=1)  # fmt: skip
+                           chunk=32, heads=2)  # fmt: skip
     used = torch.cat([start + torch.arange(pad) for start, pad in
                       zip(qkv.doc_v_t_start.tolist(), pads, strict=True)])  # fmt: skip
     assert torch.equal(one.k_codes.view(torch.uint8)[:171], qkv.k_codes.view(torch.uint8)[:171])

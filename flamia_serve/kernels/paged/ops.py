@@ -468,14 +468,15 @@ def prefill_operands(
     offsets: torch.Tensor,
     column_align: int,
     chunk: int = 16,
-    heads: int | None = None,
+    heads: int = 1,
 ) -> KernelQKV:
     """The training forward's operands for ``plan``'s prefill sequences (query rows
     ``num_decode_tokens..num_tokens``) from an fp8 cache, with ``offsets`` from
     :func:`prefill_offsets` (same ``column_align``); two launches, no host reads
     (``plan.prefill_keys`` and ``plan.max_seq_len`` bound the sizes; ``chunk`` keys and
-    ``heads`` K/V heads per program of the layout kernel: a multiple of 16, and a power of
-    two dividing Hkv, by default the largest up to 8). Q̂ per token ``[Tq,
+    ``heads`` K/V heads per program of the layout kernel: a multiple of 16 and a power of two
+    dividing Hkv; the defaults, 16 and 1, were the fastest on the H200,
+    ``profile_cute_prefill*.json``). Q̂ per token ``[Tq,
     Hq, d]``; K̂ ``[keys, Hkv, d]`` token-major in key order; V̂ᵀ and the factors ``2^eK``,
     ``eV``, ``2^−eV`` in the column layout; ``cu_seqlens`` counts keys; ``k_exp`` and
     ``v_exp`` are empty (the CuTe forward reads the factors)."""
@@ -489,7 +490,6 @@ def prefill_operands(
     v_t = torch.empty(plan.heads_kv, d, t_pad, dtype=torch.uint8, device=dev)
     factors = torch.empty(plan.heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
     chunks = triton.cdiv(triton.cdiv(plan.max_seq_len, column_align) * column_align, chunk)
-    heads = heads or min(plan.heads_kv & -plan.heads_kv, 8)
     prefill_operands_kernel[(count, chunks, plan.heads_kv // heads)](
         cache, layout.scales, block_table, block_table.stride(0), seq_lens, plan.num_decodes,
         offsets[1], offsets[2], k_codes, v_t, factors, t_pad, HKV=plan.heads_kv, D=d,
