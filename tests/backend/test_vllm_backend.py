@@ -202,6 +202,30 @@ def test_builder_splits_batches_like_vllm(new: list[int], seq_lens: list[int],
     assert captured.num_splits >= plan.num_splits and builder.workspace.fits(captured)
 
 
+def test_builder_plans_the_cute_prefill_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the FP8 cache where the CuTe prefill runs, ``build()`` sizes it from vLLM's host
+    key counts (``seq_lens_cpu_upper_bound``) and builds its GPU schedule once for every
+    layer; without those counts, and for CUDA-graph captures, the Triton prefill is planned
+    (no host reads, no schedule)."""
+    from flamia_serve.kernels.paged import ops
+
+    monkeypatch.setattr(ops, "cute_available", lambda device: True)
+    builder = _builder("fp8_per_token_head")
+    new, seq_lens = [1, 1, 7, 20], [40, 9, 30, 20]
+    cm = _common(new, seq_lens)
+    cm.seq_lens_cpu_upper_bound = cm.seq_lens.clone()
+    md = builder.build(0, cm)
+    assert md.plan.prefill.kernel == "cute" and md.plan.prefill_keys == 50
+    assert md.prefill_schedule is not None
+    assert md.prefill_schedule.offsets[:2].tolist() == [[0, 7, 27], [0, 30, 50]]
+    assert int(md.prefill_schedule.work.count) == 2  # one 128-row query tile per prefill
+    assert builder.build_for_cudagraph_capture(cm).prefill_schedule is None
+    cm.seq_lens_cpu_upper_bound = None
+    md = builder.build(0, cm)
+    assert md.plan.prefill_keys == 0 and md.prefill_schedule is None
+    assert _builder("nvfp4").build(0, cm).plan.prefill.kernel == "triton"
+
+
 def test_builder_declares_decode_cuda_graphs() -> None:
     from vllm.v1.attention.backend import AttentionCGSupport
 
