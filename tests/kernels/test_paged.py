@@ -596,3 +596,10 @@ def test_cute_prefill_plan_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None
     _assert_close(out, expected, b.fmt)
     assert calls == [{"rows": 49, "cu_q": [0, 9, 49], "cu_k": [0, 30, 170], "causal": True}]
     assert ops.CUTE_FAILURES == {"prefill": "RuntimeError: stand-in: no CuTe here"}
+    plan = kernels.plan_paged(b.fmt, 4, 2, b.query_start_loc, 140, device="cpu",
+                              seq_lens_host=b.seq_lens)  # fmt: skip
+    assert plan.prefill.kernel == "cute" and plan.prefill_keys == 170
+    # no schedule is built for a prefill that will not run
+    assert kernels.plan_prefill_schedule(plan, b.seq_lens, b.query_start_loc) is None
+    monkeypatch.setattr(ops, "CUTE_FAILURES", {})
+    assert kernels.plan_prefill_schedule(plan, b.seq_lens, b.query_start_loc) is not None

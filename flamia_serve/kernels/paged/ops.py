@@ -448,8 +448,10 @@ def plan_prefill_schedule(
     plan: PagedPlan, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
 ) -> PrefillSchedule | None:
     """The schedule of ``plan``'s CuTe prefill, or None when its prefills run on Triton
-    (not an fp8 cache on sm_90 with the ``cute`` extra, no host key count, no prefill)."""
-    if plan.prefill.kernel != "cute" or plan.prefill_keys <= 0 or plan.num_seqs == plan.num_decodes:
+    (not an fp8 cache on sm_90 with the ``cute`` extra, no host key count, no prefill, or
+    the CuTe prefill failed earlier in this process)."""
+    if (plan.prefill.kernel != "cute" or plan.prefill_keys <= 0
+            or plan.num_seqs == plan.num_decodes or "prefill" in CUTE_FAILURES):  # fmt: skip
         return None
     cfg = default_config(plan.fmt.head_dim, seq_lens.device, kernel="cute")
     offsets = prefill_offsets(plan, seq_lens, query_start_loc, cfg.block_n)
