@@ -189,9 +189,9 @@ def prefill_operand_variants(verbose: bool = False) -> dict:
     ptrs = {"cache_ptr": U8, "scales_ptr": scales, "block_table_ptr": I32, "seq_lens_ptr": I32,
             "cu_k_ptr": I32, "vt_start_ptr": I32, "k_out_ptr": U8, "v_t_ptr": U8,
             "factors_ptr": F32}  # fmt: skip
-    for heads in (8, 1):  # the default last
+    for heads, name in ((8, "operands, 8 heads per program"), (1, "operands")):
         consts = dict(HKV=8, D=128, ALIGN=128, CHUNK=16, HEADS=heads, **layout)
-        compiled["operands"] = _compile(prefill_operands_kernel, ptrs, consts, 4)
+        compiled[name] = _compile(prefill_operands_kernel, ptrs, consts, 4)
     ptrs = {"q_ptr": BF16, "codes_ptr": FP8, "exp_ptr": I16}
     consts = dict(HQ=32, D=128, BLOCK=64, INTERPRET=False)
     compiled["quantize_q"] = _compile(quantize_q_tokens_kernel, ptrs, consts, 4)
