@@ -45,6 +45,7 @@ from flamia_serve.backend._vllm import (
     get_num_attention_heads_from_layers,
 )
 from flamia_serve.kernels.paged import (
+    CUTE_PREFILL_EXP_MODES,
     PagedPlan,
     PagedWorkspace,
     PrefillSchedule,
@@ -54,7 +55,7 @@ from flamia_serve.kernels.paged import (
     run_paged_attention,
     run_write_kv_cache,
 )
-from flamia_serve.numerics.exp2 import check_exp_mode
+from flamia_serve.numerics.exp2 import ExpMode, check_exp_mode
 from flamia_serve.numerics.kv_pages import (
     VLLM_KV_CACHE_DTYPES,
     KVCacheFormat,
@@ -222,6 +223,9 @@ class FlamiaMetadataBuilder(AttentionMetadataBuilder[FlamiaMetadata]):
                                   self.max_model_len, device)  # fmt: skip
         self.workspace = PagedWorkspace.allocate(rows, self.heads_q, self.fmt.head_dim, device)
         self._capturing = False
+        # the CuTe prefill runs neither sliding windows nor Schraudolph: no schedule for them
+        self._cute_prefill_possible = getattr(kv_cache_spec, "sliding_window", None) is None \
+            and _exp_mode() in CUTE_PREFILL_EXP_MODES  # fmt: skip
 
     def build(
         self,
@@ -248,7 +252,8 @@ class FlamiaMetadataBuilder(AttentionMetadataBuilder[FlamiaMetadata]):
             slot_mapping=cm.slot_mapping,
             plan=plan,
             workspace=self.workspace,
-            prefill_schedule=plan_prefill_schedule(plan, cm.seq_lens, cm.query_start_loc),
+            prefill_schedule=plan_prefill_schedule(plan, cm.seq_lens, cm.query_start_loc)
+            if self._cute_prefill_possible else None,
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
@@ -311,7 +316,7 @@ class FlamiaAttentionImpl(AttentionImpl[FlamiaMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.fmt = KVPageFormat(format_for_vllm(kv_cache_dtype, _model_dtype()), head_size)
         self.static = self.fmt.dtype is KVCacheFormat.FP8_STATIC
-        self.exp_mode = check_exp_mode(os.environ.get("FLAMIA_EXP_MODE", "exact"))
+        self.exp_mode = _exp_mode()
         self.qk_scale = self.scale * math.log2(math.e)
         self._inverse: dict[float, float] = {}
         self._cache_checked = False
@@ -377,6 +382,11 @@ class FlamiaAttentionImpl(AttentionImpl[FlamiaMetadata]):
                             v_scale=v_scale, workspace=md.workspace,
                             prefill_schedule=md.prefill_schedule)  # fmt: skip
         return output
+
+
+def _exp_mode() -> ExpMode:
+    """The serving exponential, from ``FLAMIA_EXP_MODE`` (default ``exact``)."""
+    return check_exp_mode(os.environ.get("FLAMIA_EXP_MODE", "exact"))
 
 
 def _model_dtype() -> torch.dtype:

@@ -224,6 +224,11 @@ def test_builder_plans_the_cute_prefill_once_per_step(monkeypatch: pytest.Monkey
     md = builder.build(0, cm)
     assert md.plan.prefill_keys == 0 and md.prefill_schedule is None
     assert _builder("nvfp4").build(0, cm).plan.prefill.kernel == "triton"
+    cm.seq_lens_cpu_upper_bound = cm.seq_lens.clone()
+    monkeypatch.setenv("FLAMIA_EXP_MODE", "schraudolph")  # runs on the Triton prefill
+    assert _builder("fp8_per_token_head").build(0, cm).prefill_schedule is None
+    monkeypatch.setenv("FLAMIA_EXP_MODE", "mitchell")  # runs on the CuTe prefill
+    assert _builder("fp8_per_token_head").build(0, cm).prefill_schedule is not None
 
 
 def test_builder_declares_decode_cuda_graphs() -> None:

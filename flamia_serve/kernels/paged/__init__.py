@@ -2,6 +2,7 @@
 points, and plan + run launchers for callers that plan once per batch (the vLLM backend)."""
 
 from flamia_serve.kernels.paged.ops import (
+    CUTE_PREFILL_EXP_MODES,
     PagedConfig,
     PagedLayout,
     PagedPlan,
@@ -22,6 +23,7 @@ from flamia_serve.kernels.paged.ops import (
 )
 
 __all__ = [
+    "CUTE_PREFILL_EXP_MODES",
     "PagedConfig",
     "PagedLayout",
     "PagedPlan",
