@@ -54,7 +54,7 @@ def _profile(name: str, seed: int, rep: int) -> list[dict]:
     cache = batch.caches["fp8"]
     qkv = prefill_operands(batch.q, cache, batch.block_table, batch.seq_lens, plan, offsets,
                            cfg.block_n)  # fmt: skip
-    rows_q = plan.num_tokens - plan.num_decode_tokens
+    rows_q = plan.num_prefill_tokens
     out = torch.empty_like(batch.q)
     stats = torch.empty(2, rows_q, HQ, dtype=torch.float32, device=dev)
 

@@ -250,6 +250,16 @@ class PagedPlan:
         return triton.next_power_of_2(self.heads_q // self.heads_kv)
 
     @property
+    def num_prefills(self) -> int:
+        """Sequences after the decodes (prefill/extend)."""
+        return self.num_seqs - self.num_decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Query rows of the prefill sequences (``num_decode_tokens..num_tokens``)."""
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
     def workspace_rows(self) -> int:
         """Rows (token × split) of split-K partials this plan needs (0: no split)."""
         return self.num_splits * self.num_decode_tokens if self.num_splits > 1 else 0
@@ -412,6 +422,16 @@ def _cute_fast_path(kind: str, launch: Callable[[], None]) -> bool:
     return True
 
 
+def _cute_runs(kind: str, cfg: PagedConfig, window: int | None, exp_mode: ExpMode,
+               page_size: int) -> bool:  # fmt: skip
+    """Whether the CuTe ``kind`` ("decode" / "prefill") takes a launch its plan gave it: no
+    sliding window, an exponential it runs, pages of a multiple of 16 slots, no earlier
+    failure in this process (the Triton kernel, same numerics, runs otherwise)."""
+    modes = CUTE_PREFILL_EXP_MODES if kind == "prefill" else ("exact",)
+    return cfg.kernel == "cute" and window is None and exp_mode in modes \
+        and page_size % 16 == 0 and kind not in CUTE_FAILURES  # fmt: skip
+
+
 def _cute_decode(**kwargs: object) -> None:
     from flamia_serve.kernels.paged.cute_decode_sm90 import paged_decode_sm90
 
@@ -435,7 +455,7 @@ def prefill_offsets(
 ) -> torch.Tensor:
     """``PrefillSchedule.offsets`` of ``plan``'s prefill sequences (the ``num_seqs −
     num_decodes`` after the decodes), each one's keys padded to ``column_align`` columns."""
-    count = plan.num_seqs - plan.num_decodes
+    count = plan.num_prefills
     offsets = torch.empty(3, count + 1, dtype=torch.int32, device=seq_lens.device)
     prefill_offsets_kernel[(1,)](
         seq_lens, query_start_loc, plan.num_decodes, count, offsets[0], offsets[1], offsets[2],
@@ -450,12 +470,12 @@ def plan_prefill_schedule(
     """The schedule of ``plan``'s CuTe prefill, or None when its prefills run on Triton
     (not an fp8 cache on sm_90 with the ``cute`` extra, no host key count, no prefill, or
     the CuTe prefill failed earlier in this process)."""
-    if (plan.prefill.kernel != "cute" or plan.prefill_keys <= 0
-            or plan.num_seqs == plan.num_decodes or "prefill" in CUTE_FAILURES):  # fmt: skip
+    if (plan.prefill.kernel != "cute" or plan.prefill_keys <= 0 or not plan.num_prefills
+            or "prefill" in CUTE_FAILURES):  # fmt: skip
         return None
     cfg = default_config(plan.fmt.head_dim, seq_lens.device, kernel="cute")
     offsets = prefill_offsets(plan, seq_lens, query_start_loc, cfg.block_n)
-    work = build_work_list(offsets[0], plan.num_tokens - plan.num_decode_tokens,
+    work = build_work_list(offsets[0], plan.num_prefill_tokens,
                            block_m=cfg.block_m, block_n=cfg.block_n, causal=True,
                            cu_seqlens_k=offsets[1])  # fmt: skip
     return PrefillSchedule(offsets, work, cfg)
@@ -485,8 +505,7 @@ def prefill_operands(
     fmt = plan.fmt
     layout = PagedLayout.of(cache, fmt)
     dev, d = q.device, fmt.head_dim
-    count = plan.num_seqs - plan.num_decodes
-    rows = plan.num_tokens - plan.num_decode_tokens
+    count, rows = plan.num_prefills, plan.num_prefill_tokens
     t_pad = v_t_length(plan.prefill_keys, count, column_align)
     k_codes = torch.empty(plan.prefill_keys, plan.heads_kv, d, dtype=torch.uint8, device=dev)
     v_t = torch.empty(plan.heads_kv, d, t_pad, dtype=torch.uint8, device=dev)
@@ -533,8 +552,8 @@ def _cute_prefill(
     assert schedule is not None
     cfg, offsets = schedule.config, schedule.offsets
     qkv = prefill_operands(q, cache, block_table, seq_lens, plan, offsets, cfg.block_n)
-    rows = plan.num_tokens - plan.num_decode_tokens
-    stats = torch.empty(2, rows, plan.heads_q, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, plan.num_prefill_tokens, plan.heads_q, dtype=torch.float32,
+                        device=q.device)  # fmt: skip
     attn_fwd_sm90(
         qkv, offsets[0], schedule.work, out[plan.num_decode_tokens : plan.num_tokens], stats[0],
         stats[1], heads_q=plan.heads_q, causal=True, qk_scale=qk_scale, tile_m=cfg.block_m,
@@ -586,8 +605,7 @@ def run_paged_attention(
                 workspace = PagedWorkspace.allocate(plan.workspace_rows, heads_q, d, q.device)
             part_o, part_ml = workspace.part_o, workspace.part_ml
         cfg = plan.decode
-        cute = cfg.kernel == "cute" and window is None and exp_mode == "exact" \
-            and layout.page_size % 16 == 0 and "decode" not in CUTE_FAILURES  # fmt: skip
+        cute = _cute_runs("decode", cfg, window, exp_mode, layout.page_size)
         if not cute or not _cute_fast_path("decode", lambda: _cute_decode(
             q=q, cache=cache, block_table=block_table, seq_lens=seq_lens,
             query_start_loc=query_start_loc, out=out, part_o=part_o, part_ml=part_ml,
@@ -606,12 +624,11 @@ def run_paged_attention(
                 part_o, part_ml, out, out.stride(0), out.stride(1), rows, heads_q,
                 NUM_SPLITS=splits, D=d, INTERPRET=interpreted(), num_warps=4,
             )  # fmt: skip
-    rest = plan.num_seqs - num_decodes
+    rest = plan.num_prefills
     if rest and plan.prefill_programs:
         cfg = plan.prefill
-        cute = cfg.kernel == "cute" and window is None and exp_mode in CUTE_PREFILL_EXP_MODES \
-            and layout.page_size % 16 == 0 and plan.prefill_keys > 0 \
-            and "prefill" not in CUTE_FAILURES  # fmt: skip
+        cute = _cute_runs("prefill", cfg, window, exp_mode, layout.page_size) \
+            and plan.prefill_keys > 0  # fmt: skip
         if cute and _cute_fast_path("prefill", lambda: _cute_prefill(
             q, cache, block_table, seq_lens, query_start_loc, plan, out, qk_scale,
             prefill_schedule, exp_mode,
