@@ -207,6 +207,11 @@ def test_bad_inputs_raise(device: str) -> None:
         call(q=b.q[..., :32].contiguous())
     with pytest.raises(ValueError, match="exp_mode"):
         kernels.paged_attention(*args, exp_mode="fast")
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_keys"):
+            kernels.paged_attention(*args, prefill_keys=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prefill_keys=12 is less than the 13 keys"):
+        kernels.paged_attention(*args, prefill_keys=12)  # no leading decode: 7 + 6 keys
     with pytest.raises(ValueError, match="slot_mapping"):
         kernels.write_kv_cache(cache, b.key, b.value, b.slot_mapping[:3], b.fmt)
     with pytest.raises(ValueError, match="kv_cache"):
@@ -553,6 +558,10 @@ def test_prefill_operands_layout(page_size: int, align: int) -> None:
     assert torch.equal(one.k_codes.view(torch.uint8)[:171], qkv.k_codes.view(torch.uint8)[:171])
     assert torch.equal(one.v_t[:, :, used].view(torch.uint8), v_t[:, :, used])
     assert torch.equal(one.kv_factors[:, :, used], qkv.kv_factors[:, :, used])
+    for bad in ({"chunk": 24}, {"chunk": 0}, {"heads": 3}, {"heads": 4}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            prefill_operands(b.q, cache, b.block_table, b.seq_lens, plan, offsets, align,
+                             **bad)  # fmt: skip
 
 
 def test_cute_prefill_plan_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:

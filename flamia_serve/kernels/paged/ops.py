@@ -502,6 +502,12 @@ def prefill_operands(
     Hq, d]``; K̂ ``[keys, Hkv, d]`` token-major in key order; V̂ᵀ and the factors ``2^eK``,
     ``eV``, ``2^−eV`` in the column layout; ``cu_seqlens`` counts keys; ``k_exp`` and
     ``v_exp`` are empty (the CuTe forward reads the factors)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk % 16:
+        raise ValueError(f"chunk must be a positive multiple of 16 keys, got {chunk!r}")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 \
+            or heads & (heads - 1) or plan.heads_kv % heads:  # fmt: skip
+        raise ValueError(f"heads must be a power of two dividing Hkv={plan.heads_kv}, got "
+                         f"{heads!r}")  # fmt: skip
     fmt = plan.fmt
     layout = PagedLayout.of(cache, fmt)
     dev, d = q.device, fmt.head_dim
@@ -799,7 +805,8 @@ def paged_attention(
     static scales. ``num_decodes``: how many leading sequences to run as decodes (found on
     the host when None); ``max_seq_len`` sizes the split-K of decodes (host-read when None);
     ``prefill_keys`` bounds the keys of the sequences after the decodes together (host-read
-    when None; the CuTe prefill of the fp8 cache needs it). ``validate`` checks index values
+    when None; the CuTe prefill of the fp8 cache sizes its buffers by it, so a bound below
+    the true count is an error wherever the call reads the host). ``validate`` checks index values
     on the host; with ``validate=False`` and both ``num_decodes`` and ``max_seq_len`` given
     nothing is read from the GPU (CUDA-graph safe; without ``prefill_keys`` the prefill then
     runs on Triton) and each of the ``num_decodes`` sequences must have exactly one new
@@ -817,6 +824,10 @@ def paged_attention(
     if hadamard and d & (d - 1):
         raise ValueError(f"hadamard needs a power-of-two head dim, got {d}")
     _static_inverses(fmt, k_scale, v_scale)  # rejects non-positive scales
+    if prefill_keys is not None and (isinstance(prefill_keys, bool)
+                                     or not isinstance(prefill_keys, int) or prefill_keys < 0):
+        raise ValueError(f"prefill_keys must be a non-negative int or None, got "
+                         f"{prefill_keys!r}")  # fmt: skip
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -848,6 +859,10 @@ def paged_attention(
                           max_decodes=num_decodes, seq_lens_host=seq_lens.cpu(),
                           **plan_args)  # type: ignore[arg-type]  # fmt: skip
         if prefill_keys is not None:
+            if prefill_keys < plan.prefill_keys:  # the CuTe prefill's buffers would overflow
+                raise ValueError(f"prefill_keys={prefill_keys} is less than the "
+                                 f"{plan.prefill_keys} keys of the sequences after the "
+                                 "decodes")  # fmt: skip
             plan = replace(plan, prefill_keys=prefill_keys)
         if num_decodes is not None and num_decodes != plan.num_decodes:
             raise ValueError(f"num_decodes={num_decodes} exceeds the {plan.num_decodes} leading "
