@@ -52,6 +52,62 @@ def env_info() -> dict[str, str]:
     }
 
 
+class JitCompiles:
+    """Counts Triton JIT compiles (disk-cache loads included) and the seconds they took, per
+    kernel name, while active: ``with JitCompiles() as jit: ...; jit.summary()``. Also counts
+    the CuTe DSL kernels FLAMIA compiled (its modules' compile caches), where imported."""
+
+    CUTE_CACHES = ("flamia_serve.kernels.attn_fwd.cute_sm90",
+                   "flamia_serve.kernels.attn_bwd.cute_sm90",
+                   "flamia_serve.kernels.paged.cute_decode_sm90")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self._started: dict[str, float] = {}
+        self._cute_before = 0
+
+    @classmethod
+    def _cute_compiled(cls) -> int:
+        return sum(len(getattr(sys.modules[m], "_COMPILED", ())) for m in cls.CUTE_CACHES
+                   if m in sys.modules)  # fmt: skip
+
+    def _before(self, *, key: object, fn: object, **_: object) -> None:
+        import time
+
+        self._started[str(key)] = time.perf_counter()
+
+    def _after(self, *, key: object, fn: object, **_: object) -> None:
+        import time
+
+        name = getattr(fn, "name", str(fn))
+        self.counts[name] = self.counts.get(name, 0) + 1
+        t0 = self._started.pop(str(key), None)
+        if t0 is not None:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def __enter__(self) -> JitCompiles:
+        from triton import knobs
+
+        self._saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+        self._cute_before = self._cute_compiled()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+        self.cute = self._cute_compiled() - self._cute_before
+
+    def summary(self) -> dict:
+        """``{"triton": {name: count}, "triton_s": total seconds, "cute": count}``."""
+        cute = getattr(self, "cute", self._cute_compiled() - self._cute_before)
+        return {"triton": dict(self.counts), "triton_s": round(sum(self.seconds.values()), 2),
+                "cute": cute}  # fmt: skip
+
+
 def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200) -> dict:
     """Median / p20 / p80 milliseconds of ``fn()`` via ``triton.testing.do_bench``.
 

@@ -6,7 +6,11 @@ normal weights (std 0.02, norms 1) with a fixed seed, chunked prefill with a 102
 budget, prompts sharing a 1000-token prefix (the setup of ``notes/vllm.md``):
 
 * ``accuracy`` — teacher-forced prompt log-probs and 32 greedy tokens of flamia (``auto``,
-  ``fp8_per_token_head``, ``nvfp4``, ``fp8``) against FLASH_ATTN with a BF16 cache;
+  ``fp8_per_token_head``, ``nvfp4``, ``fp8``) against FLASH_ATTN with a BF16 cache, and of
+  TRITON_ATTN with a BF16 cache beside them (how far two built-in backends differ);
+* ``copy`` — greedy tokens of a trained model whose next token is certain and comes from
+  attention over the whole context (``benchmarks/copy_model.py``: trained here, ~10 s):
+  every backend and cache against FLASH_ATTN ``auto`` and against the correct continuation;
 * ``prefix`` — prefix caching on: the same greedy batch twice (the second hits the cache),
   identical-output rate for flamia and FLASH_ATTN;
 * ``preemption`` — a KV cache of 80 blocks and 24 requests of 200 + 96 tokens: every request
@@ -15,10 +19,11 @@ budget, prompts sharing a 1000-token prefix (the setup of ``notes/vllm.md``):
 * ``serve`` — ``vllm serve --attention-backend flamia`` answers a completion on loopback
   (needs the ``vllm-serve`` bundle; the plugin is found through its entry point).
 
-    python benchmarks/vllm_e2e.py [--parts accuracy,prefix,preemption,cudagraph,serve]
+    python benchmarks/vllm_e2e.py [--parts accuracy,copy,prefix,preemption,cudagraph,serve]
 
 Writes ``vllm_e2e.json`` under ``$FLAMIA_RESULTS_DIR`` (default ``benchmarks/results``)
-after every part.
+after every part; each flamia engine's entry says which kernels served (``flamia``:
+launches by kind, CuTe fast-path failures).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import tempfile
 import time
 import traceback
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -71,7 +77,10 @@ class Engines:
         self.model = model
         self.results: dict = {"engines": {}}
 
-    def make(self, name: str, backend: str, kv_cache_dtype: str, **kw: object):
+    def make(self, name: str, backend: str, kv_cache_dtype: str, *,
+             weights: Callable[[object], object] | None = None, **kw: object):  # fmt: skip
+        """An engine whose dummy weights ``weights(model)`` replaces on the worker (default:
+        N(0, ``WEIGHT_STD``) with a fixed seed)."""
         from vllm import LLM
 
         t0 = time.time()
@@ -82,7 +91,8 @@ class Engines:
                     enable_prefix_caching=True, enforce_eager=True, max_num_seqs=64,
                     disable_log_stats=False) | kw  # fmt: skip
         llm = LLM(**args)
-        params = llm.apply_model(functools.partial(randomize_weights, seed=0, std=WEIGHT_STD))
+        weights = weights or functools.partial(randomize_weights, seed=0, std=WEIGHT_STD)
+        params = llm.apply_model(weights)
         llm.reset_prefix_cache()
         cfg = llm.llm_engine.vllm_config
         blocks = cfg.cache_config.num_gpu_blocks
@@ -214,6 +224,7 @@ def run_engines(parts: set[str], results: dict, save) -> None:
         if name == "flamia-nvfp4" and {"preemption", "cudagraph"} & parts:
             res["preempt_ref"] = generate(llm, random_prompts(24, 200, 7), 96)
             res["graph_ref"] = generate(llm, random_prompts(4, 128, 9), 48, logprobs=True)
+        eng.results["engines"][name]["flamia"] = flamia_facts()
         del llm
 
     order = [("flash_attn-auto", "FLASH_ATTN", "auto"), ("flamia-auto", "FLAMIA", "auto"),
@@ -222,6 +233,9 @@ def run_engines(parts: set[str], results: dict, save) -> None:
     if {"accuracy", "prefix", "preemption", "cudagraph"} & parts:
         for name, backend, dtype in order[:4]:
             step(name, lambda n=name, b=backend, d=dtype: baseline_and_flamia(n, b, d))
+    if "accuracy" in parts:  # two built-in backends against each other, for scale
+        step("triton_attn-auto", lambda: baseline_and_flamia("triton_attn-auto", "TRITON_ATTN",
+                                                             "auto"))  # fmt: skip
     if "accuracy" in parts and "acc" in out.get("flash_attn-auto", {}):
         acc = results["accuracy"] = {}
         for name in out:
@@ -266,6 +280,60 @@ def run_engines(parts: set[str], results: dict, save) -> None:
                 out["flamia-fp8"]["acc"], base) | compare_tokens(out["flamia-fp8"]["acc"], base)
 
         step("flamia-fp8", static_fp8)
+
+
+def flamia_facts() -> dict:
+    """Which FLAMIA kernels served so far in this process (launches by kind, cumulative)
+    and why a CuTe fast path stopped, if one did."""
+    if "flamia_serve.kernels.paged.ops" not in sys.modules:
+        return {}
+    from flamia_serve.kernels.paged import ops
+
+    return {"launches": dict(ops.LAUNCHES), "cute_failures": dict(ops.CUTE_FAILURES)}
+
+
+COPY_ENGINES = [("flash_attn-auto", "FLASH_ATTN", "auto"),
+                ("triton_attn-auto", "TRITON_ATTN", "auto"), ("flamia-auto", "FLAMIA", "auto"),
+                ("flamia-fp8_per_token_head", "FLAMIA", "fp8_per_token_head"),
+                ("flamia-nvfp4", "FLAMIA", "nvfp4"), ("flamia-fp8", "FLAMIA", "fp8"),
+                ("flash_attn-fp8", "FLASH_ATTN", "fp8")]  # fmt: skip
+
+
+def run_copy(results: dict, save) -> None:
+    """Train the copy model, then greedy continuations of long periodic prompts (chunked
+    prefill, many pages) from every engine: against FLASH_ATTN ``auto`` and the truth."""
+    import torch
+
+    from benchmarks.copy_model import COPY_LLAMA, copy_prompts, train_copy_model
+
+    state, log = train_copy_model(device="cuda")
+    res = results["copy"] = {"model": COPY_LLAMA, "training": log, "engines": {}}
+    save()
+    prompts, expected = copy_prompts(12, min_length=200, max_length=1900, generate=96)
+    res["prompt_lengths"] = [len(p) for p in prompts]
+    model = write_model_config(Path(tempfile.mkdtemp()) / "copy-llama", COPY_LLAMA)
+    eng = Engines(model)
+
+    def load(m: object) -> int:
+        m.load_weights(iter(state.items()))  # type: ignore[attr-defined]
+        return sum(v.numel() for v in state.values())
+
+    outs = {}
+    for name, backend, dtype in COPY_ENGINES:
+        try:
+            llm = eng.make(name, backend, dtype, weights=load, max_model_len=2048)
+            outs[name] = generate(llm, prompts, len(expected[0]))
+            truth = [{"tokens": e} for e in expected]
+            res["engines"][name] = {"vs_truth": compare_tokens(outs[name], truth),
+                                    **eng.results["engines"][name], "flamia": flamia_facts()}
+            del llm
+            torch.cuda.empty_cache()
+        except Exception:
+            res["engines"][name] = {"error": traceback.format_exc()[-3000:]}
+        if name != "flash_attn-auto" and "flash_attn-auto" in outs and name in outs:
+            res["engines"][name]["vs_flash_attn_auto"] = compare_tokens(
+                outs[name], outs["flash_attn-auto"])
+        save()
 
 
 def run_serve(results: dict, save, kv_cache_dtype: str = "nvfp4") -> None:
@@ -327,7 +395,7 @@ def run_serve(results: dict, save, kv_cache_dtype: str = "nvfp4") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="accuracy,prefix,preemption,cudagraph,serve")
+    parser.add_argument("--parts", default="accuracy,copy,prefix,preemption,cudagraph,serve")
     parser.add_argument("--name", default="vllm_e2e", help="results file name (no suffix)")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -348,6 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     results["vllm"] = vllm.__version__
     t0 = time.time()
     run_engines(parts, results, save)
+    if "copy" in parts:
+        t1 = time.time()
+        try:
+            run_copy(results, save)
+        except Exception:
+            results["copy_error"] = traceback.format_exc()[-3000:]
+        results.setdefault("seconds", {})["copy"] = round(time.time() - t1, 1)
+        save()
     if "serve" in parts:
         run_serve(results, save)
     results["total_s"] = round(time.time() - t0, 1)

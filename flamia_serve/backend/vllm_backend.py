@@ -218,7 +218,7 @@ class FlamiaMetadataBuilder(AttentionMetadataBuilder[FlamiaMetadata]):
         self.heads_kv = kv_cache_spec.num_kv_heads
         self.fmt = KVPageFormat(format_of_spec(kv_cache_spec), kv_cache_spec.head_size)
         self.max_model_len = model.max_model_len
-        max_seqs = vllm_config.scheduler_config.max_num_seqs
+        max_seqs = self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         rows = max_workspace_rows(self.fmt, self.heads_q, self.heads_kv, max_seqs,
                                   self.max_model_len, device)  # fmt: skip
         self.workspace = PagedWorkspace.allocate(rows, self.heads_q, self.fmt.head_dim, device)
@@ -252,7 +252,8 @@ class FlamiaMetadataBuilder(AttentionMetadataBuilder[FlamiaMetadata]):
             slot_mapping=cm.slot_mapping,
             plan=plan,
             workspace=self.workspace,
-            prefill_schedule=plan_prefill_schedule(plan, cm.seq_lens, cm.query_start_loc)
+            prefill_schedule=plan_prefill_schedule(plan, cm.seq_lens, cm.query_start_loc,
+                                                   self.max_seqs)
             if self._cute_prefill_possible else None,
         )
 

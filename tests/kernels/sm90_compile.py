@@ -167,14 +167,14 @@ def paged_variants() -> None:
             variants += [(True, 16, 64, 4, 2, True), (False, 64, 128, 1, 0, True)]
         for decode, bm, bn, splits, mode, keys_on_m in variants:
             consts = dict(HKV=8, GROUP=4, GROUP_P2=4, D=128, BLOCK_M=bm, BLOCK_N=bn,
-                          NUM_SPLITS=splits, DECODE=decode, HAS_WINDOW=not decode, KV_FMT=fmt,
+                          PARTIAL=splits > 1, DECODE=decode, HAS_WINDOW=not decode, KV_FMT=fmt,
                           EXP_MODE=mode, KEYS_ON_M=keys_on_m, INTERPRET=False,
                           **layout)  # fmt: skip
             _compile(paged_attention_kernel, ptrs, consts, 4 if decode else 8)
             print(f"paged_attention fmt={fmt} decode={decode} exp_mode={mode} "
                   f"keys_on_m={keys_on_m}: ok")  # fmt: skip
     ptrs = {"part_o_ptr": F32, "part_ml_ptr": F32, "out_ptr": BF16}
-    _compile(combine_splits_kernel, ptrs, dict(NUM_SPLITS=8, D=128, INTERPRET=False), 4)
+    _compile(combine_splits_kernel, ptrs, dict(D=128, INTERPRET=False), 4)
     print("combine_splits: ok")
     prefill_operand_variants()
 

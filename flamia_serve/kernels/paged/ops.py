@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -406,6 +407,10 @@ def run_write_kv_cache(
 #: it is used): the first import or compile error, e.g. a cutlass-dsl version it does not
 #: build with
 CUTE_FAILURES: dict[str, str] = {}
+#: launches of ``run_paged_attention`` in this process by part and kernel ("decode:cute",
+#: "decode:triton", "prefill:cute", "prefill:triton"): which kernels served (a CUDA-graph
+#: replay counts once, at its capture)
+LAUNCHES: Counter[str] = Counter()
 
 
 def _cute_fast_path(kind: str, launch: Callable[[], None]) -> bool:
@@ -451,30 +456,37 @@ class PrefillSchedule:
 
 
 def prefill_offsets(
-    plan: PagedPlan, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, column_align: int
+    plan: PagedPlan,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    column_align: int,
+    max_seqs: int = 0,
 ) -> torch.Tensor:
     """``PrefillSchedule.offsets`` of ``plan``'s prefill sequences (the ``num_seqs −
-    num_decodes`` after the decodes), each one's keys padded to ``column_align`` columns."""
+    num_decodes`` after the decodes), each one's keys padded to ``column_align`` columns.
+    ``max_seqs`` (the most sequences a batch can hold) sizes the kernel's block, so every
+    batch of an engine runs one compiled variant."""
     count = plan.num_prefills
     offsets = torch.empty(3, count + 1, dtype=torch.int32, device=seq_lens.device)
     prefill_offsets_kernel[(1,)](
         seq_lens, query_start_loc, plan.num_decodes, count, offsets[0], offsets[1], offsets[2],
-        B_P2=triton.next_power_of_2(count + 1), ALIGN=column_align,
+        B_P2=triton.next_power_of_2(max(count, max_seqs) + 1), ALIGN=column_align,
     )  # fmt: skip
     return offsets
 
 
 def plan_prefill_schedule(
-    plan: PagedPlan, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+    plan: PagedPlan, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_seqs: int = 0
 ) -> PrefillSchedule | None:
     """The schedule of ``plan``'s CuTe prefill, or None when its prefills run on Triton
     (not an fp8 cache on sm_90 with the ``cute`` extra, no host key count, no prefill, or
-    the CuTe prefill failed earlier in this process)."""
+    the CuTe prefill failed earlier in this process). ``max_seqs``: see
+    :func:`prefill_offsets`."""
     if (plan.prefill.kernel != "cute" or plan.prefill_keys <= 0 or not plan.num_prefills
             or "prefill" in CUTE_FAILURES):  # fmt: skip
         return None
     cfg = default_config(plan.fmt.head_dim, seq_lens.device, kernel="cute")
-    offsets = prefill_offsets(plan, seq_lens, query_start_loc, cfg.block_n)
+    offsets = prefill_offsets(plan, seq_lens, query_start_loc, cfg.block_n, max_seqs)
     work = build_work_list(offsets[0], plan.num_prefill_tokens,
                            block_m=cfg.block_m, block_n=cfg.block_n, causal=True,
                            cu_seqlens_k=offsets[1])  # fmt: skip
@@ -612,38 +624,42 @@ def run_paged_attention(
             part_o, part_ml = workspace.part_o, workspace.part_ml
         cfg = plan.decode
         cute = _cute_runs("decode", cfg, window, exp_mode, layout.page_size)
-        if not cute or not _cute_fast_path("decode", lambda: _cute_decode(
+        cute = cute and _cute_fast_path("decode", lambda: _cute_decode(
             q=q, cache=cache, block_table=block_table, seq_lens=seq_lens,
             query_start_loc=query_start_loc, out=out, part_o=part_o, part_ml=part_ml,
             fmt=fmt.dtype, num_decodes=num_decodes, num_splits=splits, part_tokens=rows,
             page_size=layout.page_size, qk_scale=qk_scale, v_scale=v_scale,
-        )):  # fmt: skip
+        ))  # fmt: skip
+        LAUNCHES["decode:cute" if cute else "decode:triton"] += 1
+        if not cute:
             paged_attention_kernel[(num_decodes, heads_kv, splits)](
                 *args, out, out.stride(0), out.stride(1), part_o, part_ml, rows,
-                0, num_decodes, qk_scale, win, v_scale,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, DECODE=True,
+                0, num_decodes, splits, qk_scale, win, v_scale,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PARTIAL=splits > 1, DECODE=True,
                 KEYS_ON_M=cfg.keys_on_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **common,
             )  # fmt: skip
         if splits > 1 and rows:
             combine_splits_kernel[(rows, heads_q)](
-                part_o, part_ml, out, out.stride(0), out.stride(1), rows, heads_q,
-                NUM_SPLITS=splits, D=d, INTERPRET=interpreted(), num_warps=4,
+                part_o, part_ml, out, out.stride(0), out.stride(1), rows, heads_q, splits,
+                D=d, INTERPRET=interpreted(), num_warps=4,
             )  # fmt: skip
     rest = plan.num_prefills
     if rest and plan.prefill_programs:
         cfg = plan.prefill
         cute = _cute_runs("prefill", cfg, window, exp_mode, layout.page_size) \
             and plan.prefill_keys > 0  # fmt: skip
-        if cute and _cute_fast_path("prefill", lambda: _cute_prefill(
+        cute = cute and _cute_fast_path("prefill", lambda: _cute_prefill(
             q, cache, block_table, seq_lens, query_start_loc, plan, out, qk_scale,
             prefill_schedule, exp_mode,
-        )):  # fmt: skip
+        ))  # fmt: skip
+        LAUNCHES["prefill:cute" if cute else "prefill:triton"] += 1
+        if cute:
             return out
         paged_attention_kernel[(plan.prefill_programs, heads_kv, 1)](
             *args, out, out.stride(0), out.stride(1), out, out, 0,
-            num_decodes, rest, qk_scale, win, v_scale,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=1, DECODE=False,
+            num_decodes, rest, 1, qk_scale, win, v_scale,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PARTIAL=False, DECODE=False,
             KEYS_ON_M=cfg.keys_on_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **common,
         )  # fmt: skip

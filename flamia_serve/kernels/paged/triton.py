@@ -384,17 +384,17 @@ def _attend_tile_keys_on_m(
     return m_new, l_i, acc_t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("part_tokens", "seq_begin", "num_seqs", "num_splits"))
 def paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     codes_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
     out_ptr, stride_ot, stride_oh, part_o_ptr, part_ml_ptr, part_tokens,
-    seq_begin, num_seqs, qk_scale, window, v_scale,
+    seq_begin, num_seqs, num_splits, qk_scale, window, v_scale,
     HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, REGION_CODES: tl.constexpr, REGION_SCALES: tl.constexpr,
     SCALE_BASE: tl.constexpr, CODE_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
     V_ROW: tl.constexpr, V_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr,
     DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FMT: tl.constexpr,
     EXP_MODE: tl.constexpr, KEYS_ON_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -405,8 +405,9 @@ def paged_attention_kernel(
     ``DECODE``: one query token per sequence, program ``i`` = sequence ``seq_begin + i``.
     Otherwise query blocks are numbered per sequence (``(qsl[s] − qsl[seq_begin]) //
     BLOCK_Q + (s − seq_begin)`` starts sequence ``s``) and found by binary search.
-    ``NUM_SPLITS > 1`` splits the key range; partial (O, M, l) go to ``part_*`` (rows =
-    the token's index, ``part_tokens`` rows per split) for ``combine_splits_kernel``.
+    ``num_splits`` (program axis 2) splits the key range; with ``PARTIAL`` partial (O, M, l)
+    go to ``part_*`` (rows = the token's index, ``part_tokens`` rows per split) for
+    ``combine_splits_kernel``, without it (``num_splits`` = 1) O goes to ``out``.
     ``qk_scale`` includes ``fp8_static``'s K scale; ``v_scale`` multiplies O (1 otherwise).
     Key tiles inside ``[kv_lo, kv_hi)`` run unmasked; at most one tile at each end is masked.
     ``KEYS_ON_M`` (8-bit caches): :func:`_attend_tile_keys_on_m`.
@@ -468,7 +469,7 @@ def paged_attention_kernel(
         kv_lo = tl.maximum(ctx0 + tok0 - window + 1, 0)
     tile_lo = kv_lo // BLOCK_N
     n_tiles = tl.cdiv(kv_hi, BLOCK_N) - tile_lo
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(n_tiles, num_splits)
     t_begin = tile_lo + split * per_split
     t_end = tl.minimum(t_begin + per_split, tile_lo + n_tiles)
     # full tiles [full_lo, full_hi): inside [kv_lo, kv_hi)
@@ -531,7 +532,7 @@ def paged_attention_kernel(
     if KV_FMT == FP8_STATIC:
         inv_l = inv_l * v_scale
     tokens = (q_start + tok).to(tl.int64)
-    if NUM_SPLITS == 1:
+    if not PARTIAL:
         o_row = out_ptr + tokens * stride_ot + head * stride_oh
     else:
         o_row = part_o_ptr + ((split * part_tokens + tokens) * (HKV * GROUP) + head) * D
@@ -549,22 +550,29 @@ def paged_attention_kernel(
         tl.store(o_row[:, None] + cols[None, :], o, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("part_tokens", "num_splits"))
 def combine_splits_kernel(
-    part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, part_tokens, heads,
-    NUM_SPLITS: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
+    part_o_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, part_tokens, heads, num_splits,
+    D: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Merge split partials of one (token, head): weights ``l_s · 2^(M_s − max M)``."""
+    """Merge the ``num_splits`` partials of one (token, head): weights ``l_s · 2^(M_s − max
+    M)``, summed in split order."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    splits = tl.arange(0, NUM_SPLITS)
-    ml = part_ml_ptr + ((splits * part_tokens + t) * heads + h) * 2
-    m = tl.load(ml)
-    weight = tl.load(ml + 1) * exp2i(tl.maximum(m - tl.max(m, axis=0), -127.0).to(tl.int32))
+    m_max = NO_MAX
+    for s in range(num_splits):
+        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + ((s * part_tokens + t) * heads + h) * 2))
     cols = tl.arange(0, D)
-    o = tl.load(part_o_ptr + ((splits * part_tokens + t) * heads + h)[:, None] * D + cols[None, :])
-    total = tl.sum(weight, axis=0)
-    merged = tl.sum(o * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    total = 0.0
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s in range(num_splits):
+        row = (s * part_tokens + t) * heads + h
+        m = tl.load(part_ml_ptr + row * 2)
+        weight = tl.load(part_ml_ptr + row * 2 + 1) * exp2i(
+            tl.maximum(m - m_max, -127.0).to(tl.int32))
+        total += weight
+        acc += tl.load(part_o_ptr + row * D + cols) * weight
+    merged = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, to_out(merged, out_ptr, INTERPRET))
 
 
@@ -573,7 +581,7 @@ def combine_splits_kernel(
 # Q exponents, per-key K and V exponents). These kernels lay its operands out from the cache.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("first", "count"))
 def prefill_offsets_kernel(
     seq_lens_ptr, qsl_ptr, first, count, cu_q_ptr, cu_k_ptr, vt_start_ptr,
     B_P2: tl.constexpr, ALIGN: tl.constexpr,
@@ -602,7 +610,7 @@ def _v_t_order(x):
     return tl.reshape(tl.permute(x, (0, 2, 1, 3)), (rows, 16))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("first", "t_pad"))
 def prefill_operands_kernel(
     cache_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, first, cu_k_ptr,
     vt_start_ptr, k_out_ptr, v_t_ptr, factors_ptr, t_pad,
@@ -664,7 +672,7 @@ def prefill_operands_kernel(
             tl.store(factors + 2 * t_pad, _v_t_order(tl.where(ok[None, :], exp2i(-e_v), 0.0)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_tokens",))
 def quantize_q_tokens_kernel(
     q_ptr, stride_qt, stride_qh, n_tokens, codes_ptr, exp_ptr,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
