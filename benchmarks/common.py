@@ -52,6 +52,17 @@ def env_info() -> dict[str, str]:
     }
 
 
+def flamia_kernel_facts() -> dict:
+    """Which FLAMIA serving kernels ran so far in this process (``paged.ops.LAUNCHES``,
+    cumulative) and why a CuTe fast path stopped, if one did (``CUTE_FAILURES``); empty
+    when the serving kernels were never imported."""
+    if "flamia_serve.kernels.paged.ops" not in sys.modules:
+        return {}
+    from flamia_serve.kernels.paged import ops
+
+    return {"launches": dict(ops.LAUNCHES), "cute_failures": dict(ops.CUTE_FAILURES)}
+
+
 class JitCompiles:
     """Counts Triton JIT compiles (disk-cache loads included) and the seconds they took, per
     kernel name, while active: ``with JitCompiles() as jit: ...; jit.summary()``. Also counts

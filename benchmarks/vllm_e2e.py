@@ -48,6 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from benchmarks.common import flamia_kernel_facts
 from flamia_serve.backend.demo import SMALL_LLAMA as DEMO_LLAMA
 from flamia_serve.backend.demo import randomize_weights, write_model_config
 
@@ -224,7 +225,7 @@ def run_engines(parts: set[str], results: dict, save) -> None:
         if name == "flamia-nvfp4" and {"preemption", "cudagraph"} & parts:
             res["preempt_ref"] = generate(llm, random_prompts(24, 200, 7), 96)
             res["graph_ref"] = generate(llm, random_prompts(4, 128, 9), 48, logprobs=True)
-        eng.results["engines"][name]["flamia"] = flamia_facts()
+        eng.results["engines"][name]["flamia"] = flamia_kernel_facts()
         del llm
 
     order = [("flash_attn-auto", "FLASH_ATTN", "auto"), ("flamia-auto", "FLAMIA", "auto"),
@@ -282,16 +283,6 @@ def run_engines(parts: set[str], results: dict, save) -> None:
         step("flamia-fp8", static_fp8)
 
 
-def flamia_facts() -> dict:
-    """Which FLAMIA kernels served so far in this process (launches by kind, cumulative)
-    and why a CuTe fast path stopped, if one did."""
-    if "flamia_serve.kernels.paged.ops" not in sys.modules:
-        return {}
-    from flamia_serve.kernels.paged import ops
-
-    return {"launches": dict(ops.LAUNCHES), "cute_failures": dict(ops.CUTE_FAILURES)}
-
-
 COPY_ENGINES = [("flash_attn-auto", "FLASH_ATTN", "auto"),
                 ("triton_attn-auto", "TRITON_ATTN", "auto"), ("flamia-auto", "FLAMIA", "auto"),
                 ("flamia-fp8_per_token_head", "FLAMIA", "fp8_per_token_head"),
@@ -328,7 +319,7 @@ def run_copy(results: dict, save) -> None:
             outs[name] = generate(llm, prompts, len(expected[0]))
             truth = [{"tokens": e} for e in expected]
             res["engines"][name] = {"vs_truth": compare_tokens(outs[name], truth),
-                                    **eng.results["engines"][name], "flamia": flamia_facts()}
+                                    **eng.results["engines"][name], "flamia": flamia_kernel_facts()}
             del llm
             torch.cuda.empty_cache()
         except Exception:

@@ -26,6 +26,7 @@ Rows: ``{"workload", "pass": "e2e", "impl": "<backend>-<kv dtype>", "output_tok_
 
     python benchmarks/vllm_throughput.py [--workloads a,b] [--configs flamia-nvfp4,...]
     python benchmarks/vllm_throughput.py --plot benchmarks/results/vllm_throughput.json
+    python benchmarks/vllm_throughput.py --merge a.json b.json   # -> vllm_throughput.json
 """
 
 from __future__ import annotations
@@ -78,22 +79,13 @@ def workload(args: argparse.Namespace, name: str) -> dict:
     return {k: getattr(args, f"{name}_{k}") for k in WORKLOAD_ARGS}
 
 
-def flamia_facts() -> dict:
-    """Which FLAMIA kernels served in this process and why a CuTe fast path stopped."""
-    if "flamia_serve.kernels.paged.ops" not in sys.modules:
-        return {}
-    from flamia_serve.kernels.paged import ops
-
-    return {"launches": dict(ops.LAUNCHES), "cute_failures": dict(ops.CUTE_FAILURES)}
-
-
 def run_one(impl: str, wl: str, args: argparse.Namespace) -> dict:
     """One engine for workload ``wl``: start-up, warm-up, the timed run; rows and facts."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import flamia_serve.backend
-    from benchmarks.common import JitCompiles
+    from benchmarks.common import JitCompiles, flamia_kernel_facts
     from flamia_serve.backend.demo import write_model_config
 
     flamia_serve.backend.register()
@@ -133,7 +125,7 @@ def run_one(impl: str, wl: str, args: argparse.Namespace) -> dict:
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t
     facts["compiles"]["timed"] = run_jit.summary()
-    facts |= flamia_facts()
+    facts |= flamia_kernel_facts()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     n, lin = w["requests"], w["in"]
     row = {"workload": wl, "pass": "e2e", "impl": impl, "ms": round(dt * 1e3, 1),
@@ -186,6 +178,31 @@ def plot(path: Path) -> Path | None:
     return out
 
 
+def merge(paths: list[Path]) -> dict:
+    """One results document from runs of this script (e.g. one device call per workload):
+    rows and engines concatenated in order, an error dropped where a later run measured
+    that (impl, workload), environment and settings of each source kept under ``runs``."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    env_keys = ("gpu", "torch", "triton", "cuda", "date", "vllm")
+    out: dict = {"benchmark": "vllm_throughput", **{k: docs[0].get(k) for k in env_keys},
+                 "model": docs[0]["model"], "workloads": {}, "rows": [], "engines": [],
+                 "errors": {}, "skipped": [], "runs": []}  # fmt: skip
+    for path, doc in zip(paths, docs, strict=True):
+        if {k: doc.get(k) for k in env_keys[:4]} != {k: out[k] for k in env_keys[:4]}:
+            raise ValueError(f"{path}: another GPU or versions than {paths[0]}")
+        out["workloads"] |= doc["workloads"]
+        out["rows"] += doc["rows"]
+        out["engines"] += doc["engines"]
+        out["errors"] |= doc["errors"]
+        out["skipped"] += doc["skipped"]
+        out["runs"].append({"file": path.name, "date": doc.get("date"),
+                            "total_s": doc.get("total_s"), "settings": doc.get("settings")})
+    measured = {f"{r['impl']}/{r['workload']}" for r in out["rows"]}
+    out["errors"] = {k: v for k, v in out["errors"].items() if k not in measured}
+    out["skipped"] = [k for k in out["skipped"] if k not in measured]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -205,9 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one-workload", help=argparse.SUPPRESS)
     p.add_argument("--one-out", help=argparse.SUPPRESS)
     p.add_argument("--plot", type=Path, help="only re-plot a results JSON")
+    p.add_argument("--merge", type=Path, nargs="+", help="only merge results JSONs into "
+                   "--name (same GPU and versions) and plot it")  # fmt: skip
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
+        return 0
+    if args.merge:
+        from benchmarks.common import results_dir
+
+        out = results_dir() / f"{args.name}.json"
+        out.write_text(json.dumps(merge(args.merge), indent=1))
+        print(out, plot(out))
         return 0
     if args.one:
         try:

@@ -70,7 +70,7 @@ def test_batch_shapes_compile_nothing_after_warm_up(dtype: str) -> None:
     for b in warm:
         _planned_call(b, 64)
     shapes = [([1], [7000]), ([1] * 16, [900] * 16), ([1] * 17 + [33], [64] * 17 + [0]),
-              ([1] * 5 + [16, 1024, 7], [5, 80, 3000, 1, 0, 4000, 2]), ([1], [1]),
+              ([1] * 5 + [16, 1024, 7], [5, 80, 3000, 1, 0, 4000, 2, 9]), ([1], [1]),
               ([200, 200], [0, 16]), ([1] * 32 + [1], [1500] * 32 + [1])]  # fmt: skip
     with JitCompiles() as jit:
         for i, (new, cached) in enumerate(shapes):

@@ -421,12 +421,22 @@ def test_planned_fast_path_equals_validating_path(dtype: str, device: str) -> No
                               int(b.seq_lens.max()), num_tokens=total, device=device,
                               num_splits=4)  # fmt: skip
     ws = kernels.PagedWorkspace.allocate(plan.workspace_rows, q.shape[1], 64, device)
+    from flamia_serve.kernels.paged.ops import LAUNCHES
+
+    before = LAUNCHES.copy()
     for _ in range(2):  # the same plan and workspace serve every layer
         kernels.run_paged_attention(q, cache, b.block_table, b.seq_lens, b.query_start_loc,
                                     plan, out, qk_scale=64**-0.5 * math.log2(math.e),
                                     workspace=ws)  # fmt: skip
     assert torch.equal(out[:total], expected)
     assert (out[total:] == 7.0).all()
+    # each call counted once per part, under the kernel that served it (Triton on the CPU)
+    counted = LAUNCHES - before
+    if device == "cpu":
+        assert counted == {"decode:triton": 2, "prefill:triton": 2}
+    else:
+        assert sum(counted.values()) == 4 and set(counted) <= {
+            "decode:triton", "decode:cute", "prefill:triton", "prefill:cute"}
     # the validating entry point without host reads (counts given) plans the same launch
     quiet = kernels.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
                                     b.query_start_loc, num_splits=4, validate=False,

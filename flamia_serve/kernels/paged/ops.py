@@ -467,7 +467,10 @@ def prefill_offsets(
     ``max_seqs`` (the most sequences a batch can hold) sizes the kernel's block, so every
     batch of an engine runs one compiled variant."""
     count = plan.num_prefills
-    offsets = torch.empty(3, count + 1, dtype=torch.int32, device=seq_lens.device)
+    # rows 16-byte aligned for every count (else each count class is another JIT variant)
+    rows = torch.empty(3, triton.cdiv(count + 1, 4) * 4, dtype=torch.int32,
+                       device=seq_lens.device)  # fmt: skip
+    offsets = rows[:, : count + 1]
     prefill_offsets_kernel[(1,)](
         seq_lens, query_start_loc, plan.num_decodes, count, offsets[0], offsets[1], offsets[2],
         B_P2=triton.next_power_of_2(max(count, max_seqs) + 1), ALIGN=column_align,

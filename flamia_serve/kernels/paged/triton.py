@@ -384,7 +384,7 @@ def _attend_tile_keys_on_m(
     return m_new, l_i, acc_t
 
 
-@triton.jit(do_not_specialize=("part_tokens", "seq_begin", "num_seqs", "num_splits"))
+@triton.jit(do_not_specialize=("stride_bt", "part_tokens", "seq_begin", "num_seqs", "num_splits"))
 def paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,
     codes_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
@@ -610,7 +610,7 @@ def _v_t_order(x):
     return tl.reshape(tl.permute(x, (0, 2, 1, 3)), (rows, 16))
 
 
-@triton.jit(do_not_specialize=("first", "t_pad"))
+@triton.jit(do_not_specialize=("stride_bt", "first", "t_pad"))
 def prefill_operands_kernel(
     cache_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, first, cu_k_ptr,
     vt_start_ptr, k_out_ptr, v_t_ptr, factors_ptr, t_pad,
