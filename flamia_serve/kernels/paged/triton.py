@@ -610,7 +610,9 @@ def _v_t_order(x):
     return tl.reshape(tl.permute(x, (0, 2, 1, 3)), (rows, 16))
 
 
-@triton.jit(do_not_specialize=("stride_bt", "first", "t_pad"))
+# t_pad stays specialised: always a multiple of ALIGN >= 16 (one variant), and that lets the
+# V̂ᵀ / factor stores be 16-byte vectors
+@triton.jit(do_not_specialize=("stride_bt", "first"))
 def prefill_operands_kernel(
     cache_ptr, scales_ptr, block_table_ptr, stride_bt, seq_lens_ptr, first, cu_k_ptr,
     vt_start_ptr, k_out_ptr, v_t_ptr, factors_ptr, t_pad,
