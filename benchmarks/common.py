@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -77,6 +78,7 @@ class JitCompiles:
         self.seconds: dict[str, float] = {}
         self._started: dict[str, float] = {}
         self._cute_before = 0
+        self._cute_after: int | None = None  # set on exit
 
     @classmethod
     def _cute_compiled(cls) -> int:
@@ -84,13 +86,9 @@ class JitCompiles:
                    if m in sys.modules)  # fmt: skip
 
     def _before(self, *, key: object, fn: object, **_: object) -> None:
-        import time
-
         self._started[str(key)] = time.perf_counter()
 
     def _after(self, *, key: object, fn: object, **_: object) -> None:
-        import time
-
         name = getattr(fn, "name", str(fn))
         self.counts[name] = self.counts.get(name, 0) + 1
         t0 = self._started.pop(str(key), None)
@@ -110,13 +108,23 @@ class JitCompiles:
         from triton import knobs
 
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
-        self.cute = self._cute_compiled() - self._cute_before
+        self._cute_after = self._cute_compiled()
+
+    @property
+    def cute(self) -> int:
+        """CuTe kernels compiled while active (so far, inside the block)."""
+        after = self._cute_compiled() if self._cute_after is None else self._cute_after
+        return after - self._cute_before
+
+    @property
+    def total(self) -> int:
+        """Triton and CuTe compiles together."""
+        return sum(self.counts.values()) + self.cute
 
     def summary(self) -> dict:
         """``{"triton": {name: count}, "triton_s": total seconds, "cute": count}``."""
-        cute = getattr(self, "cute", self._cute_compiled() - self._cute_before)
         return {"triton": dict(self.counts), "triton_s": round(sum(self.seconds.values()), 2),
-                "cute": cute}  # fmt: skip
+                "cute": self.cute}  # fmt: skip
 
 
 def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200) -> dict:

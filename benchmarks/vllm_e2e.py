@@ -310,6 +310,7 @@ def run_copy(results: dict, save) -> None:
         m.load_weights(iter(state.items()))  # type: ignore[attr-defined]
         return sum(v.numel() for v in state.values())
 
+    truth = [{"tokens": e} for e in expected]
     outs = {}
     for name, backend, dtype in COPY_ENGINES:
         try:
@@ -317,7 +318,6 @@ def run_copy(results: dict, save) -> None:
             llm = eng.make(name, backend, dtype, weights=load, max_model_len=2048,
                            gpu_memory_utilization=0.03)  # fmt: skip
             outs[name] = generate(llm, prompts, len(expected[0]))
-            truth = [{"tokens": e} for e in expected]
             res["engines"][name] = {"vs_truth": compare_tokens(outs[name], truth),
                                     **eng.results["engines"][name], "flamia": flamia_kernel_facts()}
             del llm
