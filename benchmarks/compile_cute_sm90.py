@@ -1,7 +1,8 @@
 """Compile the CuTe DSL training forward for sm_90a on a CPU machine (no GPU, fake tensors).
 
 Catches DSL errors before device time is spent. The CuTe DSL wheels are cp312, so this runs
-in a throwaway Python 3.12 venv (the project venv is 3.11):
+in a throwaway Python 3.12 venv (the project venv is 3.11), which
+``bash benchmarks/cute_venv.sh`` builds; by hand:
 
     python3.12 -m venv /tmp/cute312      # e.g. ~/.pyenv/versions/3.12.1/bin/python
     /tmp/cute312/bin/pip install --no-deps ~/.cache/flamia-stage/fa4/*.whl  # stage.sh fa4

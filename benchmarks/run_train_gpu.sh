@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of the training-path checks and measurements (H200), results under $OUT.
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
-#                                                                 # cutebwd, cutebwd-check
+#                                                                 # cutebwd, cutebwd-check, variants
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -28,13 +28,17 @@ for recipe in ("mxfp8", "mixed_nvfp4"):
 PY
 fi
 if [[ $steps == *,cutebwd,* ]]; then  # the CuTe backward against the reference and Triton
-  run pytest_gpu_cute_bwd 200 python -m pytest -q -m gpu -W ignore::DeprecationWarning \
+  run pytest_gpu_cute_bwd "${FLAMIA_TEST_SECS:-200}" python -m pytest -q -m gpu -W ignore::DeprecationWarning \
     tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py
 fi
 if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \
     --passes fwd,fwd+bwd,bwd --impls "${FLAMIA_IMPLS:-flamia-mxfp8,fa4,cudnn-sdpa,fa2-varlen,flex-docmask}" \
     --flex-workloads W3
+fi
+if [[ $steps == *,variants,* ]]; then  # FLAMIA_BWD_VARIANTS="NAME=PATH ..." against the current
+  # shellcheck disable=SC2086
+  run bwd_variants 300 python benchmarks/bwd_variants.py ${FLAMIA_BWD_VARIANTS:-}
 fi
 if [[ $steps == *,cutebwd-check,* ]]; then  # both backward kernels, same operands and run
   run bwd_kernels 200 python benchmarks/check_bwd_kernels.py

@@ -362,7 +362,7 @@ def test_bwd_config_kernel_choice_and_round_trip(device) -> None:
     with pytest.raises(ValueError, match=r"< 2\^31"):  # int32 dQ addressing in the kernel
         attn_bwd(qkv, qdo, m, lse, cu, heads_q=2**20, causal=True, softmax_scale=0.125,
                  config=cute)  # fmt: skip
-    for cfg in (cute, BwdConfig(), BwdConfig(kernel="cute", overlap=True, num_stages=3)):
+    for cfg in (cute, BwdConfig(), BwdConfig(kernel="cute", num_stages=3)):
         assert BwdConfig.from_ints(cfg.to_ints()) == cfg
     assert cute.work_block_n == 128 and BwdConfig().work_block_n == 64
 

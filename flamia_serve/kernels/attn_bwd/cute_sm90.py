@@ -2,24 +2,28 @@
 
 Same numerics as the Triton kernel beside it (its module docstring defines every product;
 twin: ``flamia_serve.reference.attention_backward``), with the same scale blocks: one dÔ /
-Ĝ / Q exponent per 32-query step, dK's dS exponent per 32 keys x step, dQ's per 64 keys x
-step.
+Ĝ / Q exponent per 32 queries (a "half"), dK's dS exponent per 32 keys x half, dQ's per 64
+keys x half.
 
 Design: one CTA per (128-key tile, K/V head) of the longest-first key work list. A producer
 warp TMA-loads the tile's K̂ and V̂ (token-major) and K̂ᵀ (column layout) once, then for every
-query head of the GQA group and every 32-query step Q̂, dÔ (token-major) and Q̂ᵀ, Ĝᵀ (column
-layout) into a ring of shared-memory stages. Two consumer warpgroups each own 64 keys (keys
-on the MMAs' M) and take every step:
+query head of the GQA group and every query step Q̂, dÔ (token-major) and Q̂ᵀ, Ĝᵀ (column
+layout) into a ring of shared-memory stages. A step is ``STEP_FOR_D[d]`` queries: two 32-query
+halves at d = 64, one at d = 128 (each half is a token block with its own Q / dÔ / Ĝ
+exponents and dS block exponents, so the numerics do not depend on the step). Two consumer
+warpgroups each own 64 keys (keys on the MMAs' M) and take every step:
 
-* ``Sᵀ = K̂·Q̂ᵀ`` and ``dPᵀ = V̂·dÔᵀ`` (FP8 ``wgmma`` from shared memory), P̂ rebuilt as the
-  forward built it, ``dSᵀ = P ∘ (dP − D)``;
-* ``dV += (P̂ᵀ·Ĝ)·2^eG`` and ``dK += (dŜᵀ·Q̂)·2^ek``: A from registers (the column layout's
-  permutation makes the accumulator fragment the A fragment as it is), promoted to FP32 once
-  per step, in 64-column halves of the head dimension (registers);
-* ``dQᵀ = K̂ᵀ·dŜᵀ``: dŜ goes to shared memory transposed, the product to an FP32 staging
-  tile (rows padded against bank conflicts) whose query rows inside the document are added
-  to ``dq_acc [Hq, T, d]`` by bulk reduce-adds, one lane per row (so dQ is summed in no
-  fixed order: not bitwise repeatable).
+* ``Sᵀ = K̂·Q̂ᵀ`` and ``dPᵀ = V̂·dÔᵀ`` (FP8 ``wgmma`` from shared memory, N = the step), P̂
+  rebuilt as the forward built it, ``dSᵀ = P ∘ (dP − D)``;
+* ``dV += (P̂ᵀ·Ĝ)·2^eG`` and ``dK += (dŜᵀ·Q̂)·2^ek``, one product per half (its k-block of
+  the step's A fragment and B tile): A from registers (the column layout's permutation
+  makes the accumulator fragment the A fragment as it is), promoted to FP32 per half, in
+  64-column pieces of the head dimension (registers);
+* ``dQᵀ = K̂ᵀ·dŜᵀ`` (N = the step; each half's dŜ carries its own exponent, undone per query
+  column when staged): dŜ goes to shared memory transposed, the product to an FP32
+  staging tile (rows padded against bank conflicts) whose query rows inside the document
+  are added to ``dq_acc [Hq, T, d]`` by bulk reduce-adds, one lane per row (so dQ is summed
+  in no fixed order: not bitwise repeatable).
 
 Per-query statistics (Q/dÔ/Ĝ exponents, M, lse, D) are staged in shared memory per step by
 the producer warp's lanes and read by the consumers column by column. Interior steps (all
@@ -64,16 +68,20 @@ from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.numerics import P_HAT_EXP
 from flamia_serve.numerics.operands import KernelDO, KernelQKV
 
-#: queries per step (one token block), keys per consumer warpgroup, warpgroups per CTA
-STEP = 32
+#: queries of one token block (a "half" of a 64-query step)
+HALF = 32
+#: queries per step by head dim: two halves at d = 64, one at d = 128 (H200, T = 8192 causal,
+#: ``results/bwd_variants_steps_2026-12-01.json``: 64-query steps 218 vs 182 TFLOP/s at
+#: d = 64, but 245 vs 271 at d = 128, where ptxas spills part of the dK/dV accumulators)
+STEP_FOR_D = {64: 64, 128: 32}
+#: keys per consumer warpgroup, warpgroups per CTA
 WG_KEYS = 64
 NUM_WG = 2
 TILE_N = WG_KEYS * NUM_WG
 #: FP32 padding after each query row of the dQ staging tile: the accumulator's writes (4
 #: queries x 8 head columns per instruction) then fall in 32 different banks
 DQ_PAD = 4
-#: query rows of a step's dQ tile that each warp adds to ``dq_acc`` (its lanes 0..7)
-DQ_ROWS_PER_WARP = STEP // 4
+# (each warp adds step // 4 query rows of a step's dQ tile to ``dq_acc``, one per lane)
 # named barriers (0 is __syncthreads), one of each per consumer warpgroup
 _BAR_AMAX = 1
 _BAR_DS = 3
@@ -81,11 +89,7 @@ _BAR_DQ = 5
 
 
 class FlamiaBwdSm90:
-    """Compiled once per (head dim, heads, causal, dK key block, stages, debug, overlap).
-
-    ``overlap``: a step issues the two dV pieces before its exponent exchange and the dK
-    and dQ pieces together, waiting once for each set (more registers live); without it
-    every piece is waited for and promoted in turn."""
+    """Compiled once per (head dim, heads, causal, dK key block, stages, debug)."""
 
     def __init__(
         self,
@@ -96,7 +100,6 @@ class FlamiaBwdSm90:
         dk_keys: int,
         num_stages: int,
         debug_p: bool,
-        overlap: bool = False,
     ) -> None:
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64 and 128")
@@ -111,8 +114,8 @@ class FlamiaBwdSm90:
         self.dk_keys = dk_keys
         self.num_stages = num_stages
         self.debug_p = debug_p
-        self.overlap = overlap
         self.num_threads = 128 * (NUM_WG + 1)
+        self.step_q = STEP_FOR_D[head_dim]
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -157,25 +160,30 @@ class FlamiaBwdSm90:
             FP8, LayoutEnum.ROW_MAJOR, (64, WG_KEYS), NUM_WG * halves
         )
         step_layout = sm90_utils.make_smem_layout(
-            FP8, LayoutEnum.ROW_MAJOR, (STEP, d), self.num_stages
+            FP8, LayoutEnum.ROW_MAJOR, (self.step_q, d), self.num_stages
         )
         step_t_layout = sm90_utils.make_smem_layout(
-            FP8, LayoutEnum.ROW_MAJOR, (64, STEP), self.num_stages * halves
+            FP8, LayoutEnum.ROW_MAJOR, (64, self.step_q), self.num_stages * halves
         )
-        ds_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (STEP, WG_KEYS), NUM_WG)
+        ds_layout = sm90_utils.make_smem_layout(
+            FP8, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS), NUM_WG
+        )
         dq_layout = cute.make_layout(
-            (STEP, d, NUM_WG), stride=(d + DQ_PAD, 1, STEP * (d + DQ_PAD))
+            (self.step_q, d, NUM_WG), stride=(d + DQ_PAD, 1, self.step_q * (d + DQ_PAD))
         )
-        amax_layout = cute.make_layout((2, 4, NUM_WG))
-        # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5: 2^e_dÔ, 2^e_Ĝ
-        stats_layout = cute.make_layout((6, STEP, self.num_stages))
+        # (dK block | dQ block, half, warp, warpgroup)
+        amax_layout = cute.make_layout((2, 2, 4, NUM_WG))
+        # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5 per half h: 2^e_dÔ at
+        # h, 2^e_Ĝ at 2 + h
+        stats_layout = cute.make_layout((6, self.step_q, self.num_stages))
         mma_kw = dict(atom_layout_mnk=(1, 1, 1))
         # Sᵀ / dPᵀ: keys x queries, contraction over d (A and B from shared memory)
         tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            tiler_mn=(WG_KEYS, STEP), **mma_kw,
+            tiler_mn=(WG_KEYS, self.step_q), **mma_kw,
         )  # fmt: skip
-        # dV / dK pieces: keys x 64 head columns, contraction over the step (A in registers)
+        # dV / dK pieces: keys x 64 head columns, contraction over a half (one k-block of the
+        # step's fragments; A in registers)
         tiled_mma_kv = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             tiler_mn=(WG_KEYS, 64), a_source=warpgroup.OperandSource.RMEM, **mma_kw,
@@ -183,7 +191,7 @@ class FlamiaBwdSm90:
         # dQᵀ pieces: 64 head columns x queries, contraction over the warpgroup's keys
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            tiler_mn=(64, STEP), **mma_kw,
+            tiler_mn=(64, self.step_q), **mma_kw,
         )  # fmt: skip
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
 
@@ -195,12 +203,12 @@ class FlamiaBwdSm90:
         atom_k, tma_k = atom(mK, rows_layout, (WG_KEYS, d))
         atom_v, tma_v = atom(mV, rows_layout, (WG_KEYS, d))
         atom_kt, tma_kt = atom(mKt, cols_layout, (64, WG_KEYS))
-        atom_q, tma_q = atom(mQ, step_layout, (STEP, d))
-        atom_do, tma_do = atom(mDO, step_layout, (STEP, d))
-        atom_qt, tma_qt = atom(mQt, step_t_layout, (64, STEP))
-        atom_gt, tma_gt = atom(mGt, step_t_layout, (64, STEP))
+        atom_q, tma_q = atom(mQ, step_layout, (self.step_q, d))
+        atom_do, tma_do = atom(mDO, step_layout, (self.step_q, d))
+        atom_qt, tma_qt = atom(mQt, step_t_layout, (64, self.step_q))
+        atom_gt, tma_gt = atom(mGt, step_t_layout, (64, self.step_q))
         self.kv_bytes = 3 * NUM_WG * WG_KEYS * d
-        self.step_bytes = 4 * STEP * d
+        self.step_bytes = 4 * self.step_q * d
         stages = self.num_stages
 
         @cute.struct
@@ -363,20 +371,20 @@ class FlamiaBwdSm90:
                 load_kt(src_idx=key0 // WG_KEYS + wg, dst_idx=wg * halves + hf, tma_bar_ptr=kv_bar)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         lo = self.first_step(key0)
-        n_steps = cute.ceil_div(w["seqlen"] - lo, STEP)
+        n_steps = cute.ceil_div(w["seqlen"] - lo, self.step_q)
         for g in cutlass.range(self.group, unroll=1):
             h = hk * self.group + g
-            load_q = _rows_copy(atom_q, tma_q, h, (STEP, self.d), sQ, doc_start)
-            load_do = _rows_copy(atom_do, tma_do, h, (STEP, self.d), sDO, doc_start)
+            load_q = _rows_copy(atom_q, tma_q, h, (self.step_q, self.d), sQ, doc_start)
+            load_do = _rows_copy(atom_do, tma_do, h, (self.step_q, self.d), sDO, doc_start)
             loads_t = [
-                (_cols_copy(atom_qt, tma_qt, h, (64, STEP), sQt, hf, vt_start),
-                 _cols_copy(atom_gt, tma_gt, h, (64, STEP), sGt, hf, vt_start))
+                (_cols_copy(atom_qt, tma_qt, h, (64, self.step_q), sQt, hf, vt_start),
+                 _cols_copy(atom_gt, tma_gt, h, (64, self.step_q), sGt, hf, vt_start))
                 for hf in range(halves)
             ]  # fmt: skip
             for i in cutlass.range(n_steps, unroll=1):
                 pipe_step.producer_acquire(state)
                 bar = pipe_step.producer_get_barrier(state)
-                at = lo // STEP + i
+                at = lo // self.step_q + i
                 load_q(src_idx=at, dst_idx=state.index, tma_bar_ptr=bar)
                 load_do(src_idx=at, dst_idx=state.index, tma_bar_ptr=bar)
                 for hf in cutlass.range_constexpr(halves):
@@ -385,7 +393,7 @@ class FlamiaBwdSm90:
                     loads_t[hf][1](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
                 pipe_stats.producer_acquire(state)
                 self.stage_stats(
-                    w, h, lo + i * STEP, state.index, sStats, mQexp, mDOexp, mGexp, mDelta,
+                    w, h, lo + i * self.step_q, state.index, sStats, mQexp, mDOexp, mGexp, mDelta,
                     mM, mLSE, qk_scale,
                 )  # fmt: skip
                 pipe_stats.producer_commit(state)
@@ -395,30 +403,40 @@ class FlamiaBwdSm90:
     def stage_stats(
         self, w, h, i0, idx, sStats, mQexp, mDOexp, mGexp, mDelta, mM, mLSE, qk_scale
     ):  # fmt: skip
-        """This lane's query of step ``i0`` (head ``h``): its factors into stage ``idx``."""
+        """This lane's query of each half of step ``i0`` (head ``h``): its factors into
+        stage ``idx``; lanes 0..3 the halves' dÔ and Ĝ exponents (1 past the document)."""
         lane = cute.arch.lane_idx()
-        q = i0 + lane
         doc_start = w["doc_start"]
-        eq = Int32(0)
-        m = Float32(0.0)
-        lse = Float32(0.0)
-        dl = Float32(0.0)
-        if q < w["seqlen"]:
-            tok = doc_start + q
-            eq = Int32(mQexp[h, tok])
-            m = mM[tok, h]
-            lse = mLSE[tok, h]
-            dl = mDelta[h, tok]
-        q8 = pow2(eq)
-        sStats[0, lane, idx] = q8 * qk_scale
-        sStats[1, lane, idx] = q8
-        sStats[2, lane, idx] = m - P_HAT_EXP
-        sStats[3, lane, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
-        sStats[4, lane, idx] = dl
-        if lane == 0:
-            sStats[5, 0, idx] = pow2(Int32(mDOexp[h, doc_start + i0]))
-        if lane == 1:
-            sStats[5, 1, idx] = pow2(Int32(mGexp[h, w["vt_start"] + i0]))
+        seqlen = w["seqlen"]
+        for hb in cutlass.range_constexpr(self.step_q // HALF):
+            c = hb * HALF + lane
+            q = i0 + c
+            eq = Int32(0)
+            m = Float32(0.0)
+            lse = Float32(0.0)
+            dl = Float32(0.0)
+            if q < seqlen:
+                tok = doc_start + q
+                eq = Int32(mQexp[h, tok])
+                m = mM[tok, h]
+                lse = mLSE[tok, h]
+                dl = mDelta[h, tok]
+            q8 = pow2(eq)
+            sStats[0, c, idx] = q8 * qk_scale
+            sStats[1, c, idx] = q8
+            sStats[2, c, idx] = m - P_HAT_EXP
+            sStats[3, c, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
+            sStats[4, c, idx] = dl
+        if lane < 4:
+            hb = lane % 2
+            q = i0 + hb * HALF
+            e = Int32(0)
+            if q < seqlen:
+                if lane < 2:
+                    e = Int32(mDOexp[h, doc_start + q])
+                else:
+                    e = Int32(mGexp[h, w["vt_start"] + q])
+            sStats[5, lane, idx] = pow2(e)
 
     @cute.jit
     def consume(
@@ -439,13 +457,15 @@ class FlamiaBwdSm90:
         wg_kv = tiled_mma_kv.get_slice(0)
         wg_dq = tiled_mma_dq.get_slice(0)
         d = self.d
-        _, tSrK, tSrQ = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, STEP, d), sK, sQ)
-        _, tPrV, tPrDO = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, STEP, d), sV, sDO)
+        _, tSrK, tSrQ = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, self.step_q, d), sK, sQ)
+        _, tPrV, tPrDO = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, self.step_q, d), sV, sDO)
         # dV / dK / dQᵀ in 64-column pieces of the head dimension (B / A index: stage or
         # warpgroup · halves + piece)
-        _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(wg_kv, (WG_KEYS, 64, STEP), None, sGt)
-        _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, (WG_KEYS, 64, STEP), None, sQt)
-        _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, (64, STEP, WG_KEYS), sKt, sDS)
+        kv_shape = (WG_KEYS, 64, self.step_q)
+        _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sGt)
+        _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sQt)
+        dq_shape = (64, self.step_q, WG_KEYS)
+        _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, dq_shape, sKt, sDS)
         acc_dk = []
         acc_dv = []
         for _hf in cutlass.range_constexpr(self.halves):
@@ -453,7 +473,7 @@ class FlamiaBwdSm90:
             acc_dv.append(cute.make_rmem_tensor(thr_kv.partition_shape_C((WG_KEYS, 64)), Float32))
         # this thread's rows (keys) and columns (queries) of a step's score tile
         tScS = layout_utils.reshape_acc_to_mn(
-            thr_s.partition_C(cute.make_identity_tensor((WG_KEYS, STEP)))
+            thr_s.partition_C(cute.make_identity_tensor((WG_KEYS, self.step_q)))
         )
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
@@ -486,7 +506,7 @@ class FlamiaBwdSm90:
         pipe_kv.consumer_wait_w_index_phase(0, Int32(0))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         lo = self.first_step(w["key0"])
-        n_steps = cute.ceil_div(seqlen - lo, STEP)
+        n_steps = cute.ceil_div(seqlen - lo, self.step_q)
         # a warpgroup whose keys all lie past the document, or (causal) whose first key
         # follows every query of a step, only keeps the stages in step
         wg_live = key0 < seqlen
@@ -500,15 +520,15 @@ class FlamiaBwdSm90:
         for g in cutlass.range(self.group, unroll=1):
             h = hk * self.group + g
             for i in cutlass.range(n_steps, unroll=1):
-                i0 = lo + i * STEP
+                i0 = lo + i * self.step_q
                 pipe_step.consumer_wait(state, pipe_step.consumer_try_wait(state))
                 pipe_stats.consumer_wait(state, pipe_stats.consumer_try_wait(state))
                 live = wg_live
                 if const_expr(self.causal):
-                    live = wg_live and i0 + STEP > key0
+                    live = wg_live and i0 + self.step_q > key0
                 # interior steps (every key and query inside the document; causal: every
                 # query at or after every key) skip the per-element masks
-                inside = i0 + STEP <= seqlen and key0 + WG_KEYS <= seqlen
+                inside = i0 + self.step_q <= seqlen and key0 + WG_KEYS <= seqlen
                 if const_expr(self.causal):
                     inside = inside and i0 >= key0 + WG_KEYS - 1
                 if live and inside:
@@ -518,7 +538,7 @@ class FlamiaBwdSm90:
                 pipe_stats.consumer_release(state)
                 pipe_step.consumer_release(state)
                 state.advance()
-        if t % 32 < DQ_ROWS_PER_WARP:
+        if t % 32 < (self.step_q // 4):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(ctx, thr_kv, mDK, mDV, softmax_scale)
 
@@ -526,32 +546,29 @@ class FlamiaBwdSm90:
     def step(
         self, ctx, stage, h, i0, sStats, mDQ, mDbg, softmax_scale, masked: cutlass.Constexpr
     ):  # fmt: skip
-        """One 32-query step of one head for this warpgroup's 64 keys (``masked``: some
-        keys or queries lie outside the document or, causal, a key follows a query)."""
+        """One step (one or two 32-query halves) of one head for this warpgroup's 64 keys
+        (``masked``: some keys or queries lie outside the document or, causal, a key
+        follows a query)."""
         tiled_mma_s, _, tiled_mma_dq = ctx["mmas"]
         w = ctx["w"]
         wg = ctx["wg"]
         doc_start = w["doc_start"]
         seqlen = ctx["seqlen"]
         n_rows, n_cols = ctx["n_rows"], ctx["n_cols"]
+        n_halves = self.step_q // HALF
+        cols_per_half = n_cols // n_halves  # a thread's columns of one half, in order
+        halves = self.halves
         acc_s = sm90_utils.gemm_zero_init(
-            tiled_mma_s, (WG_KEYS, STEP), ctx["tSrK"], ctx["tSrQ"], A_idx=wg, B_idx=stage,
+            tiled_mma_s, (WG_KEYS, self.step_q), ctx["tSrK"], ctx["tSrQ"], A_idx=wg, B_idx=stage,
             wg_wait=-1,
         )  # fmt: skip
         acc_dp = sm90_utils.gemm_zero_init(
-            tiled_mma_s, (WG_KEYS, STEP), ctx["tPrV"], ctx["tPrDO"], A_idx=wg, B_idx=stage,
+            tiled_mma_s, (WG_KEYS, self.step_q), ctx["tPrV"], ctx["tPrDO"], A_idx=wg, B_idx=stage,
             wg_wait=-1,
         )  # fmt: skip
-        do_fac = sStats[5, 0, stage]
-        g_fac = sStats[5, 1, stage]
         warpgroup.wait_group(0)
         s_mn = layout_utils.reshape_acc_to_mn(acc_s)
         dp_mn = layout_utils.reshape_acc_to_mn(acc_dp)
-        amax_k = Float32(0.0)
-        amax_q = Float32(0.0)
-        dp_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eV · 2^e_dÔ per key row
-        for r in cutlass.range_constexpr(n_rows):
-            dp_fac[r] = ctx["vfac"][r] * do_fac
         # column by column: the query's statistics (staged in shared memory by the producer
         # warp) are read where they are used, so only one column's stay in registers
         for j in cutlass.range_constexpr(n_cols):
@@ -572,163 +589,170 @@ class FlamiaBwdSm90:
                     if key < seqlen and q < seqlen:
                         mDbg[h, doc_start + q, doc_start + key] = p
                 s_mn[r, j] = p
-        # P̂'s values: E4M3 round trips by the hardware conversions, two values each
+        # P̂'s values in place (E4M3 round trips by the hardware conversions, two values
+        # each), then the A fragment of dV's products (k-block hb: half hb's queries)
         p8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
         p8.store(acc_s.load().to(FP8))
-        p_hat = cute.make_rmem_tensor(cute.size(acc_s), Float32)
-        p_hat.store(p8.load().to(Float32))
-        p_hat_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(p_hat.iterator, acc_s.layout))
-        # amax of dS·2^eQ (dK's blocks) and dS·2^eK (dQ's): the power-of-two factors are
-        # applied to the column / row maxima of |dS|
-        row_amax = cute.make_rmem_tensor(n_rows, Float32)
-        row_amax.fill(0.0)
-        for j in cutlass.range_constexpr(n_cols):
-            c = ctx["col0"] + column_offset(j)
-            f = sStats[3, c, stage]  # 2^(M − 8 − lse)
-            delta = sStats[4, c, stage]
-            col_amax = Float32(0.0)
-            for r in cutlass.range_constexpr(n_rows):
-                pv = p_hat_mn[r, j]
-                ds = pv * ctx["vinv"][r] * f * (dp_mn[r, j] * dp_fac[r] - delta)
-                ds = Float32(0.0) if pv == Float32(0.0) else ds
-                dp_mn[r, j] = ds
-                col_amax = fa_utils.fmax(col_amax, abs(ds))
-                row_amax[r] = fa_utils.fmax(row_amax[r], abs(ds))
-            amax_k = fa_utils.fmax(amax_k, col_amax * sStats[1, c, stage])  # · 2^eQ
-        for r in cutlass.range_constexpr(n_rows):
-            amax_q = fa_utils.fmax(amax_q, row_amax[r] * ctx["kfac"][r])
-        # P̂ into the A fragment of dV's product; dV += (P̂ᵀ·Ĝ)·2^eG in pieces of 64 columns.
-        # Serial: piece 0 runs during the exponent exchange's warp reductions, piece 1 during
-        # its barrier, each then waited for and promoted; overlap: all pieces issued now and
-        # promoted after the exchange
+        acc_s.store(p8.load().to(Float32))
         accumulator_to_a(acc_s, ctx["frag_p"])
-        acc_v = [None] * self.halves
+        # dV += (P̂ᵀ·Ĝ)·2^eG per half and 64-column piece, one product in flight while the
+        # previous one is promoted
+        dv_order = [(hb, hf) for hb in range(n_halves) for hf in range(halves)]
+        acc_v = [None] * len(dv_order)
 
-        def issue_dv(hf):
-            acc_v[hf] = self.issue_kv_piece(ctx, ctx["frag_p"], ctx["tVrG"], stage, hf)
+        def issue_dv(n):
+            hb, hf = dv_order[n]
+            acc_v[n] = self.issue_kv_piece(ctx, ctx["frag_p"], ctx["tVrG"], stage, hb, hf)
 
-        for hf in cutlass.range_constexpr(self.halves if const_expr(self.overlap) else 1):
-            issue_dv(hf)
-        # block exponents: dK per (dk_keys keys x step), dQ per (64 keys x step)
-        amax_k = cute.arch.warp_reduction_max(amax_k, threads_in_group=32)
-        amax_q = cute.arch.warp_reduction_max(amax_q, threads_in_group=32)
+        def promote_dv(n):
+            hb, hf = dv_order[n]
+            warpgroup.wait_group(0)
+            self.promote(ctx["acc_dv"][hf], acc_v[n], sStats[5, 2 + hb, stage])
+            if const_expr(n + 1 < len(dv_order)):
+                issue_dv(n + 1)
+
+        # dS in place of dP; amax of dS·2^eQ (dK's blocks) and dS·2^eK (dQ's) per half: the
+        # power-of-two factors are applied to the column / row maxima of |dS|
+        amax_k = [Float32(0.0)] * n_halves
+        amax_q = [Float32(0.0)] * n_halves
+        for hb in cutlass.range_constexpr(n_halves):
+            dp_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eV · 2^e_dÔ per key row
+            row_amax = cute.make_rmem_tensor(n_rows, Float32)
+            do_fac = sStats[5, hb, stage]
+            for r in cutlass.range_constexpr(n_rows):
+                dp_fac[r] = ctx["vfac"][r] * do_fac
+                row_amax[r] = Float32(0.0)
+            for jj in cutlass.range_constexpr(cols_per_half):
+                j = hb * cols_per_half + jj
+                c = ctx["col0"] + column_offset(j)
+                f = sStats[3, c, stage]  # 2^(M − 8 − lse)
+                delta = sStats[4, c, stage]
+                col_amax = Float32(0.0)
+                for r in cutlass.range_constexpr(n_rows):
+                    pv = s_mn[r, j]
+                    ds = pv * ctx["vinv"][r] * f * (dp_mn[r, j] * dp_fac[r] - delta)
+                    ds = Float32(0.0) if pv == Float32(0.0) else ds
+                    dp_mn[r, j] = ds
+                    col_amax = fa_utils.fmax(col_amax, abs(ds))
+                    row_amax[r] = fa_utils.fmax(row_amax[r], abs(ds))
+                amax_k[hb] = fa_utils.fmax(amax_k[hb], col_amax * sStats[1, c, stage])  # ·2^eQ
+            for r in cutlass.range_constexpr(n_rows):
+                amax_q[hb] = fa_utils.fmax(amax_q[hb], row_amax[r] * ctx["kfac"][r])
+        # (the first dV product runs during the exponent exchange; issued earlier, it would
+        # hold its accumulator beside P̂ and dS and spill)
+        issue_dv(0)
+        # block exponents: dK per (dk_keys keys x half), dQ per (64 keys x half)
         sAmax = ctx["sAmax"]
         warp = ctx["warp"]
+        for hb in cutlass.range_constexpr(n_halves):
+            amax_k[hb] = cute.arch.warp_reduction_max(amax_k[hb], threads_in_group=32)
+            amax_q[hb] = cute.arch.warp_reduction_max(amax_q[hb], threads_in_group=32)
         if ctx["t"] % 32 == 0:
-            sAmax[0, warp, wg] = amax_k
-            sAmax[1, warp, wg] = amax_q
-        if const_expr(not self.overlap):
-            warpgroup.wait_group(0)
-            self.promote(ctx["acc_dv"][0], acc_v[0], g_fac)
-            if const_expr(self.halves > 1):
-                issue_dv(1)
+            for hb in cutlass.range_constexpr(n_halves):
+                sAmax[0, hb, warp, wg] = amax_k[hb]
+                sAmax[1, hb, warp, wg] = amax_q[hb]
+        promote_dv(0)
         cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)
         # rows of a warp are 16 keys: a dK block of dk_keys keys spans dk_keys // 16 warps
         per_block = self.dk_keys // 16
         first = warp // per_block * per_block if const_expr(per_block > 1) else warp
-        block_amax = sAmax[0, first, wg]
-        for k in cutlass.range_constexpr(1, max(per_block, 1)):
-            block_amax = fa_utils.fmax(block_amax, sAmax[0, first + k, wg])
-        tile_amax = fa_utils.fmax(
-            fa_utils.fmax(sAmax[1, 0, wg], sAmax[1, 1, wg]),
-            fa_utils.fmax(sAmax[1, 2, wg], sAmax[1, 3, wg]),
-        )
-        ek = e4m3_exponent(block_amax)
-        eb = e4m3_exponent(tile_amax)
-        k_inv = pow2(-ek)
-        b_inv = pow2(-eb)
-        if const_expr(not self.overlap and self.halves > 1):
-            warpgroup.wait_group(0)
-            self.promote(ctx["acc_dv"][1], acc_v[1], g_fac)
-        # dŜ for dK (registers, A fragment) and dŜ for dQ (shared memory, transposed)
-        ds_q = cute.make_rmem_tensor(cute.size(acc_s), Float32)
-        ds_q_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds_q.iterator, acc_s.layout))
-        # (products of powers of two: one multiply per value)
-        row_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eK · 2^-eb
-        for r in cutlass.range_constexpr(n_rows):
-            row_fac[r] = ctx["kfac"][r] * b_inv
-        for j in cutlass.range_constexpr(n_cols):
-            col_fac = sStats[1, ctx["col0"] + column_offset(j), stage] * k_inv  # 2^eQ · 2^-ek
+        ek = [None] * n_halves
+        eb = [None] * n_halves
+        for hb in cutlass.range_constexpr(n_halves):
+            block_amax = sAmax[0, hb, first, wg]
+            for k in cutlass.range_constexpr(1, max(per_block, 1)):
+                block_amax = fa_utils.fmax(block_amax, sAmax[0, hb, first + k, wg])
+            tile_amax = fa_utils.fmax(
+                fa_utils.fmax(sAmax[1, hb, 0, wg], sAmax[1, hb, 1, wg]),
+                fa_utils.fmax(sAmax[1, hb, 2, wg], sAmax[1, hb, 3, wg]),
+            )
+            ek[hb] = e4m3_exponent(block_amax)
+            eb[hb] = e4m3_exponent(tile_amax)
+        # the rest of dV before dŜ is built (a product in flight beside P̂, dS and dŜ spills)
+        for n in cutlass.range_constexpr(1, len(dv_order)):
+            promote_dv(n)
+        # dŜ for dK (registers, A fragment, in place of P̂) and dŜ for dQ (in place of dS,
+        # then shared memory, transposed); products of powers of two: one multiply each
+        for hb in cutlass.range_constexpr(n_halves):
+            k_inv = pow2(-ek[hb])
+            row_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eK · 2^-eb
             for r in cutlass.range_constexpr(n_rows):
-                ds = dp_mn[r, j]
-                s_mn[r, j] = ds * col_fac
-                ds_q_mn[r, j] = ds * row_fac[r]
+                row_fac[r] = ctx["kfac"][r] * pow2(-eb[hb])
+            for jj in cutlass.range_constexpr(cols_per_half):
+                j = hb * cols_per_half + jj
+                col_fac = sStats[1, ctx["col0"] + column_offset(j), stage] * k_inv  # 2^eQ·2^-ek
+                for r in cutlass.range_constexpr(n_rows):
+                    ds = dp_mn[r, j]
+                    s_mn[r, j] = ds * col_fac
+                    dp_mn[r, j] = ds * row_fac[r]
         accumulator_to_a(acc_s, ctx["frag_ds"])
-        ds8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
-        ds8.store(ds_q.load().to(FP8))
-        ds8_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds8.iterator, acc_s.layout))
+        ds8 = cute.make_rmem_tensor(cute.size(acc_dp), FP8)
+        ds8.store(acc_dp.load().to(FP8))
+        ds8_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds8.iterator, acc_dp.layout))
         sDS = ctx["sDS"]
         tScS = ctx["tScS"]
         for r in cutlass.range_constexpr(n_rows):
             for j in cutlass.range_constexpr(n_cols):
                 # K̂ᵀ holds the keys in the column layout's order: dŜ's columns follow it
                 sDS[tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
-        if ctx["t"] % 32 < DQ_ROWS_PER_WARP:  # the previous dQ tile has left shared memory
+        if ctx["t"] % 32 < (self.step_q // 4):  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
-        if const_expr(self.overlap):
-            warpgroup.wait_group(0)
-            for hf in cutlass.range_constexpr(self.halves):
-                self.promote(ctx["acc_dv"][hf], acc_v[hf], g_fac)
-        # dK += (dŜᵀ·Q̂)·2^ek and dQᵀ = K̂ᵀ·dŜᵀ, in pieces of 64 head-dimension columns
-        ek_fac = pow2(ek)
-        dq_fac = pow2(eb) * softmax_scale
+        # dK += (dŜᵀ·Q̂)·2^ek per half and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column already
+        # scaled by its half's 2^-eb), in pieces of 64 head-dimension columns, interleaved
+        # with two products in flight
+        ek_fac = [pow2(ek[hb]) for hb in range(n_halves)]
+        dq_fac = [pow2(eb[hb]) * softmax_scale for hb in range(n_halves)]
         sDQ = ctx["sDQ"]
         thr_dq = ctx["thr_dq"]
         tQcQ = layout_utils.reshape_acc_to_mn(
-            thr_dq.partition_C(cute.make_identity_tensor((64, STEP)))
+            thr_dq.partition_C(cute.make_identity_tensor((64, self.step_q)))
         )
-        acc_k = [None] * self.halves
-        acc_q = [None] * self.halves
+        order = [
+            item
+            for hf in range(halves)
+            for item in [("k", 0, hf), ("q", 0, hf)] + [("k", hb, hf) for hb in range(1, n_halves)]
+        ]
+        accs = [None] * len(order)
 
-        def issue_dk(hf):
-            acc_k[hf] = self.issue_kv_piece(ctx, ctx["frag_ds"], ctx["tKrQ"], stage, hf)
+        def issue(n):
+            kind, hb, hf = order[n]
+            if const_expr(kind == "k"):
+                accs[n] = self.issue_kv_piece(ctx, ctx["frag_ds"], ctx["tKrQ"], stage, hb, hf)
+            else:
+                accs[n] = sm90_utils.gemm_zero_init(
+                    tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
+                    A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
+                )  # fmt: skip
 
-        def issue_dq(hf):
-            acc_q[hf] = sm90_utils.gemm_zero_init(
-                tiled_mma_dq, (64, STEP), ctx["tQrK"], ctx["tQrS"],
-                A_idx=wg * self.halves + hf, B_idx=wg, wg_wait=-1,
-            )  # fmt: skip
+        def finish(n):
+            kind, hb, hf = order[n]
+            if const_expr(kind == "k"):
+                self.promote(ctx["acc_dk"][hf], accs[n], ek_fac[hb])
+            else:
+                acc_q_mn = layout_utils.reshape_acc_to_mn(accs[n])
+                q_cols = cute.size(acc_q_mn, mode=[1])
+                for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
+                    for j in cutlass.range_constexpr(q_cols):
+                        row, col = tQcQ[r, j]
+                        fac = dq_fac[j // (q_cols // n_halves)]
+                        sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
 
-        def stage_dq(hf):
-            acc_q_mn = layout_utils.reshape_acc_to_mn(acc_q[hf])
-            for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
-                for j in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[1])):
-                    row, col = tQcQ[r, j]
-                    sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * dq_fac
-
-        if const_expr(self.overlap):  # all issued; dK's groups first, then dQ's
-            for hf in cutlass.range_constexpr(self.halves):
-                issue_dk(hf)
-            for hf in cutlass.range_constexpr(self.halves):
-                issue_dq(hf)
-            warpgroup.wait_group(self.halves)
-            for hf in cutlass.range_constexpr(self.halves):
-                self.promote(ctx["acc_dk"][hf], acc_k[hf], ek_fac)
-            warpgroup.wait_group(0)
-            for hf in cutlass.range_constexpr(self.halves):
-                stage_dq(hf)
-        else:  # one product in flight while the previous one is promoted or staged
-            issue_dk(0)
-            issue_dq(0)
-            for hf in cutlass.range_constexpr(self.halves):
-                last = hf + 1 == self.halves
-                warpgroup.wait_group(1)
-                self.promote(ctx["acc_dk"][hf], acc_k[hf], ek_fac)
-                if const_expr(not last):
-                    issue_dk(hf + 1)
-                warpgroup.wait_group(0 if const_expr(last) else 1)
-                stage_dq(hf)
-                if const_expr(not last):
-                    issue_dq(hf + 1)
+        issue(0)
+        issue(1)
+        for n in cutlass.range_constexpr(len(order)):
+            warpgroup.wait_group(1 if const_expr(n + 1 < len(order)) else 0)
+            finish(n)
+            if const_expr(n + 2 < len(order)):
+                issue(n + 2)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
         # each query row inside the document is added by one lane (rows past it are the
         # next document's: never added, so 0·NaN from a bad key cannot carry over)
         lane = ctx["t"] % 32
-        q = ctx["warp"] * DQ_ROWS_PER_WARP + lane
-        if lane < DQ_ROWS_PER_WARP and i0 + q < seqlen:
+        q = ctx["warp"] * (self.step_q // 4) + lane
+        if lane < (self.step_q // 4) and i0 + q < seqlen:
             copy_utils.cpasync_reduce_bulk_add_f32(
                 sDQ[q, None, wg].iterator, mDQ[h, doc_start + i0 + q, None].iterator,
                 self.d * 4,
@@ -736,13 +760,19 @@ class FlamiaBwdSm90:
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def issue_kv_piece(self, ctx, frag_a, t_b, stage, hf) -> cute.Tensor:
-        """A step's dV or dK product for head-dimension columns ``64·hf ..``: keys x 64,
-        A (P̂ or dŜ) from registers, B (Ĝᵀ or Q̂ᵀ piece) from ``stage``; issued, not waited."""
-        return sm90_utils.gemm_zero_init(
-            ctx["mmas"][1], (WG_KEYS, 64), frag_a, t_b, B_idx=stage * self.halves + hf,
-            wg_wait=-1,
-        )  # fmt: skip
+    def issue_kv_piece(self, ctx, frag_a, t_b, stage, hb, hf) -> cute.Tensor:
+        """A half's dV or dK product for head-dimension columns ``64·hf ..``: keys x 64,
+        contraction over half ``hb``'s queries (k-block ``hb`` of A = P̂ or dŜ in registers
+        and of B = the Ĝᵀ or Q̂ᵀ piece of ``stage``); issued, not waited."""
+        tiled_mma = ctx["mmas"][1]
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((WG_KEYS, 64)), Float32)
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, False)
+        b = t_b[None, None, None, stage * self.halves + hf]
+        cute.gemm(atom, acc, frag_a[None, None, hb], b[None, None, hb], acc)
+        warpgroup.commit_group()
+        return acc
 
     @cute.jit
     def promote(self, acc: cute.Tensor, part: cute.Tensor, scale: Float32) -> None:
@@ -812,7 +842,6 @@ def attn_bwd_sm90(
     out_dtype: torch.dtype,
     debug_p: torch.Tensor | None = None,
     num_stages: int = 2,
-    overlap: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dQ [T, Hq, d], dK, dV [T, Hkv, d])`` in ``out_dtype`` from quantized operands
     (``ops.attn_bwd``'s contract); ``work`` is a key-tile list with ``block_n = TILE_N``;
@@ -832,11 +861,11 @@ def attn_bwd_sm90(
         (lse_rows.contiguous(), 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),
         (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),
     )  # fmt: skip
-    key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, overlap,
-           out_dtype)  # fmt: skip
+    key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, out_dtype)
     if key not in _COMPILED:
-        kernel = FlamiaBwdSm90(d, heads_q, heads_kv, causal, dk_keys, num_stages,
-                               debug_p is not None, overlap)  # fmt: skip
+        kernel = FlamiaBwdSm90(
+            d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None
+        )
         _COMPILED[key] = compile_kernel(
             kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)
         )

@@ -28,9 +28,8 @@ class BwdConfig:
     ``kernel="triton"``: the portable kernel (CPU interpreter), one program per ``block_n``
     keys. ``kernel="cute"`` (sm_90, E4M3 Q/K, d 64 or 128, a layout whose column alignment
     is a multiple of 128): the CuTe DSL kernel of ``cute_sm90.py``, one CTA per 128 keys
-    (two warpgroups of ``block_n`` = 64 keys), ``num_stages`` query steps in flight,
-    ``overlap`` (its MMAs issued in sets, see ``FlamiaBwdSm90``); ``num_warps``/``maxnreg``
-    are Triton's.
+    (two warpgroups of ``block_n`` = 64 keys, 64-query steps of two ``block_m`` halves),
+    ``num_stages`` query steps in flight; ``num_warps``/``maxnreg`` are Triton's.
     """
 
     block_m: int = 32
@@ -39,7 +38,6 @@ class BwdConfig:
     num_stages: int = 2
     maxnreg: int | None = None
     kernel: str = "triton"  # "triton" | "cute"
-    overlap: bool = False
 
     @property
     def work_block_n(self) -> int:
@@ -49,17 +47,15 @@ class BwdConfig:
     def to_ints(self) -> list[int]:
         """The config as ints (what the custom op carries)."""
         return [self.block_m, self.block_n, self.num_warps, self.num_stages, self.maxnreg or 0,
-                int(self.kernel == "cute"), int(self.overlap)]  # fmt: skip
+                int(self.kernel == "cute")]  # fmt: skip
 
     @classmethod
     def from_ints(cls, xs: list[int]) -> BwdConfig:
-        bm, bn, warps, stages, maxnreg, cute, overlap = xs
-        return cls(bm, bn, warps, stages, maxnreg or None, "cute" if cute else "triton",
-                   bool(overlap))  # fmt: skip
+        bm, bn, warps, stages, maxnreg, cute = xs
+        return cls(bm, bn, warps, stages, maxnreg or None, "cute" if cute else "triton")
 
 
-#: the CuTe backward's default on sm_90 (H200, T=8192 causal d=128: 5.27 ms serial, 5.43 ms
-#: with ``overlap``, which spills; ``results/bwd_kernels.json``)
+#: the CuTe backward's default on sm_90 (``results/bwd_kernels.json``)
 CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 
 
@@ -206,7 +202,7 @@ def attn_bwd(
             qkv, qdo, m_rows, lse_rows, cu_seqlens, work, heads_q=heads_q, causal=causal,
             softmax_scale=softmax_scale, qk_scale=softmax_scale * LOG2E * qkv.qk_rescale,
             dk_keys=rec.ds_block[1], out_dtype=out_dtype, debug_p=debug_p,
-            num_stages=cfg.num_stages, overlap=cfg.overlap,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
         if debug_p is not None:
             round_debug_p_(debug_p)
