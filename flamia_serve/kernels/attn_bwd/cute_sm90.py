@@ -81,7 +81,6 @@ TILE_N = WG_KEYS * NUM_WG
 #: FP32 padding after each query row of the dQ staging tile: the accumulator's writes (4
 #: queries x 8 head columns per instruction) then fall in 32 different banks
 DQ_PAD = 4
-# (each warp adds step // 4 query rows of a step's dQ tile to ``dq_acc``, one per lane)
 # named barriers (0 is __syncthreads), one of each per consumer warpgroup
 _BAR_AMAX = 1
 _BAR_DS = 3
@@ -116,6 +115,7 @@ class FlamiaBwdSm90:
         self.debug_p = debug_p
         self.num_threads = 128 * (NUM_WG + 1)
         self.step_q = STEP_FOR_D[head_dim]
+        self.dq_rows_per_warp = self.step_q // 4  # dQ rows a warp adds per step, one a lane
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -538,7 +538,7 @@ class FlamiaBwdSm90:
                 pipe_stats.consumer_release(state)
                 pipe_step.consumer_release(state)
                 state.advance()
-        if t % 32 < (self.step_q // 4):
+        if t % 32 < self.dq_rows_per_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(ctx, thr_kv, mDK, mDV, softmax_scale)
 
@@ -695,7 +695,7 @@ class FlamiaBwdSm90:
             for j in cutlass.range_constexpr(n_cols):
                 # K̂ᵀ holds the keys in the column layout's order: dŜ's columns follow it
                 sDS[tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
-        if ctx["t"] % 32 < (self.step_q // 4):  # the previous dQ tile has left shared memory
+        if ctx["t"] % 32 < self.dq_rows_per_warp:  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
@@ -751,8 +751,8 @@ class FlamiaBwdSm90:
         # each query row inside the document is added by one lane (rows past it are the
         # next document's: never added, so 0·NaN from a bad key cannot carry over)
         lane = ctx["t"] % 32
-        q = ctx["warp"] * (self.step_q // 4) + lane
-        if lane < (self.step_q // 4) and i0 + q < seqlen:
+        q = ctx["warp"] * self.dq_rows_per_warp + lane
+        if lane < self.dq_rows_per_warp and i0 + q < seqlen:
             copy_utils.cpasync_reduce_bulk_add_f32(
                 sDQ[q, None, wg].iterator, mDQ[h, doc_start + i0 + q, None].iterator,
                 self.d * 4,
