@@ -404,11 +404,13 @@ class FlamiaBwdSm90:
         self, w, h, i0, idx, sStats, mQexp, mDOexp, mGexp, mDelta, mM, mLSE, qk_scale
     ):  # fmt: skip
         """This lane's query of each half of step ``i0`` (head ``h``): its factors into
-        stage ``idx``; lanes 0..3 the halves' dÔ and Ĝ exponents (1 past the document)."""
+        stage ``idx``; lanes 0..3 the halves' dÔ (row 5 at ``hb``) and Ĝ (at ``2 + hb``)
+        exponents as factors (1 past the document)."""
         lane = cute.arch.lane_idx()
         doc_start = w["doc_start"]
         seqlen = w["seqlen"]
-        for hb in cutlass.range_constexpr(self.step_q // HALF):
+        n_halves = self.step_q // HALF
+        for hb in cutlass.range_constexpr(n_halves):
             c = hb * HALF + lane
             q = i0 + c
             eq = Int32(0)
@@ -427,7 +429,7 @@ class FlamiaBwdSm90:
             sStats[2, c, idx] = m - P_HAT_EXP
             sStats[3, c, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
             sStats[4, c, idx] = dl
-        if lane < 4:
+        if lane < 4 and lane % 2 < n_halves:  # (a 32-query step has one half: lanes 0, 2)
             hb = lane % 2
             q = i0 + hb * HALF
             e = Int32(0)

@@ -28,8 +28,9 @@ class BwdConfig:
     ``kernel="triton"``: the portable kernel (CPU interpreter), one program per ``block_n``
     keys. ``kernel="cute"`` (sm_90, E4M3 Q/K, d 64 or 128, a layout whose column alignment
     is a multiple of 128): the CuTe DSL kernel of ``cute_sm90.py``, one CTA per 128 keys
-    (two warpgroups of ``block_n`` = 64 keys, 64-query steps of two ``block_m`` halves),
-    ``num_stages`` query steps in flight; ``num_warps``/``maxnreg`` are Triton's.
+    (two warpgroups of ``block_n`` = 64 keys; query steps of two ``block_m`` blocks at
+    d = 64, one at d = 128, ``cute_sm90.STEP_FOR_D``), ``num_stages`` query steps in
+    flight; ``num_warps``/``maxnreg`` are Triton's.
     """
 
     block_m: int = 32
