@@ -7,7 +7,9 @@ of ``LAYERS`` attention calls (each layer's output is the next one's queries), p
 attention call (``host_us``, median over interleaved rounds: the machine's host speed
 drifts by tens of percent between runs, so variants are compared inside one run):
 
-* ``eager``: the eager path (``custom_ops.EagerAttention``, an autograd function);
+* ``eager``: the eager path (``custom_ops.EagerAttention``, an autograd function), with a
+  plan that keeps its checked calls and kernel buffers (``VarlenPlan.workspace``);
+* ``eager-fresh-buffers``: the same with a plan that keeps neither (``reuse=False``);
 * ``eager-custom-op``: the eager call through the ``torch.library`` custom ops
   (``FLAMIA_EAGER_CUSTOM_OPS=1``; the eager path before 2026-12-01);
 * ``compiled-cudagraphs``: the step through ``torch.compile(mode="reduce-overhead",
@@ -95,25 +97,45 @@ def _breakdown(q, k, v, cu, plan, d_out) -> None:
     from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 
     cfg, bcfg = default_config(128, q.device), default_bwd_config(128, q.device)
-    blocks, columns = plan.token_blocks(cfg.column_align), plan.token_columns(cfg.column_align)
+    align = cfg.column_align  # the layout the default forward reads
+    blocks, columns = plan.token_blocks(align), plan.token_columns(align)
     work = plan.work_list(cfg.block_m, cfg.block_n, True)
-    bwork = plan.key_work_list(bcfg.block_n, bcfg.block_m, True)
-    qkv = quantize_qkv(q, k, v, cu, blocks=blocks, with_transposed=True, columns=columns)
-    out, m, lse = attn_fwd(qkv, cu, heads_q=32, causal=True, softmax_scale=0.088, work=work)
-    qdo = quantize_do(d_out, out, m, lse, cu, blocks=blocks)
+    bwork = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, True)
+    ws = plan.workspace(q.device, torch.cuda.current_stream().cuda_stream)
+
+    def quantize(transposed: bool = False, workspace=None):
+        return quantize_qkv(q, k, v, cu, blocks=blocks, column_align=align, columns=columns,
+                            with_transposed=transposed, workspace=workspace)  # fmt: skip
+
+    def forward(qkv, workspace=None):
+        return attn_fwd(qkv, cu, heads_q=32, causal=True, softmax_scale=0.088, config=cfg,
+                        work=work, workspace=workspace)  # fmt: skip
+
+    def quantize_grad(workspace=None):
+        return quantize_do(d_out, out, m, lse, cu, blocks=blocks, column_align=align,
+                           workspace=workspace)  # fmt: skip
+
+    def backward(workspace=None):
+        return attn_bwd(qkv, qdo, m, lse, cu, heads_q=32, causal=True, softmax_scale=0.088,
+                        config=bcfg, work=bwork, workspace=workspace)  # fmt: skip
+
+    qkv = quantize(True)
+    out, m, lse = forward(qkv)
+    qdo = quantize_grad()
     x = torch.zeros(8, device="cuda", requires_grad=True)
     pieces = {
-        "quantize_qkv": lambda: quantize_qkv(q, k, v, cu, blocks=blocks),
-        "quantize_qkv(with_transposed)": lambda: quantize_qkv(
-            q, k, v, cu, blocks=blocks, with_transposed=True, columns=columns),
-        "attn_fwd": lambda: attn_fwd(qkv, cu, heads_q=32, causal=True, softmax_scale=0.088,
-                                     work=work),
-        "quantize_do": lambda: quantize_do(d_out, out, m, lse, cu, blocks=blocks),
-        "attn_bwd": lambda: attn_bwd(qkv, qdo, m, lse, cu, heads_q=32, causal=True,
-                                     softmax_scale=0.088, work=bwork),
+        "quantize_qkv": quantize,
+        "quantize_qkv(with_transposed)": lambda: quantize(True),
+        "quantize_qkv(with_transposed, workspace)": lambda: quantize(True, ws),
+        "attn_fwd": lambda: forward(qkv),
+        "attn_fwd(workspace)": lambda: forward(qkv, ws),
+        "quantize_do": quantize_grad,
+        "quantize_do(workspace)": lambda: quantize_grad(ws),
+        "attn_bwd": backward,
+        "attn_bwd(workspace)": lambda: backward(ws),
         "torch.empty": lambda: torch.empty(128, 32, 128, device="cuda"),
         "autograd backward of x.sum()": lambda: x.sum().backward(),
-    }  # fmt: skip
+    }
     for name, fn in pieces.items():
         print(f"  piece {name}: host {statistics.median(_host_times(fn, 100)) * 1e6:.1f} us")
 
@@ -130,27 +152,31 @@ def main() -> int:
     if args.breakdown:
         _breakdown(q, k, v, cu, plan, d_out)
 
-    def layers(q, k, v):
+    fresh = plan_varlen(cu, 128, ms, reuse=False)
+
+    def layers(q, k, v, plan=plan):
         for _ in range(LAYERS):
             q = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
         return q
 
-    def loss(q, k, v):
-        return layers(q, k, v).float().square().mean()
+    def loss(q, k, v, plan=plan):
+        return layers(q, k, v, plan).float().square().mean()
 
     compiled_layers = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
     compiled_loss = torch.compile(loss, mode="reduce-overhead", fullgraph=True)
 
-    def no_grad(fn):
+    def no_grad(fn, *extra):
         def run() -> None:
             with torch.no_grad():
-                fn(q, k, v)
+                fn(q, k, v, *extra)
 
         return run
 
     variants = {  # (impl, pass) -> (step, eager custom ops)
         ("eager", "fwd"): (no_grad(layers), False),
         ("eager", "fwd+bwd"): (lambda: loss(*leaves).backward(), False),
+        ("eager-fresh-buffers", "fwd"): (no_grad(layers, fresh), False),
+        ("eager-fresh-buffers", "fwd+bwd"): (lambda: loss(*leaves, fresh).backward(), False),
         ("eager-custom-op", "fwd"): (no_grad(layers), True),
         ("eager-custom-op", "fwd+bwd"): (lambda: loss(*leaves).backward(), True),
         ("compiled-cudagraphs", "fwd"): (no_grad(compiled_layers), False),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the training-path checks and measurements (H200), results under $OUT.
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
-#                                                                 # cutebwd, cutebwd-check, variants
+#                                                   # cutebwd, cutebwd-check, variants, workspace,
+#                                                   # host-baseline
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -45,6 +46,18 @@ if [[ $steps == *,cutebwd-check,* ]]; then  # both backward kernels, same operan
 fi
 if [[ $steps == *,host,* ]]; then
   run host_time 120 python benchmarks/host_time.py --breakdown
+fi
+if [[ $steps == *,host-baseline,* ]]; then  # host_time.py of an earlier tree on this machine:
+  # FLAMIA_BASELINE_TREE, e.g. scratch/old from `git archive COMMIT flamia_serve benchmarks/*.py`
+  mkdir -p "$OUT/baseline"
+  (cd "${FLAMIA_BASELINE_TREE:?}" && PYTHONPATH=${FLAMIA_SITE:-/tmp/site_fa4}:$PWD \
+    FLAMIA_RESULTS_DIR=$OUT/baseline run host_time_baseline 150 python benchmarks/host_time.py)
+fi
+if [[ $steps == *,workspace,* ]]; then  # the eager path's reused buffers and launches
+  run pytest_gpu_workspace "${FLAMIA_TEST_SECS:-300}" python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_workspace.py tests/kernels/test_quant.py tests/test_nonfinite.py \
+    tests/kernels/test_gpu_bwd.py tests/kernels/test_attn_bwd.py \
+    tests/kernels/test_gpu_cute_bwd.py -k "not test_cute_bwd_matches_reference or lens0 or lens4"
 fi
 if [[ $steps == *,packs,* ]]; then  # the pack families P1-P5 (~60 s with FA4 compiled)
   run train_attention_packs 300 python benchmarks/train_attention.py --quick \

@@ -5,7 +5,7 @@ and split-K count, against the Triton decode, at B16-L8192, B64-L8192 and B64-L3
 copy bandwidth of the same run).
 
     python benchmarks/tune_decode_cute.py [--quick] [--formats nvfp4,fp8] [--depths 1,2]
-        [--ctas 0,4] [--name tune_decode_cute]
+        [--ctas 0,4] [--splits 2,3,4] [--workloads B16-L8192] [--name tune_decode_cute]
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from flamia_serve.kernels.paged import paged_attention, triton_decode_config
 from flamia_serve.kernels.paged.ops import decode_splits
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
-WORKLOADS = {"B16-L8192": (16, 8192), "B64-L8192": (64, 8192), "B64-L32768": (64, 32768)}
+WORKLOADS = {"B16-L8192": (16, 8192), "B16-L32768": (16, 32768), "B64-L8192": (64, 8192),
+             "B64-L32768": (64, 32768)}
 
 
 def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
-          ctas_options: list[int], copy_row: dict, quick: bool) -> list[dict]:
+          ctas_options: list[int], copy_row: dict, quick: bool,
+          split_counts: list[int] | None = None) -> list[dict]:
     """Rows of the Triton decode and the CuTe variants on one workload and cache format."""
     dev = batch.q.device
     rows = []
@@ -52,8 +54,8 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
 
     variants = {f"{dtype}-triton-splits{triton_splits}":
                 (None, None, triton_splits, triton_decode)}  # fmt: skip
-    for depth, ctas, mult in itertools.product(depths, ctas_options, (0.5, 1, 2)):
-        splits = max(1, min(64, int(cute_splits * mult)))
+    counts = split_counts or sorted({max(1, min(64, int(cute_splits * m))) for m in (0.5, 1, 2)})
+    for depth, ctas, splits in itertools.product(depths, ctas_options, counts):
         variants[f"{dtype}-cute-depth{depth}-ctas{ctas}-splits{splits}"] = (
             depth, ctas, splits, None)
     reference = call(triton_splits, triton_decode).float()
@@ -87,6 +89,9 @@ def main() -> int:
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--depths", default="1,2")
     ap.add_argument("--ctas", default="0")
+    ap.add_argument("--splits", default="",
+                    help="split-K counts to time (default: half, once and twice the default's)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--name", default="tune_decode_cute")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -94,11 +99,13 @@ def main() -> int:
     ctas_options = [int(x) for x in args.ctas.split(",")]
     copy_row = copy_bandwidth(dev)
     rows: list[dict] = [copy_row]
-    for name, (b, length) in WORKLOADS.items():
+    split_counts = [int(x) for x in args.splits.split(",") if x]
+    for name in args.workloads.split(","):
+        b, length = WORKLOADS[name]
         batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
         for dtype in args.formats.split(","):
             rows += _tune(batch, name, b, length, dtype, depths, ctas_options, copy_row,
-                          args.quick)  # fmt: skip
+                          args.quick, split_counts)  # fmt: skip
         del batch
         torch.cuda.empty_cache()
     write_results(args.name, rows, {"copy_gbps": copy_row["gbps"]})

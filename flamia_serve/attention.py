@@ -58,6 +58,71 @@ def _kernel_recipe(recipe: str | Recipe) -> Recipe:
     return rec
 
 
+_NO_REUSE = object()
+#: checked calls a plan keeps (signatures: shapes, dtypes, options, stream); then it starts over
+MAX_CALLS_PER_PLAN = 64
+
+
+def _reuse_stream(q: torch.Tensor, plan: VarlenPlan | None, compiling: bool) -> object:
+    """The stream key under which an eager call reuses its plan's checked call and buffers
+    (``None`` off CUDA), or ``_NO_REUSE``: no plan, a plan that keeps no buffers, tracing,
+    or a CUDA graph capture (whose buffers must stay the graph's)."""
+    if plan is None or not plan.reuse or compiling:
+        return _NO_REUSE
+    if q.device.type != "cuda":
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return _NO_REUSE
+    return torch.cuda.current_stream(q.device).cuda_stream
+
+
+def _attn_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    plan: VarlenPlan | None,
+    compiling: bool,
+    needs_grad: bool,
+    causal: bool,
+    recipe: str | Recipe,
+    exact_causal: bool,
+    softmax_scale: float | None,
+    config: FwdConfig | None,
+    bwd_config: BwdConfig | None,
+    *,
+    stream: object = _NO_REUSE,
+) -> AttnCall:
+    """Check a call and choose its kernels, schedules and (with ``stream``) buffers."""
+    _check_kernel_device(q)
+    shape = check_varlen_inputs(
+        q, k, v, cu_seqlens, max_seqlen, check_values=plan is None and not compiling
+    )
+    rec = _kernel_recipe(recipe)
+    scale = check_softmax_scale(softmax_scale, shape.head_dim)
+    if plan is None:
+        plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen, validate=False)
+    docs = cu_seqlens.numel() - 1  # a shape: no host read
+    cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
+                                   mean_doc_len=shape.total_tokens / max(docs, 1))  # fmt: skip
+    bcfg = bwd_config or default_bwd_config(
+        shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4", column_align=cfg.column_align
+    )
+    causal = bool(causal)
+    bwd_work, columns = None, None
+    if needs_grad:
+        check_bwd_config(bcfg, rec)
+        bwd_work = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, causal)
+        columns = None if compiling else plan.token_columns(cfg.column_align)
+    workspace = None if stream is _NO_REUSE else plan.workspace(q.device, stream)
+    return AttnCall(
+        plan.token_blocks(cfg.column_align), cfg.column_align,
+        plan.work_list(cfg.block_m, cfg.block_n, causal), bwd_work, causal, rec,
+        bool(exact_causal), scale, cfg, bcfg, columns, workspace,
+    )  # fmt: skip
+
+
 def flamia_attn_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,35 +167,25 @@ def flamia_attn_varlen(
         ``O [T, Hq, d]`` in the input dtype (and the statistics when asked). Gradients flow
         to q, k, v (dQ is accumulated with FP32 atomics: not bitwise repeatable).
     """
-    _check_kernel_device(q)
     if plan is not None and plan.cu_seqlens is not cu_seqlens:
         raise ValueError("plan was built for another cu_seqlens tensor")
+    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)  # raises, naming the argument
     compiling = torch.compiler.is_compiling()
-    shape = check_varlen_inputs(
-        q, k, v, cu_seqlens, max_seqlen, check_values=plan is None and not compiling
-    )
-    rec = _kernel_recipe(recipe)
-    scale = check_softmax_scale(softmax_scale, shape.head_dim)
-    if plan is None:
-        plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen, validate=False)
-    docs = cu_seqlens.numel() - 1  # a shape: no host read
-    cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
-                                   mean_doc_len=shape.total_tokens / max(docs, 1))  # fmt: skip
-    bcfg = bwd_config or default_bwd_config(
-        shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4", column_align=cfg.column_align
-    )
-    causal = bool(causal)
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    bwd_work, columns = None, None
-    if needs_grad:
-        check_bwd_config(bcfg, rec)
-        bwd_work = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, causal)
-        columns = None if compiling else plan.token_columns(cfg.column_align)
-    call = AttnCall(
-        plan.token_blocks(cfg.column_align), cfg.column_align,
-        plan.work_list(cfg.block_m, cfg.block_n, causal), bwd_work, causal, rec,
-        bool(exact_causal), scale, cfg, bcfg, columns,
-    )  # fmt: skip
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    options = (causal, recipe, exact_causal, softmax_scale, config, bwd_config)
+    stream = _reuse_stream(q, plan, compiling)
+    if stream is _NO_REUSE:
+        call = _attn_call(q, k, v, cu_seqlens, max_seqlen, plan, compiling, needs_grad, *options)
+    else:  # eager, with a plan: the checked call of this signature, once per plan
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+               v.device, needs_grad, stream, *options)  # fmt: skip
+        call = plan.calls.get(key)
+        if call is None:
+            if len(plan.calls) >= MAX_CALLS_PER_PLAN:
+                plan.calls.clear()
+            call = plan.calls[key] = _attn_call(q, k, v, cu_seqlens, max_seqlen, plan, compiling,
+                                                needs_grad, *options, stream=stream)  # fmt: skip
     if compiling or os.environ.get("FLAMIA_EAGER_CUSTOM_OPS", "0") == "1":
         stats = torch.ops.flamia.attn_varlen_fwd(q, k, v, cu_seqlens, *op_arguments(call))
     elif needs_grad:
@@ -164,7 +219,8 @@ def flamia_attn(
             f"{tuple(v.shape[:2])}"
         )
     cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
-    plan = plan_varlen(cu, batch * seq, seq, validate=False)  # valid by construction
+    # valid by construction; one call: no buffers kept
+    plan = plan_varlen(cu, batch * seq, seq, validate=False, reuse=False)
     out = flamia_attn_varlen(
         q.reshape(batch * seq, *q.shape[2:]),
         k.reshape(batch * seq, *k.shape[2:]),

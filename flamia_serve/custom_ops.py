@@ -32,6 +32,7 @@ from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd
 from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import TokenBlocks, WorkList
+from flamia_serve.kernels.workspace import PackWorkspace
 from flamia_serve.numerics import RECIPES, Recipe
 
 Tensors = list[torch.Tensor]
@@ -46,7 +47,8 @@ class AttnCall:
     ``work``/``bwd_work``: the forward's query-tile and the backward's key-tile lists
     (``bwd_work`` None when no gradient is needed); ``config`` None in a backward-only call;
     ``columns``: int64 ``[T]``, each token's column in the layout (the backward's;
-    ``VarlenPlan.token_columns``, built when None).
+    ``VarlenPlan.token_columns``, built when None); ``workspace``: the plan's buffers for
+    the kernels (``VarlenPlan.workspace``; eager calls with a plan), None: new ones.
     """
 
     blocks: TokenBlocks
@@ -60,6 +62,7 @@ class AttnCall:
     config: FwdConfig | None
     bwd_config: BwdConfig
     columns: torch.Tensor | None = None
+    workspace: PackWorkspace | None = None
 
 
 def attention_forward(
@@ -70,11 +73,12 @@ def attention_forward(
         raise ValueError("attention_forward needs the forward config of call.column_align")
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
-        blocks=call.blocks, column_align=call.column_align,
+        blocks=call.blocks, column_align=call.column_align, workspace=call.workspace,
     )  # fmt: skip
     return attn_fwd(
         qkv, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
         softmax_scale=call.softmax_scale, out_dtype=q.dtype, config=call.config, work=call.work,
+        workspace=call.workspace,
     )  # fmt: skip
 
 
@@ -96,13 +100,14 @@ def attention_backward(
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=call.blocks, with_transposed=True, column_align=align, columns=call.columns,
+        workspace=call.workspace,
     )  # fmt: skip
     qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe,
-                      blocks=call.blocks, column_align=align)  # fmt: skip
+                      blocks=call.blocks, column_align=align, workspace=call.workspace)  # fmt: skip
     return attn_bwd(
         qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
         softmax_scale=call.softmax_scale, recipe=call.recipe, out_dtype=q.dtype,
-        config=call.bwd_config, work=call.bwd_work,
+        config=call.bwd_config, work=call.bwd_work, workspace=call.workspace,
     )  # fmt: skip
 
 

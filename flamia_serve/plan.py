@@ -2,7 +2,8 @@
 
 Build once per packed microbatch (one host sync, for validation) and pass to every
 attention call of the step: no further host synchronisation, and the token-block table
-and work lists are reused across layers and by the backward.
+and work lists are reused across layers and by the backward, as are the eager calls'
+checked arguments and kernel buffers (``workspace``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flamia_serve.kernels.schedule import (
     build_work_list,
     token_block_table,
 )
+from flamia_serve.kernels.workspace import PackWorkspace
 from flamia_serve.numerics.checks import check_cu_seqlens, check_max_seqlen
 from flamia_serve.numerics.operands import V_T_ALIGN, token_columns
 
@@ -26,15 +28,36 @@ from flamia_serve.numerics.operands import V_T_ALIGN, token_columns
 class VarlenPlan:
     """Schedules of one pack; ``work_list`` builds (and caches) one per tile shape,
     ``token_blocks`` one token-block table per column alignment (``blocks``: the default,
-    ``V_T_ALIGN``), ``token_columns`` the tokens' columns in that layout."""
+    ``V_T_ALIGN``), ``token_columns`` the tokens' columns in that layout.
+
+    ``workspace(device, stream)``: the kernel buffers the eager calls on this pack reuse
+    (quantized operands, column-layout copies, the backward's accumulator), held as long
+    as the plan is: one set per stream and shape, whatever the number of layers.
+    ``calls``: what ``flamia_attn_varlen`` keeps per call signature (checked arguments,
+    configs, schedules). ``reuse=False``: neither is kept (a plan made for one call)."""
 
     cu_seqlens: torch.Tensor
     total_tokens: int
     max_seqlen: int
     blocks: TokenBlocks
+    reuse: bool = True
     _work: dict[tuple[int, int, bool], WorkList] = field(default_factory=dict, repr=False)
     _blocks: dict[int, TokenBlocks] = field(default_factory=dict, repr=False)
     _columns: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _workspaces: dict[tuple, PackWorkspace] = field(default_factory=dict, repr=False)
+    calls: dict[tuple, object] = field(default_factory=dict, repr=False)
+
+    def workspace(self, device: torch.device, stream: int | None) -> PackWorkspace:
+        """The buffers of this pack's calls on ``device`` in the stream ``stream`` (a CUDA
+        stream's ``cuda_stream`` handle; ``None`` off CUDA)."""
+        key = (device, stream)
+        if key not in self._workspaces:
+            self._workspaces[key] = PackWorkspace(device)
+        return self._workspaces[key]
+
+    def workspace_bytes(self) -> int:
+        """Bytes held by this plan's workspaces."""
+        return sum(ws.nbytes() for ws in self._workspaces.values())
 
     def token_blocks(self, align: int) -> TokenBlocks:
         """The token-block table whose documents start at multiples of ``align`` columns
@@ -74,13 +97,20 @@ class VarlenPlan:
 
 
 def plan_varlen(
-    cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int, *, validate: bool = True
+    cu_seqlens: torch.Tensor,
+    total_tokens: int,
+    max_seqlen: int,
+    *,
+    validate: bool = True,
+    reuse: bool = True,
 ) -> VarlenPlan:
     """Plan a pack; with ``validate`` (default) first check ``cu_seqlens`` ([B+1] int32:
     0 … T, non-decreasing) and ``max_seqlen`` on the host (one sync). ``validate=False``
-    builds the schedules on the device only (inside ``torch.compile``, CUDA graphs)."""
+    builds the schedules on the device only (inside ``torch.compile``, CUDA graphs).
+    ``reuse``: eager calls with this plan keep their checked arguments and kernel buffers
+    for the next call (``VarlenPlan.workspace``; held as long as the plan is)."""
     if validate:
         device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
         check_max_seqlen(max_seqlen, check_cu_seqlens(cu_seqlens, total_tokens, device))
     blocks = token_block_table(cu_seqlens, total_tokens)
-    return VarlenPlan(cu_seqlens, total_tokens, max_seqlen, blocks)
+    return VarlenPlan(cu_seqlens, total_tokens, max_seqlen, blocks, reuse)

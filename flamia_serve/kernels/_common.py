@@ -14,6 +14,7 @@ import types
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 from flamia_serve.numerics import operands
 
@@ -49,6 +50,54 @@ def cute_available(device: torch.device) -> bool:
     """The CuTe DSL training kernels run here: :func:`cute_dsl_available` and
     ``flash-attn-4`` (their pipelines and MMA helpers) installed: the ``cute`` extra."""
     return cute_dsl_available(device) and importlib.util.find_spec("flash_attn") is not None
+
+
+class TritonLaunch:
+    """A Triton kernel launched past ``JITFunction.run``'s per-call binding (its Python
+    costs ~20 µs of host time a launch).
+
+    ``launch(grid, *args, **kwargs)`` takes what ``kernel[grid](*args, **kwargs)`` takes.
+    A launch whose arguments specialise like an earlier one's (the same non-tensor values
+    and options, tensors of the same dtypes and 16-byte alignment: what Triton specialises
+    pointers on) calls that launch's ``CompiledKernel`` directly; any other goes through the
+    ``JITFunction`` (which compiles or finds the kernel) and is remembered (up to
+    ``MAX_SPECIALISATIONS``, then the memory starts over). Under the CPU interpreter every
+    launch goes through the ``JITFunction``.
+    """
+
+    MAX_SPECIALISATIONS = 256
+
+    def __init__(self, kernel: triton.JITFunction) -> None:
+        self.kernel = kernel
+        self._params = frozenset(kernel.arg_names)
+        self._runners: dict[tuple, object] = {}
+
+    def __call__(self, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+        grid = (*grid, 1, 1)[:3]  # what a CompiledKernel's runner indexes
+        try:
+            values = [*args, *(kwargs[n] for n in self.kernel.arg_names[len(args) :])]
+        except KeyError:  # a parameter left to its default: no fast path
+            self.kernel[grid](*args, **kwargs)
+            return
+        key = (
+            grid,
+            *((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v
+              for v in values),
+            *((k, v) for k, v in kwargs.items() if k not in self._params),
+        )  # fmt: skip
+        try:
+            runner = self._runners.get(key)
+        except TypeError:  # an unhashable argument: no fast path
+            self.kernel[grid](*args, **kwargs)
+            return
+        if runner is not None:
+            runner(*values)
+            return
+        compiled = self.kernel[grid](*args, **kwargs)
+        if isinstance(compiled, CompiledKernel):
+            if len(self._runners) >= self.MAX_SPECIALISATIONS:
+                self._runners.clear()
+            self._runners[key] = compiled[grid]
 
 
 def round_debug_p_(buffer: torch.Tensor) -> None:

@@ -149,9 +149,13 @@ class KernelQKV:
     k_t: torch.Tensor | None = None
     #: documents start at multiples of this in the column layout (``check_column_align``)
     column_align: int = V_T_ALIGN
+    #: int64 ``[T]``, each token's column (``key_columns``), when the quantizer had them
+    columns: torch.Tensor | None = None
 
     def key_columns(self) -> torch.Tensor:
         """int64 ``[T]``: the column of each token in the column layout."""
+        if self.columns is not None:
+            return self.columns
         return token_columns(self.cu_seqlens, self.doc_v_t_start, self.k_codes.shape[0])
 
     def nvfp4_kernel_args(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:

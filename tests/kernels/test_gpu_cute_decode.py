@@ -45,7 +45,7 @@ QK_SCALE = 128**-0.5 * math.log2(math.e)
     [
         (32, 8, 128, 16, [8191, 5000, 17, 1, 0, 15, 16, 300], None),  # default splits
         (32, 8, 128, 16, [4095, 33, 64], 1),  # one split: straight to the output
-        (32, 8, 128, 32, [1000, 31, 32, 2047], 4),  # larger pages
+        (32, 8, 128, 32, [1000, 31, 32, 2047], 3),  # larger pages, an odd split count
         (8, 8, 128, 16, [999, 64, 3], 2),  # MHA: group 1
         (16, 2, 64, 16, [777, 128, 5], 8),  # group 8, d = 64
         (32, 2, 128, 16, [2000, 19], 2),  # group 16: both halves of the MMA rows

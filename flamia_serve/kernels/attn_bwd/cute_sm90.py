@@ -41,6 +41,8 @@ Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazil
 
 from __future__ import annotations
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -65,6 +67,7 @@ from flamia_serve.kernels.cute_sm90_common import (
     v_t_position,
 )
 from flamia_serve.kernels.schedule import WorkList
+from flamia_serve.kernels.workspace import PackWorkspace, zeroed_accumulator
 from flamia_serve.numerics import P_HAT_EXP
 from flamia_serve.numerics.operands import KernelDO, KernelQKV
 
@@ -828,6 +831,12 @@ def _cols_copy(atom, tma, head, box, smem, piece, vt_start):
 _COMPILED: dict[tuple, object] = {}
 
 
+@functools.cache
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """The debug pointer when no P̂ is asked for (never written)."""
+    return torch.empty(1, 1, 1, dtype=torch.float32, device=device)
+
+
 def attn_bwd_sm90(
     qkv: KernelQKV,
     qdo: KernelDO,
@@ -844,17 +853,24 @@ def attn_bwd_sm90(
     out_dtype: torch.dtype,
     debug_p: torch.Tensor | None = None,
     num_stages: int = 2,
+    workspace: PackWorkspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dQ [T, Hq, d], dK, dV [T, Hkv, d])`` in ``out_dtype`` from quantized operands
     (``ops.attn_bwd``'s contract); ``work`` is a key-tile list with ``block_n = TILE_N``;
-    the column layout's alignment must be a multiple of ``TILE_N``."""
+    the column layout's alignment must be a multiple of ``TILE_N``. ``workspace``: the
+    pack's, for the dQ accumulator and the token-major V codes."""
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
-    dq_acc = torch.zeros(heads_q, total, d, dtype=torch.float32, device=dev)
+    dq_acc = zeroed_accumulator(workspace, (heads_q, total, d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
-    v_codes = qkv.v_t[:, :, qkv.key_columns()].permute(2, 0, 1).contiguous()
-    dbg = debug_p if debug_p is not None else torch.empty(1, 1, 1, device=dev)
+    v_shape = (total, heads_kv, d)  # token-major V codes, gathered from the column layout
+    v_bytes = workspace.empty("v_codes", v_shape, torch.uint8) if workspace is not None else None
+    v_bytes = torch.index_select(
+        qkv.v_t.view(torch.uint8).permute(2, 0, 1), 0, qkv.key_columns(), out=v_bytes
+    )
+    v_codes = v_bytes.view(torch.float8_e4m3fn)
+    dbg = debug_p if debug_p is not None else _placeholder(dev)
     aligned = (
         (qkv.q_codes, 16), (qkv.k_codes, 16), (v_codes, 16), (qdo.do_codes, 16),
         (qkv.q_t.permute(1, 2, 0), 16), (qkv.k_t.permute(1, 2, 0), 16),

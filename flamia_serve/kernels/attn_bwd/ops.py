@@ -7,14 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import interpreted, round_debug_p_
+from flamia_serve.kernels._common import TritonLaunch, interpreted, round_debug_p_
 from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
 from flamia_serve.kernels.attn_fwd.ops import _cute_available, cute_available
 from flamia_serve.kernels.schedule import WorkList, build_key_work_list
+from flamia_serve.kernels.workspace import PackWorkspace, zeroed_accumulator
 from flamia_serve.numerics import Recipe, resolve_recipe
 from flamia_serve.numerics.operands import KernelDO, KernelQKV
 
 LOG2E = math.log2(math.e)
+_LAUNCH = TritonLaunch(attn_bwd_kernel)
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ def attn_bwd(
     work: WorkList | None = None,
     debug_p: torch.Tensor | None = None,
     with_dq: bool = True,
+    workspace: PackWorkspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv, d])`` in ``out_dtype``.
 
@@ -167,7 +170,8 @@ def attn_bwd(
     ``qdo`` comes from ``quantize_do``, ``m_rows``/``lse_rows`` ``[T, Hq]`` float32 from the
     forward. ``work``: a key-tile list from the plan (built here otherwise). ``debug_p``: a
     float32 ``[Hq, T, T]`` buffer that receives every P̂ as rebuilt (small calls only).
-    ``with_dq=False`` skips dQ (returned as zeros; profiling only).
+    ``with_dq=False`` skips dQ (returned as zeros; profiling only). ``workspace``: the
+    pack's (``VarlenPlan.workspace``), for the dQ accumulator and layout copies.
     """
     rec = resolve_recipe(recipe)
     if qkv.q_t is None or qkv.k_t is None:
@@ -203,19 +207,20 @@ def attn_bwd(
             qkv, qdo, m_rows, lse_rows, cu_seqlens, work, heads_q=heads_q, causal=causal,
             softmax_scale=softmax_scale, qk_scale=softmax_scale * LOG2E * qkv.qk_rescale,
             dk_keys=rec.ds_block[1], out_dtype=out_dtype, debug_p=debug_p,
-            num_stages=cfg.num_stages,
+            num_stages=cfg.num_stages, workspace=workspace,
         )  # fmt: skip
         if debug_p is not None:
             round_debug_p_(debug_p)
         return dq, dk, dv
-    dq_acc = torch.zeros(total, heads_q, d, dtype=torch.float32, device=dev)
+    dq_acc = zeroed_accumulator(workspace, (total, heads_q, d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
     if total == 0:
-        return dq_acc.to(out_dtype), dk, dv
+        return dq_acc.to(out_dtype, copy=True), dk, dv
     q4_args, k4_args = qkv.nvfp4_kernel_args()
     grid = (work.num_slots * heads_kv,)
-    attn_bwd_kernel[grid](
+    _LAUNCH(
+        grid,
         qkv.q_codes, qkv.q_exp, qkv.q_t, qkv.k_codes, qkv.k_exp, qkv.k_t, *q4_args, *k4_args,
         qkv.v_t, qkv.v_exp, qkv.doc_v_t_start,
         qdo.do_codes, qdo.do_exp, qdo.g_t, qdo.g_exp, qdo.delta,
@@ -231,4 +236,4 @@ def attn_bwd(
     )  # fmt: skip
     if debug_p is not None:
         round_debug_p_(debug_p)
-    return dq_acc.to(out_dtype), dk, dv
+    return dq_acc.to(out_dtype, copy=True), dk, dv

@@ -51,6 +51,7 @@ from flamia_serve.kernels.cute_sm90_common import (
     pow2,
 )
 from flamia_serve.kernels.schedule import WorkList
+from flamia_serve.kernels.workspace import PackWorkspace, zero_counter
 from flamia_serve.numerics import P_HAT_EXP
 from flamia_serve.numerics.exp2 import P_E4M3, RNE_MAGIC, RNE_MAGIC_BITS
 from flamia_serve.numerics.operands import KernelQKV
@@ -732,6 +733,7 @@ def attn_fwd_sm90(
     ticket: bool = True,
     cu_seqlens_k: torch.Tensor | None = None,
     exp_mode: str = "exact",
+    workspace: PackWorkspace | None = None,
 ) -> None:
     """Fill ``out [T, Hq, d]`` (BF16/FP16), ``m_rows``/``lse_rows [T, Hq]`` (float32) from
     quantized operands; ``work`` was built with ``block_m = tile_m`` (one persistent CTA per SM
@@ -743,7 +745,7 @@ def attn_fwd_sm90(
     rows; each document's queries are its last keys (query ``i`` of ``n`` sees keys ``j <=
     L − n + i`` with ``causal``), and ``work`` was built with the same ``cu_seqlens_k``.
     ``exp_mode="mitchell"`` (serving only; training is always exact): Mitchell-P instead of
-    ``exp2`` (``numerics.exp2``)."""
+    ``exp2`` (``numerics.exp2``). ``workspace``: the pack's, for the ticket counter."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
@@ -753,7 +755,8 @@ def attn_fwd_sm90(
         (qkv.q_codes, 16), (qkv.k_codes, 16), (v_t, 16), (q_exp, 4), (qkv.kv_factors, 16),
         (cu_seqlens, 4), (cu_seqlens_k if extend else cu_seqlens, 4), (qkv.doc_v_t_start, 4),
         (work.doc, 4), (work.tile, 4),
-        (work.count, 4), (torch.zeros(1, dtype=torch.int32, device=out.device), 4), (out, 16),
+        (work.count, 4), (zero_counter(workspace, out.device), 4),
+        (out, 16),
         (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]

@@ -8,12 +8,20 @@ from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import cute_available, interpreted, round_debug_p_, sm_count
+from flamia_serve.kernels._common import (
+    TritonLaunch,
+    cute_available,
+    interpreted,
+    round_debug_p_,
+    sm_count,
+)
 from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
 from flamia_serve.kernels.schedule import WorkList, build_work_list
+from flamia_serve.kernels.workspace import PackWorkspace, zero_counter
 from flamia_serve.numerics.operands import V_T_ALIGN, KernelQKV
 
 LOG2E = math.log2(math.e)
+_LAUNCH = TritonLaunch(attn_fwd_kernel)
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,7 @@ def attn_fwd(
     config: FwdConfig | None = None,
     work: WorkList | None = None,
     debug_p: tuple[torch.Tensor, torch.Tensor] | None = None,
+    workspace: PackWorkspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward from quantized operands: ``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``.
 
@@ -164,7 +173,8 @@ def attn_fwd(
     ``config`` the CuTe kernel runs only on a layout quantized with its ``column_align``
     (else the Triton kernel does); an explicit CuTe config on another layout is an error.
     ``debug_p`` (Triton kernel, small calls): two float32 ``[Hq, T, T]`` buffers that receive
-    every P̂ as quantized and the row reference it was quantized against.
+    every P̂ as quantized and the row reference it was quantized against. ``workspace``: the
+    pack's (``VarlenPlan.workspace``), for the persistent grid's item counter.
     """
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
@@ -216,6 +226,7 @@ def attn_fwd(
             qkv, cu_seqlens, work, out, m_rows, lse_rows, heads_q=heads_q, causal=causal,
             qk_scale=scale_log2, tile_m=cfg.block_m, tile_n=cfg.block_n,
             num_stages=cfg.num_stages, overlap=cfg.overlap, ticket=cfg.persistent,
+            workspace=workspace,
         )  # fmt: skip
         return out, m_rows, lse_rows
     nvfp4 = qkv.q4 is not None and qkv.k4 is not None
@@ -226,9 +237,10 @@ def attn_fwd(
         raise ValueError("debug_p needs the Triton forward (config.kernel='triton')")
     dbg_p, dbg_m = debug_p if debug_p is not None else (m_rows, m_rows)
     # the persistent grid's item counter (never read otherwise)
-    ticket = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.persistent else work.count
+    ticket = zero_counter(workspace, dev) if cfg.persistent else work.count
     grid = (_persistent_programs(dev, cfg) if cfg.persistent else work.num_slots * heads_q,)
-    attn_fwd_kernel[grid](
+    _LAUNCH(
+        grid,
         qkv.q_codes, qkv.q_exp, qkv.k_codes, qkv.k_exp,
         *q4_args, *k4_args, qkv.v_t, qkv.doc_v_t_start, qkv.v_exp,
         cu_seqlens, work.doc, work.tile, work.count, ticket,

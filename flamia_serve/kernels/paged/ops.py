@@ -44,6 +44,10 @@ from flamia_serve.numerics.operands import EXPONENT_DTYPE, KernelQKV, v_t_length
 
 _INDEX_DTYPES = (torch.int32,)
 MAX_DECODE_SPLITS = 64
+#: CTAs per SM a CuTe decode's split-K count aims for (``cute_decode_splits``)
+CUTE_DECODE_CTAS_PER_SM = {
+    KVCacheFormat.FP8: 2, KVCacheFormat.FP8_STATIC: 2, KVCacheFormat.NVFP4: 3,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -191,18 +195,26 @@ def leading_decodes(query_start_loc: torch.Tensor) -> int:
 def _splits_for(fmt: KVPageFormat, heads_kv: int, num_decodes: int, max_seq_len: int,
                 cfg: PagedConfig, device: torch.device) -> int:  # fmt: skip
     # quantized caches: eight Triton programs per SM hide the per-tile latency (tune_paged).
-    # The CuTe decodes' CTAs hold four warps of key tiles each and are faster with fewer,
-    # longer splits (H200, decode.json / decode_cute_waves4.json / tune_decode_cute.json):
-    # FP8 always (B64-L8192 one split 275 us, two 291; B16-L8192 four 89, eight 98), NVFP4
-    # once the batch alone gives two CTAs per SM (B64-L8192 one split 224 us, two 263),
-    # below that more (B16-L8192 eight 89 us, four 99; B16-L32768 eight 262, four 322)
-    waves = 8
     if fmt.dtype.is_16bit:
-        waves = 2
-    elif cfg.kernel == "cute":
-        small_batch = num_decodes * heads_kv < 2 * _num_sms(device)
-        waves = 4 if fmt.dtype is KVCacheFormat.NVFP4 and small_batch else 2
-    return decode_splits(num_decodes, heads_kv, max_seq_len, cfg.block_n, device, waves)
+        return decode_splits(num_decodes, heads_kv, max_seq_len, cfg.block_n, device, 2)
+    if cfg.kernel != "cute":
+        return decode_splits(num_decodes, heads_kv, max_seq_len, cfg.block_n, device, 8)
+    return cute_decode_splits(fmt, num_decodes * heads_kv, max_seq_len, cfg.block_n, device)
+
+
+def cute_decode_splits(fmt: KVPageFormat, pairs: int, max_seq_len: int, block_n: int,
+                       device: torch.device) -> int:  # fmt: skip
+    """Key-range splits of a CuTe decode over ``pairs`` (sequence, KV head) pairs: as many as
+    fill one wave of ``CUTE_DECODE_CTAS_PER_SM`` CTAs per SM without starting a second (a
+    partial second wave runs at a fraction of the bandwidth), at least one, each split at
+    least four key tiles long. H200, Hkv 8, 16 sequences (``tune_decode_splits.json``):
+    NVFP4 three splits 75.6 µs at L8192 (eight 91.2, four 98.5), 243 at L32768 (eight 265);
+    FP8 two 85.0 (four 90.7, three 100.8), 279 (four 283); at 64 sequences one split."""
+    if pairs == 0:
+        return 1
+    one_wave = CUTE_DECODE_CTAS_PER_SM[fmt.dtype] * _num_sms(device) // pairs
+    by_length = max(1, math.ceil(max_seq_len / (4 * block_n)))
+    return max(1, min(MAX_DECODE_SPLITS, one_wave, by_length))
 
 
 def max_workspace_rows(fmt: KVPageFormat, heads_q: int, heads_kv: int, max_decodes: int,
@@ -284,9 +296,10 @@ def plan_paged(
     """Plan one batch from host data: ``query_start_loc_host`` ``[B+1]`` (a CPU tensor),
     ``max_seq_len`` (an upper bound on ``seq_lens``, sizes the split-K), ``num_tokens`` (rows
     of ``q``; default ``query_start_loc_host[-1]``). ``num_splits`` forces the decode split
-    count (a power of two); ``*_config`` override the measured tile configs; ``max_decodes``
-    caps the decode run (the rest goes to the prefill launch). ``seq_lens_host`` (a CPU
-    tensor, exact or an upper bound for the prefill sequences) lets the CuTe prefill run."""
+    count (1 to ``MAX_DECODE_SPLITS``); ``*_config`` override the measured tile configs;
+    ``max_decodes`` caps the decode run (the rest goes to the prefill launch).
+    ``seq_lens_host`` (a CPU tensor, exact or an upper bound for the prefill sequences) lets
+    the CuTe prefill run."""
     qsl = query_start_loc_host.tolist()
     batch = len(qsl) - 1
     total = int(qsl[-1]) if num_tokens is None else num_tokens
@@ -346,8 +359,8 @@ def plan_paged_counts(
         raise ValueError(f"keys_on_m needs an 8-bit cache (fp8, fp8_static), got {fmt.dtype}")
     splits = num_splits or _splits_for(fmt, heads_kv, num_decodes, max_seq_len, decode_cfg,
                                        torch.device(device))  # fmt: skip
-    if splits < 1 or splits & (splits - 1) or splits > MAX_DECODE_SPLITS:
-        raise ValueError(f"num_splits must be a power of two <= {MAX_DECODE_SPLITS}, got {splits}")
+    if not 1 <= splits <= MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
     rest = num_seqs - num_decodes
     block_q = prefill_cfg.block_m // group_p2
     prefill = triton.cdiv(max(num_tokens - num_decode_tokens, 0), block_q) + rest if rest else 0

@@ -6,9 +6,10 @@ import functools
 
 import torch
 
-from flamia_serve.kernels._common import interpreted, sm_count
+from flamia_serve.kernels._common import TritonLaunch, interpreted, sm_count
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
 from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
+from flamia_serve.kernels.workspace import PackWorkspace
 from flamia_serve.numerics import NVFP4Tensor, Recipe, resolve_recipe
 from flamia_serve.numerics.operands import (
     EXPONENT_DTYPE,
@@ -20,27 +21,74 @@ from flamia_serve.numerics.operands import (
     v_t_length,
 )
 
-
-def _head_major_exponents(
-    total: int, heads: int, device: torch.device, dtype: torch.dtype = EXPONENT_DTYPE
-) -> torch.Tensor:
-    """``[T, H]`` view of a ``[H, T]`` buffer."""
-    return torch.empty(heads, total, dtype=dtype, device=device).t()
+_LAUNCH_QKV = TritonLaunch(quantize_qkv_kernel)
+_LAUNCH_DO = TritonLaunch(quantize_do_kernel)
 
 
-def _nvfp4_empty(total: int, heads: int, d: int, device: torch.device) -> NVFP4Tensor:
-    return NVFP4Tensor(
-        torch.empty(total, heads, d // 2, dtype=torch.uint8, device=device),
-        torch.empty(total, heads, d // 16, dtype=torch.float8_e4m3fn, device=device),
-        _head_major_exponents(total, heads, device, torch.int8),
-    )
+class _Buffers:
+    """The quantizers' outputs: from a pack's workspace (reused call after call) or, without
+    one, freshly allocated. ``column_align`` names the layout (the zeroed buffers' padding
+    depends on it)."""
+
+    def __init__(
+        self, device: torch.device, workspace: PackWorkspace | None, column_align: int
+    ) -> None:
+        self.device, self.workspace, self.column_align = device, workspace, column_align
+
+    def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.workspace is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self.workspace.empty(name, shape, dtype)
+
+    def zeros(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Zero where no call writes (a workspace's buffer was zeroed once: every call on
+        its pack writes the same elements)."""
+        if self.workspace is None:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return self.workspace.zeroed(f"{name}@{self.column_align}", shape, dtype)
+
+    def head_major(
+        self, name: str, total: int, heads: int, dtype: torch.dtype = EXPONENT_DTYPE
+    ) -> torch.Tensor:
+        """``[T, H]`` view of a ``[H, T]`` buffer."""
+        return self.empty(name, (heads, total), dtype).t()
+
+    def nvfp4(self, name: str, total: int, heads: int, d: int) -> NVFP4Tensor:
+        return NVFP4Tensor(
+            self.empty(f"{name}.codes", (total, heads, d // 2), torch.uint8),
+            self.empty(f"{name}.scales", (total, heads, d // 16), torch.float8_e4m3fn),
+            self.head_major(f"{name}.exponents", total, heads, torch.int8),
+        )
+
+    def column_codes(self, name: str, heads: int, d: int, t_pad: int, total: int) -> torch.Tensor:
+        """E4M3 ``[heads, d, t_pad]`` for a quantization kernel to fill in the column layout,
+        zero wherever the kernel does not write: the kernels zero each document's padding up
+        to 16 columns, so with ``V_T_ALIGN`` only the columns past the last document need it
+        (tiles that run past it read finite codes); a wider alignment leaves more of each
+        document's span to zero, and kernels that load whole tiles read it."""
+        shape, fp8 = (heads, d, t_pad), torch.float8_e4m3fn
+        if self.column_align != V_T_ALIGN or self.workspace is not None:
+            return self.zeros(name, shape, fp8)
+        codes = torch.empty(shape, dtype=fp8, device=self.device)
+        codes[:, :, total:].zero_()
+        return codes
+
+    def column_copy(
+        self, name: str, codes: torch.Tensor, columns: torch.Tensor, t_pad: int
+    ) -> torch.Tensor:
+        """``[H, d, t_pad]`` E4M3: ``codes`` ``[T, H, d]`` at their column-layout ``columns``,
+        zeros in every other column (document padding, slack)."""
+        _total, heads, d = codes.shape
+        out = self.zeros(name, (heads, d, t_pad), torch.uint8)
+        out.permute(2, 0, 1).index_put_((columns,), codes.view(torch.uint8))
+        return out.view(torch.float8_e4m3fn)
 
 
 @functools.cache
 def _nvfp4_placeholder(device: torch.device) -> NVFP4Tensor:
     """Empty NVFP4 buffers for the kernel's NVFP4 pointers when it writes none (one per
     device, never read or written: saves six allocations per call)."""
-    return _nvfp4_empty(0, 1, 16, device)
+    return _Buffers(device, None, V_T_ALIGN).nvfp4("placeholder", 0, 1, 16)
 
 
 def _num_programs(device: torch.device, items: int, programs_per_sm: int) -> int:
@@ -48,30 +96,6 @@ def _num_programs(device: torch.device, items: int, programs_per_sm: int) -> int
     if device.type != "cuda":
         return min(items, 2)
     return max(1, min(items, sm_count(device) * programs_per_sm))
-
-
-def _column_copy(codes: torch.Tensor, columns: torch.Tensor, t_pad: int) -> torch.Tensor:
-    """``[H, d, t_pad]`` E4M3: ``codes`` ``[T, H, d]`` at their column-layout ``columns``,
-    zeros in every other column (document padding, slack)."""
-    _total, heads, d = codes.shape
-    out = torch.zeros(heads, d, t_pad, dtype=torch.uint8, device=codes.device)
-    out[:, :, columns] = codes.view(torch.uint8).permute(1, 2, 0)
-    return out.view(torch.float8_e4m3fn)
-
-
-def _column_codes(
-    heads: int, d: int, t_pad: int, total: int, column_align: int, device: torch.device
-) -> torch.Tensor:
-    """E4M3 ``[heads, d, t_pad]`` for a quantization kernel to fill in the column layout,
-    zero wherever the kernel does not write: the kernels zero each document's padding up
-    to 16 columns, so with ``V_T_ALIGN`` only the columns past the last document need it
-    (tiles that run past it read finite codes); a wider alignment leaves more of each
-    document's span to zero, and kernels that load whole tiles read it."""
-    if column_align == V_T_ALIGN:
-        codes = torch.empty(heads, d, t_pad, dtype=torch.float8_e4m3fn, device=device)
-        codes[:, :, total:].zero_()
-        return codes
-    return torch.zeros(heads, d, t_pad, dtype=torch.float8_e4m3fn, device=device)
 
 
 def quantize_qkv(
@@ -88,6 +112,7 @@ def quantize_qkv(
     columns: torch.Tensor | None = None,
     num_warps: int = 4,
     programs_per_sm: int = 32,
+    workspace: PackWorkspace | None = None,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
@@ -101,6 +126,8 @@ def quantize_qkv(
     start at multiples of it in the column layout (``FwdConfig.column_align`` of the forward
     that will read it; ``blocks``, when given, must come from a table with the same one);
     ``columns``: the tokens' columns in that layout (``token_columns``; a plan caches them).
+    ``workspace``: the pack's buffers to write into (``VarlenPlan.workspace``; the result is
+    then valid until the next call on that workspace), else new ones.
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -118,20 +145,22 @@ def quantize_qkv(
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1)")
     t_pad = v_t_length(total, cu_seqlens.numel() - 1, column_align)
-    q_codes = torch.empty(total, heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
-    k_codes = torch.empty(total, heads_kv, d, dtype=torch.float8_e4m3fn, device=dev)
-    q_exp = _head_major_exponents(total, heads_q, dev)
-    k_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
-    v_t = _column_codes(heads_kv, d, t_pad, total, column_align, dev)
-    v_exp = torch.empty(heads_kv, t_pad, dtype=EXPONENT_DTYPE, device=dev)
-    kv_factors = torch.empty(heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
+    buf = _Buffers(dev, workspace, column_align)
+    fp8 = torch.float8_e4m3fn
+    q_codes = buf.empty("q_codes", (total, heads_q, d), fp8)
+    k_codes = buf.empty("k_codes", (total, heads_kv, d), fp8)
+    q_exp = buf.head_major("q_exp", total, heads_q)
+    k_exp = buf.empty("k_exp", (heads_kv, t_pad), EXPONENT_DTYPE)
+    v_t = buf.column_codes("v_t", heads_kv, d, t_pad, total)
+    v_exp = buf.empty("v_exp", (heads_kv, t_pad), EXPONENT_DTYPE)
+    kv_factors = buf.empty("kv_factors", (heads_kv, 3, t_pad), torch.float32)
     nvfp4 = rec.qk_format == "nvfp4"
-    q4 = _nvfp4_empty(total, heads_q, d, dev) if nvfp4 else _nvfp4_placeholder(dev)
-    k4 = _nvfp4_empty(total, heads_kv, d, dev) if nvfp4 else _nvfp4_placeholder(dev)
+    q4 = buf.nvfp4("q4", total, heads_q, d) if nvfp4 else _nvfp4_placeholder(dev)
+    k4 = buf.nvfp4("k4", total, heads_kv, d) if nvfp4 else _nvfp4_placeholder(dev)
     if total > 0:
         grid = (_num_programs(dev, blocks.num_slots * (heads_q + 2 * heads_kv), programs_per_sm),)
-        quantize_qkv_kernel[grid](
-            q, k, v, blocks.start, blocks.length, blocks.v_t_start,
+        _LAUNCH_QKV(
+            grid, q, k, v, blocks.start, blocks.length, blocks.v_t_start,
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -146,13 +175,13 @@ def quantize_qkv(
     if with_transposed:
         if columns is None:
             columns = token_columns(cu_seqlens, blocks.doc_v_t_start, total)
-        q_t = _column_copy(q_codes, columns, t_pad)
-        k_t = _column_copy(k_codes, columns, t_pad)
+        q_t = buf.column_copy("q_t", q_codes, columns, t_pad)
+        k_t = buf.column_copy("k_t", k_codes, columns, t_pad)
     return KernelQKV(
         q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp, kv_factors,
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
-        q_t, k_t, column_align,
+        q_t, k_t, column_align, columns,
     )  # fmt: skip
 
 
@@ -168,13 +197,15 @@ def quantize_do(
     column_align: int = V_T_ALIGN,
     num_warps: int = 4,
     programs_per_sm: int = 32,
+    workspace: PackWorkspace | None = None,
 ) -> KernelDO:
     """The backward's dO operands in one launch (``quantize_do_kernel``): dÔ, Ĝ, D.
 
     ``d_out``/``out`` ``[T, Hq, d]`` BF16/FP16 (last dim contiguous); ``m_rows``/``lse_rows``
     ``[T, Hq]`` float32 contiguous, as the forward returns them. Same codes as
     ``flamia_serve.reference.quantize_do`` given the kernel's ``row_factor``. ``column_align``
-    as in :func:`quantize_qkv` (the backward reads Ĝ's columns only inside documents).
+    and ``workspace`` as in :func:`quantize_qkv` (the backward reads Ĝ's columns only inside
+    documents).
     """
     rec = resolve_recipe(recipe)
     total, heads_q, d = d_out.shape
@@ -186,16 +217,17 @@ def quantize_do(
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1)")
     t_pad = v_t_length(total, cu_seqlens.numel() - 1, column_align)
-    do_codes = torch.empty(total, heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
-    do_exp = _head_major_exponents(total, heads_q, dev)
-    g_t = _column_codes(heads_q, d, t_pad, total, column_align, dev)
-    g_exp = torch.empty(heads_q, t_pad, dtype=EXPONENT_DTYPE, device=dev)
-    delta = _head_major_exponents(total, heads_q, dev, torch.float32)
-    row_factor = _head_major_exponents(total, heads_q, dev, torch.float32)
+    buf = _Buffers(dev, workspace, column_align)
+    do_codes = buf.empty("do_codes", (total, heads_q, d), torch.float8_e4m3fn)
+    do_exp = buf.head_major("do_exp", total, heads_q)
+    g_t = buf.column_codes("g_t", heads_q, d, t_pad, total)
+    g_exp = buf.empty("g_exp", (heads_q, t_pad), EXPONENT_DTYPE)
+    delta = buf.head_major("delta", total, heads_q, torch.float32)
+    row_factor = buf.head_major("row_factor", total, heads_q, torch.float32)
     if total > 0:
         grid = (_num_programs(dev, blocks.num_slots * heads_q, programs_per_sm),)
-        quantize_do_kernel[grid](
-            d_out, out, m_rows.contiguous(), lse_rows.contiguous(),
+        _LAUNCH_DO(
+            grid, d_out, out, m_rows.contiguous(), lse_rows.contiguous(),
             blocks.start, blocks.length, blocks.v_t_start,
             do_codes, do_exp, g_t, g_exp, delta, row_factor,
             d_out.stride(0), d_out.stride(1), out.stride(0), out.stride(1),

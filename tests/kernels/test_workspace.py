@@ -1,0 +1,156 @@
+"""Eager calls with a plan reuse its checked call and kernel buffers (``PackWorkspace``)
+and launch Triton kernels past the binder (``TritonLaunch``): the results must be those of
+fresh buffers, bit for bit, whatever ran before on the same buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia_serve import flamia_attn_varlen, plan_varlen
+from flamia_serve.kernels.workspace import TICKETS, PackWorkspace
+from flamia_serve.probes import make_pack
+
+LENS = (5, 130, 1, 40)  # padding columns after every document, a 1-token one
+
+
+def _step(q, k, v, cu, ms, plan, d_out, **opts) -> list[torch.Tensor]:
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = flamia_attn_varlen(*leaves, cu, ms, plan=plan, **opts)
+    out.backward(d_out)
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
+    if exact:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    else:  # dQ on a GPU: FP32 atomics sum in any order
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "recipe, exact_causal, causal",
+    [("mxfp8", False, True), ("mixed_nvfp4", True, False)],
+)
+def test_reused_buffers_give_the_fresh_buffers_results(recipe, exact_causal, causal, device):
+    """Two steps on one plan (the first with a NaN and huge values in a document) against
+    the same steps on plans that keep nothing: outputs and gradients bit for bit (dQ up to
+    the GPU's atomics order); the workspace stops growing after the first step and nothing
+    returned lives in it."""
+    opts = {"recipe": recipe, "exact_causal": exact_causal, "causal": causal}
+    reused = None
+    sizes = []
+    for seed in (1, 2):
+        q, k, v, cu, ms = make_pack(LENS, 4, 2, 64, seed=seed, device=device)
+        d_out = make_pack(LENS, 4, 2, 64, seed=seed + 10, device=device)[0]
+        if seed == 1:
+            v[3, 1, 5] = float("nan")
+            k[140, 0] *= 1e4
+        if reused is None:
+            reused = plan_varlen(cu, q.shape[0], ms)
+        fresh = plan_varlen(cu, q.shape[0], ms, reuse=False)
+        cu_reused = reused.cu_seqlens
+        got = _step(q, k, v, cu_reused, ms, reused, d_out, **opts)
+        want = _step(q, k, v, cu, ms, fresh, d_out, **opts)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+            _same(a, b, exact=device == "cpu" or name != "dq")
+        sizes.append(reused.workspace_bytes())
+        held = {b.untyped_storage().data_ptr() for ws in reused._workspaces.values()
+                for b in ws._buffers.values()}  # fmt: skip
+        assert not held & {t.untyped_storage().data_ptr() for t in got}
+        assert fresh.workspace_bytes() == 0 and not fresh.calls
+    assert sizes[0] > 0 and sizes[0] == sizes[1]
+    assert len(reused.calls) == 1
+
+
+def test_plan_call_cache_follows_the_arguments(device) -> None:
+    """A reused call is keyed by what it was checked for: another dtype, head count or
+    option is checked and planned again (and a bad one still raises)."""
+    q, k, v, cu, ms = make_pack(LENS, 4, 2, 64, seed=1, device=device)
+    plan = plan_varlen(cu, q.shape[0], ms)
+    with torch.no_grad():
+        a = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+        b = flamia_attn_varlen(q, k, v, cu, ms, plan=plan, causal=False)
+        assert len(plan.calls) == 2 and not torch.equal(a, b)
+        c = flamia_attn_varlen(q.half(), k.half(), v.half(), cu, ms, plan=plan)
+        assert c.dtype == torch.float16 and len(plan.calls) == 3
+        with pytest.raises(ValueError, match="multiple of k/v heads"):
+            flamia_attn_varlen(q[:, :3], k, v, cu, ms, plan=plan)
+        with pytest.raises(TypeError, match=r"q must be a torch\.Tensor"):
+            flamia_attn_varlen(None, k, v, cu, ms, plan=plan)
+
+
+def test_workspace_tickets_are_aligned_zeros_refilled_by_one_memset() -> None:
+    ws = PackWorkspace(torch.device("cpu"))
+    first = ws.ticket()
+    assert first.dtype == torch.int32 and first.shape == (1,) and first.data_ptr() % 16 == 0
+    first.fill_(7)  # what a kernel's ticket counter leaves behind
+    seen = [first]
+    for _ in range(TICKETS - 1):
+        t = ws.ticket()
+        assert int(t) == 0 and t.data_ptr() % 16 == 0
+        seen.append(t)
+    assert len({t.data_ptr() for t in seen}) == TICKETS
+    again = ws.ticket()  # the ring was used up: zeroed again, the first slot first
+    assert again.data_ptr() == first.data_ptr() and int(again) == 0
+
+
+def test_workspace_buffers_by_name_shape_dtype() -> None:
+    ws = PackWorkspace(torch.device("cpu"))
+    a = ws.empty("x", (4, 8), torch.float32)
+    assert ws.empty("x", (4, 8), torch.float32) is a
+    assert ws.empty("x", (4, 9), torch.float32) is not a
+    assert ws.empty("y", (4, 8), torch.float32) is not a
+    z = ws.zeroed("x", (4, 8), torch.float32)
+    assert z is not a and not bool(z.any())
+    z.fill_(1)
+    assert ws.zeroed("x", (4, 8), torch.float32) is z  # zeroed once, kept as written
+    assert ws.nbytes() == 4 * (32 + 36 + 32 + 32)
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_inputs_and_other_streams() -> None:
+    """Inputs at an address Triton did not specialise for (not 16-byte aligned) go through
+    the JIT path and still match; a side stream gets its own workspace."""
+    q, k, v, cu, ms = make_pack(LENS, 4, 2, 64, seed=2, device="cuda")
+    plan = plan_varlen(cu, q.shape[0], ms)
+    with torch.no_grad():
+        want = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+        flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+        shifted = flat[1:].view_as(q)
+        shifted.copy_(q)
+        assert shifted.data_ptr() % 16 != 0
+        torch.testing.assert_close(
+            flamia_attn_varlen(shifted, k, v, cu, ms, plan=plan), want, rtol=0, atol=0
+        )
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(plan._workspaces) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_of_eager_calls_with_a_plan() -> None:
+    """An eager call captured into a CUDA graph uses its own buffers (not the workspace,
+    whose ticket ring a replay would not refill): replays match eager calls."""
+    q, k, v, cu, ms = make_pack(LENS, 4, 2, 64, seed=3, device="cuda")
+    plan = plan_varlen(cu, q.shape[0], ms)
+    with torch.no_grad():
+        want = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on the capture stream
+            flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(flamia_attn_varlen(q, k, v, cu, ms, plan=plan), want,
+                                   rtol=0, atol=0)  # fmt: skip
