@@ -54,9 +54,9 @@ if [[ $steps == *,host-baseline,* ]]; then  # host_time.py of an earlier tree on
     FLAMIA_RESULTS_DIR=$OUT/baseline run host_time_baseline 150 python benchmarks/host_time.py)
 fi
 if [[ $steps == *,workspace,* ]]; then  # the eager path's reused buffers and launches
-  run pytest_gpu_workspace "${FLAMIA_TEST_SECS:-300}" python -m pytest -q -W ignore::DeprecationWarning \
+  run pytest_gpu_workspace "${FLAMIA_TEST_SECS:-400}" python -m pytest -v -W ignore::DeprecationWarning \
     tests/kernels/test_workspace.py tests/kernels/test_quant.py tests/test_nonfinite.py \
-    tests/kernels/test_gpu_bwd.py tests/kernels/test_attn_bwd.py \
+    tests/kernels/test_attn_bwd.py tests/kernels/test_gpu_bwd.py \
     tests/kernels/test_gpu_cute_bwd.py -k "not test_cute_bwd_matches_reference or lens0 or lens4"
 fi
 if [[ $steps == *,packs,* ]]; then  # the pack families P1-P5 (~60 s with FA4 compiled)

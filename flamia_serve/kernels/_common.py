@@ -54,15 +54,17 @@ def cute_available(device: torch.device) -> bool:
 
 class TritonLaunch:
     """A Triton kernel launched past ``JITFunction.run``'s per-call binding (its Python
-    costs ~20 µs of host time a launch).
+    costs ~20-30 µs of host time a launch).
 
     ``launch(grid, *args, **kwargs)`` takes what ``kernel[grid](*args, **kwargs)`` takes.
     A launch whose arguments specialise like an earlier one's (the same non-tensor values
-    and options, tensors of the same dtypes and 16-byte alignment: what Triton specialises
-    pointers on) calls that launch's ``CompiledKernel`` directly; any other goes through the
-    ``JITFunction`` (which compiles or finds the kernel) and is remembered (up to
-    ``MAX_SPECIALISATIONS``, then the memory starts over). Under the CPU interpreter every
-    launch goes through the ``JITFunction``.
+    and options; tensors of the same dtypes, devices and 16-byte alignment: what Triton
+    specialises pointers on) calls that launch's ``CompiledKernel`` directly, tensors passed
+    as their addresses (the launcher then skips its per-pointer ``data_ptr`` call and
+    pointer query); any other goes through the ``JITFunction`` (which compiles or finds the
+    kernel, and checks the pointers) and is remembered (up to ``MAX_SPECIALISATIONS``, then
+    the memory starts over). Under the CPU interpreter every launch goes through the
+    ``JITFunction``.
     """
 
     MAX_SPECIALISATIONS = 256
@@ -79,14 +81,16 @@ class TritonLaunch:
         except KeyError:  # a parameter left to its default: no fast path
             self.kernel[grid](*args, **kwargs)
             return
-        key = (
-            grid,
-            *((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v
-              for v in values),
-            *((k, v) for k, v in kwargs.items() if k not in self._params),
-        )  # fmt: skip
+        key = [grid]
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                values[i] = address = v.data_ptr()
+                key.append((v.dtype, v.get_device(), address % 16 == 0))
+            else:
+                key.append(v)
+        key += [(k, v) for k, v in kwargs.items() if k not in self._params]  # options
         try:
-            runner = self._runners.get(key)
+            runner = self._runners.get(tuple(key))
         except TypeError:  # an unhashable argument: no fast path
             self.kernel[grid](*args, **kwargs)
             return
@@ -97,7 +101,7 @@ class TritonLaunch:
         if isinstance(compiled, CompiledKernel):
             if len(self._runners) >= self.MAX_SPECIALISATIONS:
                 self._runners.clear()
-            self._runners[key] = compiled[grid]
+            self._runners[tuple(key)] = compiled[grid]
 
 
 def round_debug_p_(buffer: torch.Tensor) -> None:

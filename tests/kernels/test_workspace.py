@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flamia_serve import flamia_attn_varlen, plan_varlen
+from flamia_serve.kernels._common import TritonLaunch
 from flamia_serve.kernels.workspace import TICKETS, PackWorkspace
 from flamia_serve.probes import make_pack
 
@@ -154,3 +157,35 @@ def test_gpu_cuda_graph_capture_of_eager_calls_with_a_plan() -> None:
             torch.testing.assert_close(out, want, rtol=0, atol=0)
         torch.testing.assert_close(flamia_attn_varlen(q, k, v, cu, ms, plan=plan), want,
                                    rtol=0, atol=0)  # fmt: skip
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * factor, mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_launch_reuses_a_specialisation_and_checks_the_rest() -> None:
+    """Repeated launches of one specialisation take the compiled kernel (one entry);
+    another alignment or dtype is a new entry with correct results; a CPU tensor goes
+    through the JIT path and fails there, with Triton's error, not a crash."""
+    launch = TritonLaunch(_scale_kernel)
+    x = torch.randn(1000, device="cuda")
+    for _ in range(3):
+        out = torch.empty_like(x)
+        launch((4,), x, out, 1000, 2.0, BLOCK=256)
+        assert torch.equal(out, x * 2)
+    assert len(launch._runners) == 1
+    shifted = torch.randn(1001, device="cuda")[1:]
+    assert shifted.data_ptr() % 16 != 0
+    out = torch.empty_like(shifted)
+    launch((4,), shifted, out, 1000, 2.0, BLOCK=256)
+    assert torch.equal(out, shifted * 2) and len(launch._runners) == 2
+    half = x.half()
+    out = torch.empty_like(half)
+    launch((4,), half, out, 1000, 2.0, BLOCK=256)
+    assert torch.equal(out, half * 2) and len(launch._runners) == 3
+    with pytest.raises(ValueError, match="cpu tensor"):
+        launch((4,), x.cpu(), torch.empty_like(x), 1000, 2.0, BLOCK=256)
+    torch.cuda.synchronize()
