@@ -271,10 +271,10 @@ def test_backward_op_reads_the_cute_layout(device) -> None:
     plan = plan_varlen(cu, q.shape[0], ms)
     out, m, lse = attn_fwd(quantize_qkv(q, k, v, cu), cu, heads_q=4, causal=True,
                            softmax_scale=0.125)  # fmt: skip
-    bcfg = default_bwd_config(64, q.device)
-    bw = plan.key_work_list(bcfg.block_n, bcfg.block_m, True)
     grads = {}
-    for align in (16, 128):
+    for align in (16, 128):  # on sm_90 with the cute extra: Triton, then the CuTe backward
+        bcfg = default_bwd_config(64, q.device, column_align=align)
+        bw = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, True)
         b = plan.token_blocks(align)
         assert plan.token_blocks(align) is b  # cached per alignment
         grads[align] = torch.ops.flamia.attn_varlen_bwd(
@@ -286,8 +286,8 @@ def test_backward_op_reads_the_cute_layout(device) -> None:
         assert bool(torch.isfinite(a).all())
         if device == "cpu":
             assert torch.equal(a, b)
-        else:
-            assert _rel(b, a) <= 1e-5
+        else:  # another kernel there, and dQ's atomics: within the kernels' 1.4e-5
+            assert _rel(b, a) <= 3e-5
 
 
 def test_attn_call_errors(device) -> None:
@@ -315,8 +315,9 @@ def test_attn_call_errors(device) -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="needs the forward config"):
         attention_forward(q, k, v, cu, dataclasses.replace(call, config=None))
+    other_align = 128 if cfg.column_align != 128 else 16  # the GPU's default reads 128
     with pytest.raises(ValueError, match="needs the forward config"):
-        attention_forward(q, k, v, cu, dataclasses.replace(call, column_align=128))
+        attention_forward(q, k, v, cu, dataclasses.replace(call, column_align=other_align))
     with pytest.raises(ValueError, match="needs a forward call"):
         op_arguments(dataclasses.replace(call, work=None))
     out, m, lse = attention_forward(q, k, v, cu, call)
