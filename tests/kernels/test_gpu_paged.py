@@ -65,8 +65,10 @@ def test_batch_shapes_compile_nothing_after_warm_up(dtype: str) -> None:
         kernels.write_kv_cache(b.cache, b.key, b.value, b.slot_mapping, b.fmt)
         return b
 
+    # as vLLM's warm-up (CUDA-graph captures down to one sequence): a one-tile decode is
+    # unsplit under every split policy (the Triton decode splits 48 sequences, the CuTe not)
     warm = [batch([1] * 2, [3000, 40], 0), batch([1] * 48, [600] * 48, 1),
-            batch([1, 1, 300], [100, 2000, 50], 2)]  # fmt: skip
+            batch([1, 1, 300], [100, 2000, 50], 2), batch([1], [3], 3)]  # fmt: skip
     for b in warm:
         _planned_call(b, 64)
     shapes = [([1], [7000]), ([1] * 16, [900] * 16), ([1] * 17 + [33], [64] * 17 + [0]),
