@@ -1,20 +1,16 @@
-"""Buffers and launches reused by the attention calls of one pack (the eager host path).
+"""Buffers reused by the attention calls of one pack (the eager host path).
 
 A training step calls attention once per layer on the same pack, with a plan
 (``VarlenPlan``). The quantized operands of a call live only inside it, so the next call
-can write them into the same buffers, and its Triton launches have the same
-specialisation: ``PackWorkspace`` keeps both, so a call with a plan skips ~20 allocations,
-the memsets of the column layout's padding and the Triton binder.
+can write them into the same buffers: with ``PackWorkspace`` a call with a plan skips ~20
+allocations and the memsets of the column layout's padding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import TypeVar
+from collections.abc import Hashable
 
 import torch
-
-T = TypeVar("T")
 
 #: tickets handed out before the ring is zeroed again (one memset per that many calls)
 TICKETS = 1024
@@ -34,13 +30,11 @@ class PackWorkspace:
       per-call memset is not needed.
     * ``ticket()``: an int32 zero that a persistent kernel counts up (from a ring of zeros
       that one memset refills every ``TICKETS`` calls).
-    * ``cached(key, build)``: an object built once per key (launches, layout views).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: dict[Hashable, torch.Tensor] = {}
-        self._objects: dict[Hashable, object] = {}
         self._tickets: list[torch.Tensor] = []
         self._ring: torch.Tensor | None = None
 
@@ -66,12 +60,6 @@ class PackWorkspace:
                 self._ring.zero_()
             self._tickets = [self._ring[i : i + 1] for i in range(4 * TICKETS - 4, -1, -4)]
         return self._tickets.pop()
-
-    def cached(self, key: Hashable, build: Callable[[], T]) -> T:
-        obj = self._objects.get(key)
-        if obj is None:
-            obj = self._objects[key] = build()
-        return obj  # type: ignore[return-value]
 
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
