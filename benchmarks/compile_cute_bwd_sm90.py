@@ -19,20 +19,23 @@ from benchmarks.compile_cute_sm90 import compile_and_keep, compile_parser
 from flamia_serve.kernels.attn_bwd.cute_sm90 import FlamiaBwdSm90
 
 
-def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
+def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = False) -> list:
     """(fake CUDA tensor, byte alignment) pairs with the launcher's shapes, dtypes, strides
-    and alignments."""
+    and alignments (``wide``: NVFP4 Q/K widened to BF16 for Sᵀ)."""
     t_pad = total + 128 + 64
     u8, i16, i32 = torch.uint8, torch.int16, torch.int32
+    qk = torch.bfloat16 if wide else u8
     tensors = [
-        (torch.empty(total, heads_q, d, dtype=u8), 16),  # Q codes
-        (torch.empty(total, heads_kv, d, dtype=u8), 16),  # K codes
+        (torch.empty(total, heads_q, d, dtype=qk), 16),  # Q codes (or widened values)
+        (torch.empty(total, heads_kv, d, dtype=qk), 16),  # K codes
         (torch.empty(total, heads_kv, d, dtype=u8), 16),  # V codes
         (torch.empty(total, heads_q, d, dtype=u8), 16),  # dO codes
         (torch.empty(heads_q, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # q_t
         (torch.empty(heads_kv, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # k_t
         (torch.empty(heads_q, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # g_t
         (torch.empty(heads_q, total, dtype=i16), 4),  # Q exponents
+        (torch.empty(heads_q, total, dtype=torch.int8 if wide else i16), 4),  # scores' Q exp
+        (torch.empty(heads_kv, t_pad, dtype=i16), 4),  # K exponents (column layout)
         (torch.empty(heads_kv, 3, t_pad), 16),  # K/V factors
         (torch.empty(heads_q, total, dtype=i16), 4),  # dO exponents
         (torch.empty(heads_q, t_pad, dtype=i16), 4),  # G exponents
@@ -56,15 +59,18 @@ def main() -> None:
     keep = compile_parser(__doc__).parse_args().keep
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        # the default config at d = 128 / 64, causal or not
-        for d, causal in ((128, True), (64, True), (128, False)):
-            kernel = FlamiaBwdSm90(d, 8, 2, causal, 32, 2, False)
-            name = f"bwd_d{d}_causal{int(causal)}.cubin"
+        # the default config at d = 128 / 64, causal or not; then the mixed recipes' (BF16 Sᵀ)
+        for d, causal, wide in (
+            (128, True, False), (64, True, False), (128, False, False), (128, True, True),
+            (64, False, True),
+        ):  # fmt: skip
+            kernel = FlamiaBwdSm90(d, 8, 2, causal, 32, 2, False, wide)
+            name = f"bwd_d{d}_causal{int(causal)}{'_wide' if wide else ''}.cubin"
             compiled = compile_and_keep(
-                kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Float32(0.1), Int32(1),
+                kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Float32(0.1), Int32(1),
                 keep=keep, name=name,
             )  # fmt: skip
-            print(f"cute backward d={d} causal={causal}: compiled")
+            print(f"cute backward d={d} causal={causal} wide={wide}: compiled")
             del compiled
 
 

@@ -28,16 +28,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from flamia_serve.kernels.cute_sm90_common import TVM_FFI, compile_kernel
 
 
-def _fake_args(total: int, heads_q: int, heads_kv: int, d: int) -> list:
+def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = False) -> list:
     """(fake CUDA tensor, byte alignment) pairs with the launcher's shapes, dtypes, strides
-    and alignments."""
+    and alignments (``wide``: NVFP4 Q/K widened to BF16, int8 second-level exponents)."""
     t_pad = total + 16 + 64
     u8, i32 = torch.uint8, torch.int32
+    qk = torch.bfloat16 if wide else u8
     tensors = [
-        (torch.empty(total, heads_q, d, dtype=u8), 16),  # Q codes
-        (torch.empty(total, heads_kv, d, dtype=u8), 16),  # K codes
+        (torch.empty(total, heads_q, d, dtype=qk), 16),  # Q codes (or widened values)
+        (torch.empty(total, heads_kv, d, dtype=qk), 16),  # K codes
         (torch.empty(heads_kv, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # v_t
-        (torch.empty(heads_q, total, dtype=torch.int16).t(), 4),  # Q exponents (Hq, T)
+        (torch.empty(heads_q, total, dtype=torch.int8 if wide else torch.int16), 4),  # Q exp
         (torch.empty(heads_kv, 3, t_pad), 16),  # K/V factors
         (torch.empty(3, dtype=i32), 4),  # cu_seqlens (queries)
         (torch.empty(3, dtype=i32), 4),  # cu_seqlens_k (keys, extend only)
@@ -78,28 +79,34 @@ def main() -> None:
     keep = compile_parser(__doc__).parse_args().keep
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        # the last two: the FP8-cache prefill's (per-key K exponents, queries after cached
-        # keys), with exact exponentials and with Mitchell-P
-        for d, causal, tile_n, overlap, k_exp_block, extend, exp_mode in (
-            (128, True, 128, False, 32, False, "exact"),
-            (128, True, 128, True, 32, False, "exact"),
-            (64, True, 128, False, 32, False, "exact"),
-            (128, False, 128, False, 32, False, "exact"),
-            (256, True, 64, False, 32, False, "exact"),
-            (256, True, 128, False, 32, False, "exact"),
-            (128, True, 128, False, 1, True, "exact"),
-            (128, True, 128, False, 1, True, "mitchell"),
+        # then the FP8-cache prefill's (per-key K exponents, queries after cached keys), with
+        # exact exponentials and with Mitchell-P; last the mixed recipes' (BF16 scores)
+        for d, causal, tile_n, overlap, k_exp_block, extend, exp_mode, wide in (
+            (128, True, 128, False, 32, False, "exact", False),
+            (128, True, 128, True, 32, False, "exact", False),
+            (64, True, 128, False, 32, False, "exact", False),
+            (128, False, 128, False, 32, False, "exact", False),
+            (256, True, 64, False, 32, False, "exact", False),
+            (256, True, 128, False, 32, False, "exact", False),
+            (128, True, 128, False, 1, True, "exact", False),
+            (128, True, 128, False, 1, True, "mitchell", False),
+            (128, True, 128, False, 1, False, "exact", True),
+            (64, False, 128, False, 1, False, "exact", True),
+            (256, True, 64, False, 1, False, "exact", True),
         ):  # fmt: skip
             kernel = FlamiaFwdSm90(
-                d, 8, 2, causal, k_exp_block, 128, tile_n, 2, overlap, True, extend, exp_mode
-            )
+                d, 8, 2, causal, k_exp_block, 128, tile_n, 2, overlap, True, extend, exp_mode,
+                wide,
+            )  # fmt: skip
             name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}"
-            name += f"_extend_{exp_mode}.cubin" if extend else ".cubin"
+            name += f"_extend_{exp_mode}" if extend else ""
+            name += "_wide.cubin" if wide else ".cubin"
             compile_and_keep(
-                kernel, _fake_args(1024, 8, 2, d), Float32(0.1), Int32(1), keep=keep, name=name
-            )
+                kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Int32(1), keep=keep,
+                name=name,
+            )  # fmt: skip
             print(f"cute forward d={d} causal={causal} 128x{tile_n} overlap={overlap} "
-                  f"extend={extend} {exp_mode}: compiled")  # fmt: skip
+                  f"extend={extend} {exp_mode} wide={wide}: compiled")  # fmt: skip
 
 
 if __name__ == "__main__":

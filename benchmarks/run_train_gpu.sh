@@ -2,7 +2,7 @@
 # One device call of the training-path checks and measurements (H200), results under $OUT.
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
-#                                                   # host-baseline
+#                                                   # host-baseline, mixed
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -32,10 +32,18 @@ if [[ $steps == *,cutebwd,* ]]; then  # the CuTe backward against the reference 
   run pytest_gpu_cute_bwd "${FLAMIA_TEST_SECS:-200}" python -m pytest -q -m gpu -W ignore::DeprecationWarning \
     tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py
 fi
+if [[ $steps == *,mixed,* ]]; then  # the mixed recipes on the CuTe kernels (BF16 scores), the
+  # backward tests on the CuTe layout, the serving no-recompile test
+  run pytest_gpu_cute_mixed "${FLAMIA_TEST_SECS:-420}" python -m pytest -v -W ignore::DeprecationWarning \
+    "tests/kernels/test_gpu_cute.py::test_cute_fwd_mixed_matches_reference_and_triton" \
+    "tests/kernels/test_gpu_cute.py::test_cute_rejects_what_it_does_not_run" \
+    tests/kernels/test_gpu_paged.py tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py \
+    tests/kernels/test_attn_bwd.py -k "${FLAMIA_TEST_K:-not test_gpu_paged or compile_nothing}"
+fi
 if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \
     --passes fwd,fwd+bwd,bwd --impls "${FLAMIA_IMPLS:-flamia-mxfp8,fa4,cudnn-sdpa,fa2-varlen,flex-docmask}" \
-    --flex-workloads W3
+    --flex-workloads W3 --name "${FLAMIA_BENCH_NAME:-train_attention}"
 fi
 if [[ $steps == *,variants,* ]]; then  # FLAMIA_BWD_VARIANTS="NAME=PATH ..." against the current
   # shellcheck disable=SC2086
@@ -61,8 +69,9 @@ if [[ $steps == *,workspace,* ]]; then  # the eager path's reused buffers and la
 fi
 if [[ $steps == *,packs,* ]]; then  # the pack families P1-P5 (~60 s with FA4 compiled)
   run train_attention_packs 300 python benchmarks/train_attention.py --quick \
-    --workloads P1,P2,P3,P4,P5 --impls flamia-mxfp8,flamia-mxfp8-quant,fa4,fa2-varlen,cudnn-sdpa \
-    --name train_attention_packs
+    --workloads P1,P2,P3,P4,P5 \
+    --impls "${FLAMIA_PACK_IMPLS:-flamia-mxfp8,flamia-mxfp8-quant,fa4,fa2-varlen,cudnn-sdpa}" \
+    --name "${FLAMIA_PACK_NAME:-train_attention_packs}"
 fi
 if [[ $steps == *,numerics,* ]]; then
   run bwd_numerics 150 python benchmarks/bwd_numerics.py

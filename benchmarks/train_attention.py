@@ -7,8 +7,12 @@ Impls (each dropped with a printed reason when its package is missing):
                           the library's default kernel (CuTe on sm_90 when installed)
 * ``flamia-mxfp8-triton`` the same with the portable Triton forward kernel
 * ``flamia-mxfp8-2pass``  Triton, max-only first pass (DESIGN N5 option a)
-* ``flamia-mixed_nvfp4``  mixed NVFP4 Q/K recipe (Triton)
+* ``flamia-mixed_nvfp4``  mixed NVFP4 Q/K recipe, the library's default kernels (CuTe on
+                          sm_90 when installed: BF16 scores from the widened NVFP4 values)
+* ``flamia-mixed_nvfp4-triton`` the same on the portable Triton kernels (forward and backward)
 * ``flamia-mxfp8-quant``  ``quantize_qkv(..., recipe="mxfp8")`` alone, pass ``"quant"``
+* ``flamia-mixed_nvfp4-quant`` the same for the mixed recipe (widened when the default
+                          forward is CuTe)
 * ``fa4``                 FlashAttention-4 CuTe ``flash_attn_varlen_func``
 * ``cudnn-sdpa``          dense SDPA, cuDNN backend, single-document workloads only
 * ``fa2-varlen``          ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2)
@@ -172,25 +176,34 @@ def _default_bwd_config(device: torch.device) -> dict[str, Any]:
     return dataclasses.asdict(default_bwd_config(HEAD_DIM, device))
 
 
-def _load_flamia_quant() -> Builder:
-    """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone (mxfp8), plan prebuilt, in the
-    column layout of the default forward (128-aligned documents for the CuTe kernel)."""
-    import flamia_serve
-    from flamia_serve.kernels.attn_fwd.ops import default_config
-    from flamia_serve.kernels.quant.ops import quantize_qkv
+def _flamia_quant_loader(recipe: str) -> Callable[[], Builder]:
+    """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone, plan prebuilt, as the default
+    forward calls it: its column layout (128-aligned documents for the CuTe kernel) and, for
+    NVFP4 Q/K on the CuTe kernel, the widened values."""
 
-    def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
-        m = wl.max_seqlen
-        mean = wl.total_tokens / wl.num_docs
-        align = default_config(wl.head_dim, cu.device, mean_doc_len=mean).column_align  # fwd's
-        blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).token_blocks(align)
+    def load() -> Builder:
+        import flamia_serve
+        from flamia_serve.kernels.attn_fwd.ops import default_config
+        from flamia_serve.kernels.quant.ops import quantize_qkv
+        from flamia_serve.numerics import resolve_recipe
 
-        def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
-            return quantize_qkv(q, k, v, cu, recipe="mxfp8", blocks=blocks, column_align=align)
+        def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
+            m = wl.max_seqlen
+            mean = wl.total_tokens / wl.num_docs
+            nvfp4 = resolve_recipe(recipe).qk_format == "nvfp4"
+            cfg = default_config(wl.head_dim, cu.device, qk_nvfp4=nvfp4, mean_doc_len=mean)
+            align = cfg.column_align
+            blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).token_blocks(align)
 
-        return _identity, run
+            def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
+                return quantize_qkv(q, k, v, cu, recipe=recipe, blocks=blocks, column_align=align,
+                                    widen=cfg.kernel == "cute")  # fmt: skip
 
-    return build
+            return _identity, run
+
+        return build
+
+    return load
 
 
 def _load_fa4() -> Builder:
@@ -331,7 +344,9 @@ IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     "flamia-mxfp8-triton": ("fwd", _flamia_loader("mxfp8", kernel="triton"), False),
     "flamia-mxfp8-2pass": ("fwd", _flamia_loader("mxfp8", two_pass=True, kernel="triton"), False),
     "flamia-mixed_nvfp4": ("fwd", _flamia_loader("mixed_nvfp4"), False),
-    "flamia-mxfp8-quant": ("quant", _load_flamia_quant, False),
+    "flamia-mixed_nvfp4-triton": ("fwd", _flamia_loader("mixed_nvfp4", kernel="triton"), False),
+    "flamia-mxfp8-quant": ("quant", _flamia_quant_loader("mxfp8"), False),
+    "flamia-mixed_nvfp4-quant": ("quant", _flamia_quant_loader("mixed_nvfp4"), False),
     "fa4": ("fwd", _load_fa4, False),
     "cudnn-sdpa": ("fwd", _load_cudnn, True),
     "fa2-varlen": ("fwd", _load_fa2_varlen, False),

@@ -74,6 +74,7 @@ def attention_forward(
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=call.blocks, column_align=call.column_align, workspace=call.workspace,
+        widen=call.config.kernel == "cute",
     )  # fmt: skip
     return attn_fwd(
         qkv, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
@@ -100,7 +101,7 @@ def attention_backward(
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=call.blocks, with_transposed=True, column_align=align, columns=call.columns,
-        workspace=call.workspace,
+        workspace=call.workspace, widen=call.bwd_config.kernel == "cute",
     )  # fmt: skip
     qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe,
                       blocks=call.blocks, column_align=align, workspace=call.workspace)  # fmt: skip

@@ -233,6 +233,16 @@ def e2m1_decode(code):
     return tl.where((c & 8) != 0, -mag, mag)
 
 
+@triton.jit
+def nvfp4_values(packed, scale, ROWS: tl.constexpr, D: tl.constexpr):
+    """float32 ``[ROWS, D]``: packed E2M1 codes ``[ROWS, D/2]`` (low nibble = even element)
+    times their block scales ``[ROWS, D/16]`` (float32 E4M3 values), without the per-row
+    power of two; exact (at most 6 significant bits, so exact in BF16 too)."""
+    vals = tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))
+    vals = tl.reshape(vals, (ROWS, D // 16, 16)) * scale[:, :, None]
+    return tl.reshape(vals, (ROWS, D))
+
+
 # ceil(log2(amax / FMAX)) constants: FMAX = (1 + MANT / 2**23) * 2**EXP
 E4M3_EXP = tl.constexpr(8)  # 448 = 1.75 * 2**8
 E4M3_MANT = tl.constexpr(0x600000)

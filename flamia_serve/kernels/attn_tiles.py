@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import e2m1_decode
+from flamia_serve.kernels._common import nvfp4_values
 
 
 @triton.jit
@@ -22,13 +22,10 @@ def load_nvfp4_tile(
     first = row0.to(tl.int64) * H + h
     codes = codes_ptr + first * (D // 2) + offs[:, None] * (H * D // 2) + half[None, :]
     packed = tl.load(codes, mask=row_ok[:, None], other=0)
-    vals = tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))
-    vals = tl.reshape(vals, (ROWS, D // 16, 16))
     scales = scale_ptr.to(tl.pointer_type(tl.uint8)) + first * (D // 16)
     scales += offs[:, None] * (H * D // 16) + groups[None, :]
     scale = tl.load(scales, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-    vals = vals * scale.to(tl.float32)[:, :, None]
-    vals = tl.reshape(vals, (ROWS, D))
+    vals = nvfp4_values(packed, scale.to(tl.float32), ROWS, D)
     if INTERPRET:
         return vals
     return vals.to(tl.bfloat16)

@@ -122,14 +122,20 @@ class KernelQKV:
     ``[Hkv, d, t_pad]`` E4M3 V codes in the column layout (module docstring). Exponents are
     int16: ``q_exp`` ``[T, Hq]`` (a view of a head-major ``[Hq, T]`` buffer); ``k_exp`` /
     ``v_exp`` ``[Hkv, t_pad]`` in the column layout. ``kv_factors`` ``[Hkv, 3, t_pad]``
-    float32, same columns: ``2^eK``, ``eV`` and ``2^-eV`` exactly (the CuTe forward reads
-    floats instead of converting exponents in every thread). ``q4``/``k4``: NVFP4 (mixed
+    float32, same columns: ``2^eK``, ``eV`` and ``2^-eV`` exactly (the CuTe kernels read
+    floats instead of converting exponents in every thread; with NVFP4 Q/K, ``2^eK`` is of
+    K's NVFP4 second level, per token: the scores' factor). ``q4``/``k4``: NVFP4 (mixed
     recipe only); ``qk_rescale`` = 1/d after the Hadamard option; ``k_exp_block``: keys
     sharing one K exponent (document-local blocks; 1 = per token).
 
     Written only when gradients are needed (``with_transposed``): ``q_t`` ``[Hq, d, t_pad]``
     and ``k_t`` ``[Hkv, d, t_pad]``, the same E4M3 codes as ``q_codes``/``k_codes`` in the
     column layout (the backward contracts dK = dSᵀ·Q̂ over queries and dQ = dS·K̂ over keys).
+
+    Written only when asked (``quantize_qkv(widen=True)``, NVFP4 Q/K): ``q_wide`` ``[T, Hq,
+    d]`` / ``k_wide`` ``[T, Hkv, d]`` BF16, the NVFP4 values without their per-token power of
+    two (exact): the score operands of the CuTe kernels, which multiply them in BF16 (Hopper
+    has no FP4 MMA).
     """
 
     q_codes: torch.Tensor
@@ -151,6 +157,8 @@ class KernelQKV:
     column_align: int = V_T_ALIGN
     #: int64 ``[T]``, each token's column (``key_columns``), when the quantizer had them
     columns: torch.Tensor | None = None
+    q_wide: torch.Tensor | None = None
+    k_wide: torch.Tensor | None = None
 
     def key_columns(self) -> torch.Tensor:
         """int64 ``[T]``: the column of each token in the column layout."""

@@ -370,19 +370,46 @@ def test_bwd_config_kernel_choice_and_round_trip(device) -> None:
 
 def test_default_bwd_config_follows_the_forward_layout(monkeypatch) -> None:
     """Where the CuTe kernels run, the backward is CuTe exactly when the forward's layout is
-    128-column aligned and Q/K are E4M3 at d 64/128; the Triton kernel otherwise (and with
-    ``kernel="triton"``); without the cute extra, always Triton."""
+    128-column aligned at d 64/128 (E4M3 or NVFP4 Q/K); the Triton kernel otherwise (and
+    with ``kernel="triton"``); without the cute extra, always Triton."""
     from flamia_serve.kernels.attn_bwd import ops as bwd_ops
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(bwd_ops, "_cute_available", lambda device: True)
     assert default_bwd_config(128, gpu, column_align=128) == bwd_ops.CUTE_BWD_CONFIG
     assert default_bwd_config(64, gpu, column_align=256).kernel == "cute"
-    for kw in (dict(column_align=16), dict(column_align=64), dict(qk_nvfp4=True),
-               dict(kernel="triton")):  # fmt: skip
+    assert default_bwd_config(64, gpu, qk_nvfp4=True, column_align=128).kernel == "cute"
+    for kw in (dict(column_align=16), dict(column_align=64), dict(kernel="triton"),
+               dict(qk_nvfp4=True, column_align=16)):  # fmt: skip
         assert default_bwd_config(128, gpu, **kw).kernel == "triton", kw
     assert default_bwd_config(256, gpu, column_align=128) == BwdConfig(num_warps=8)
     with pytest.raises(ValueError, match="kernel must be None or 'triton'"):
         default_bwd_config(128, gpu, kernel="cute")
     monkeypatch.setattr(bwd_ops, "_cute_available", lambda device: False)
     assert default_bwd_config(128, gpu, column_align=128) == BwdConfig()
+
+
+def test_cute_kernels_take_nvfp4_only_widened(device) -> None:
+    """NVFP4 Q/K (mixed recipes) reach the CuTe kernels only as the quantizer's widened BF16
+    values: an explicit CuTe config on codes quantized without ``widen=True`` is refused by
+    name before any device check (as is the forward's 128-key tile at d = 256), and without
+    a config the kernels fall back to Triton."""
+    from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG
+    from flamia_serve.kernels.attn_fwd.ops import CUTE_CONFIG, CUTE_CONFIG_D256
+
+    q, k, v, cu, _ms = make_pack((70, 20), 2, 1, 64, seed=3, device=device)
+    qkv = quantize_qkv(q, k, v, cu, recipe="mixed_nvfp4", column_align=128, with_transposed=True)
+    assert qkv.q_wide is None
+    with pytest.raises(ValueError, match="widen=True"):
+        attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125, config=CUTE_CONFIG)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125)
+    qdo = quantize_do(torch.randn_like(out), out, m, lse, cu, recipe="mixed_nvfp4",
+                      column_align=128)  # fmt: skip
+    with pytest.raises(ValueError, match="widen=True"):
+        attn_bwd(qkv, qdo, m, lse, cu, heads_q=2, causal=True, softmax_scale=0.125,
+                 recipe="mixed_nvfp4", config=CUTE_BWD_CONFIG)  # fmt: skip
+    q, k, v, cu, _ms = make_pack((40,), 2, 1, 256, seed=3, device=device)
+    wide = quantize_qkv(q, k, v, cu, recipe="mixed_nvfp4", column_align=128, widen=True)
+    assert wide.q_wide is not None
+    with pytest.raises(ValueError, match="takes block_n 64"):
+        attn_fwd(wide, cu, heads_q=2, causal=True, softmax_scale=0.1, config=CUTE_CONFIG_D256)

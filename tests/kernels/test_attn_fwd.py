@@ -51,7 +51,12 @@ def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None
     assert default_config(64, gpu, mean_doc_len=13.7, kernel="cute") == CUTE_CONFIG
     assert default_config(256, gpu, mean_doc_len=4096.0) == fwd_ops.CUTE_CONFIG_D256
     assert default_config(256, gpu, kernel="triton").num_warps == 8  # d=256: two warpgroups
-    assert default_config(128, gpu, qk_nvfp4=True).kernel == "triton"
+    # NVFP4 Q/K (mixed recipes): BF16 scores on the CuTe kernel, 64-key tiles at d = 256
+    assert default_config(128, gpu, qk_nvfp4=True) == CUTE_CONFIG
+    assert default_config(64, gpu, qk_nvfp4=True) == CUTE_CONFIG
+    assert default_config(256, gpu, qk_nvfp4=True) == fwd_ops.CUTE_CONFIG_D256_NVFP4
+    assert default_config(256, gpu, qk_nvfp4=True, kernel="cute").block_n == 64
+    assert default_config(128, gpu, qk_nvfp4=True, mean_doc_len=13.7).kernel == "triton"
 
 
 CASES = [

@@ -146,6 +146,40 @@ def test_cute_rejects_what_it_does_not_run() -> None:
     qkv = quantize_qkv(q, k, v, cu)  # 16-column layout: whole 128-key tiles would overrun
     with pytest.raises(ValueError, match="column_align=128"):
         attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.1, config=CUTE_CONFIG)
-    qkv = quantize_qkv(q, k, v, cu, recipe="mixed_nvfp4", column_align=128)
-    with pytest.raises(ValueError, match="E4M3 Q/K"):
-        attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.1, config=CUTE_CONFIG)
+    qkv = quantize_qkv(q, k, v, cu, recipe="mixed_nvfp4", column_align=128, widen=True)
+    with pytest.raises(ValueError, match="takes block_n 64"):
+        attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.1, config=CUTE_CONFIG_D256)
+
+
+MIXED_CASES = [
+    # lens, hq, hkv, d, causal, exact_causal, recipe
+    (*CASES[0], True, False, "mixed_nvfp4"),
+    (*CASES[0], False, True, "mixed_nvfp4_hadamard"),
+    (*CASES[1], True, True, "mixed_nvfp4"),
+    (*CASES[1], False, False, "mixed_nvfp4_hadamard"),
+    ((1, 300, 129, 31), 8, 8, 128, True, False, "mixed_nvfp4_hadamard"),
+    ((1, 300, 1000, 31), 8, 2, 256, True, False, "mixed_nvfp4"),
+    ((1, 300, 1000, 31), 8, 2, 256, False, True, "mixed_nvfp4_hadamard"),
+]
+
+
+@pytest.mark.parametrize(("lens", "hq", "hkv", "d", "causal", "exact", "recipe"), MIXED_CASES)
+def test_cute_fwd_mixed_matches_reference_and_triton(lens, hq, hkv, d, causal, exact, recipe):
+    """NVFP4 Q/K on the CuTe kernel (BF16 scores from the widened values): the reference
+    twin's tolerance, the Triton kernel's output on the same codes, cos-sim vs float64 as the
+    recipe's (paper: 0.992 for O)."""
+    q, k, v, cu, ms = make_pack(lens, hq, hkv, d, seed=31, device="cuda")
+    qkv = quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact, column_align=128,
+                       widen=True)  # fmt: skip
+    assert default_config(d, q.device, qk_nvfp4=True).kernel == "cute"
+    scale = d**-0.5
+    out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=scale)
+    ref = attention_forward(qkv.to_reference(), cu, heads_q=hq, causal=causal, softmax_scale=scale)
+    _check_close(out, m, lse, *ref)
+    triton = default_config(d, q.device, qk_nvfp4=True, kernel="triton")
+    t_out = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=scale, config=triton)[0]
+    diff = (out.float() - t_out.float()).norm() / t_out.float().norm()
+    assert float(diff) < 1e-2
+    exact64 = attention_float64(q, k, v, cu, ms, causal=causal)
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), exact64.flatten(), dim=0)
+    assert float(cos) >= 0.985

@@ -37,27 +37,40 @@ CASES = [
 ]
 
 
-def _operands(lens, hq, hkv, d, causal, exact, seed=5):
+def _operands(lens, hq, hkv, d, causal, exact, seed=5, recipe="mxfp8"):
     q, k, v, cu, _ = make_pack(lens, hq, hkv, d, seed=seed, device="cuda")
     d_out = make_pack(lens, hq, hkv, d, seed=seed + 1, device="cuda")[0]
-    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True, column_align=128)
+    qkv = quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact, with_transposed=True,
+                       column_align=128, widen=True)  # fmt: skip
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
-    return qkv, quantize_do(d_out, out, m, lse, cu, column_align=128), m, lse, cu, d_out, out
+    qdo = quantize_do(d_out, out, m, lse, cu, recipe=recipe, column_align=128)
+    return qkv, qdo, m, lse, cu, d_out, out
 
 
-def _bwd(ops, hq, d, causal, config, debug_p=None):
+def _bwd(ops, hq, d, causal, config, debug_p=None, recipe="mxfp8"):
     qkv, qdo, m, lse, cu = ops[:5]
     return attn_bwd(qkv, qdo, m, lse, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5,
-                    config=config, debug_p=debug_p)  # fmt: skip
+                    recipe=recipe, config=config, debug_p=debug_p)  # fmt: skip
 
 
-@pytest.mark.parametrize(("lens", "hq", "hkv", "d", "causal", "exact"), CASES)
-def test_cute_bwd_matches_reference(lens, hq, hkv, d, causal, exact) -> None:
-    ops = _operands(lens, hq, hkv, d, causal, exact)
+MIXED = [
+    (*CASES[0], "mixed_nvfp4"), (*CASES[2], "mixed_nvfp4_hadamard"), (*CASES[3], "mixed_nvfp4"),
+    (*CASES[4], "mixed_nvfp4_hadamard"),
+]
+
+
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d", "causal", "exact", "recipe"),
+    [(*c, "mxfp8") for c in CASES] + MIXED,
+)
+def test_cute_bwd_matches_reference(lens, hq, hkv, d, causal, exact, recipe) -> None:
+    """Against the reference backward and the Triton kernel on the same codes; mixed
+    recipes rebuild Sᵀ from the widened NVFP4 values (BF16 ``wgmma``)."""
+    ops = _operands(lens, hq, hkv, d, causal, exact, recipe=recipe)
     qkv, qdo, m, lse, cu, d_out, out = ops
-    got = _bwd(ops, hq, d, causal, CUTE_BWD_CONFIG)
-    triton = _bwd(ops, hq, d, causal, BwdConfig())
-    ref = attention_backward(d_out, out, m, lse, qkv.to_reference(), cu, RECIPES["mxfp8"],
+    got = _bwd(ops, hq, d, causal, CUTE_BWD_CONFIG, recipe=recipe)
+    triton = _bwd(ops, hq, d, causal, BwdConfig(), recipe=recipe)
+    ref = attention_backward(d_out, out, m, lse, qkv.to_reference(), cu, RECIPES[recipe],
                              causal=causal,
                              softmax_scale=d**-0.5, qdo=qdo.to_reference())  # fmt: skip
     for name, g, t, r in zip(("dq", "dk", "dv"), got, triton, ref, strict=True):
@@ -67,14 +80,15 @@ def test_cute_bwd_matches_reference(lens, hq, hkv, d, causal, exact) -> None:
         assert _rel(g, t.float()) <= 3e-2, (name, _rel(g, t.float()))
 
 
-def test_cute_bwd_rebuilds_the_same_p_hat_as_triton() -> None:
+@pytest.mark.parametrize("recipe", ["mxfp8", "mixed_nvfp4"])
+def test_cute_bwd_rebuilds_the_same_p_hat_as_triton(recipe) -> None:
     """The P̂ each backward rebuilds (debug hook), on one quantization: the same codes."""
     lens, hq, d = (100, 1, 45, 130), 4, 64
-    ops = _operands(lens, hq, 2, d, True, False)
+    ops = _operands(lens, hq, 2, d, True, False, recipe=recipe)
     t = sum(lens)
     bufs = [torch.zeros(hq, t, t, device="cuda") for _ in range(2)]
-    _bwd(ops, hq, d, True, CUTE_BWD_CONFIG, bufs[0])
-    _bwd(ops, hq, d, True, BwdConfig(), bufs[1])
+    _bwd(ops, hq, d, True, CUTE_BWD_CONFIG, bufs[0], recipe=recipe)
+    _bwd(ops, hq, d, True, BwdConfig(), bufs[1], recipe=recipe)
     assert int((bufs[1] != 0).sum()) > 1000
     assert torch.equal(bufs[0], bufs[1])
 
@@ -83,7 +97,7 @@ def test_cute_bwd_is_the_default_on_its_layout() -> None:
     dev = torch.device("cuda")
     assert default_bwd_config(128, dev, column_align=128).kernel == "cute"
     assert default_bwd_config(128, dev, column_align=64).kernel == "triton"
-    assert default_bwd_config(64, dev, qk_nvfp4=True).kernel == "triton"
+    assert default_bwd_config(64, dev, qk_nvfp4=True).kernel == "cute"
     assert default_bwd_config(256, dev).kernel == "triton"
     q, k, v, cu, _ = make_pack((70,), 2, 1, 64, device="cuda")
     qkv = quantize_qkv(q, k, v, cu, with_transposed=True)  # column alignment 16

@@ -144,6 +144,42 @@ def test_kv_factors_are_the_exponents_as_floats(exact, device) -> None:
     assert torch.equal(f[:, 2], exp2i(-ve))
 
 
+@pytest.mark.parametrize("recipe", ["mixed_nvfp4", "mixed_nvfp4_hadamard", "mxfp8"])
+@pytest.mark.parametrize("exact", [False, True], ids=["token_block", "exact_causal"])
+def test_widened_nvfp4_score_operands(recipe, exact, device) -> None:
+    """``widen=True`` (the CuTe kernels' score operands): ``q_wide``/``k_wide`` are the NVFP4
+    values without their per-token power of two, in BF16 bit for bit (exact: at most 6
+    significant bits); ``kv_factors`` row 0 is then 2^ of K's NVFP4 second level per token
+    (0 for an all-zero token), and nothing else changes. E4M3 recipes widen nothing."""
+    lens = (5, 40, 1, 33, 0, 70)
+    q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=8, device=device)
+    spread = torch.exp(torch.randn(q.shape[0], 1, 1) * 6).to(device=device, dtype=q.dtype)
+    q, k = q * spread, k * spread.flip(0)
+    k[7] = 0
+    plain = quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact, column_align=128)
+    wide = quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact, column_align=128,
+                        widen=True)  # fmt: skip
+    cols = wide.key_columns().cpu()
+    for name in ("q_codes", "q_exp", "k_codes", "v_t"):
+        assert _same(getattr(plain, name), getattr(wide, name)), name
+    for name in ("k_exp", "v_exp"):  # (columns outside the documents are never written)
+        assert _same(getattr(plain, name).cpu()[:, cols], getattr(wide, name).cpu()[:, cols])
+    if plain.q4 is None:
+        assert wide.q_wide is None and wide.k_wide is None
+        assert _same(plain.kv_factors.cpu()[:, :, cols], wide.kv_factors.cpu()[:, :, cols])
+        return
+    for got, nv in ((wide.q_wide, wide.q4), (wide.k_wide, wide.k4)):
+        values = nv.dequantize(second_level=False)
+        assert got.dtype == torch.bfloat16 and got.shape == values.shape
+        assert torch.equal(got.float(), values)  # exact in BF16
+        assert _same(got, values.to(torch.bfloat16))
+    e4 = wide.k4.exponents.cpu().t().int()  # [Hkv, T]
+    assert bool((e4 == EXP_MIN).any())  # the zero token
+    f = wide.kv_factors.cpu()[:, :, cols]
+    assert torch.equal(f[:, 0], torch.where(e4 == EXP_MIN, 0.0, exp2i(e4)))
+    assert _same(f[:, 1:], plain.kv_factors.cpu()[:, 1:, cols])
+
+
 def test_token_block_must_fill_v_t_key_groups(device) -> None:
     """A recipe whose token blocks are not whole 16-key groups is refused by name (the
     K-major V layout permutes keys inside 16-key groups)."""

@@ -30,6 +30,11 @@ the producer warp's lanes and read by the consumers column by column. Interior s
 keys and queries inside the document; causal: every query at or after every key) run a
 copy of the step without the per-element masks.
 
+Mixed recipes (NVFP4 Q/K): Sᵀ is rebuilt as the CuTe forward builds S, by a BF16 ``wgmma``
+of the NVFP4 values widened exactly (``KernelQKV.q_wide``/``k_wide``) with the second-level
+exponents as factors; dK and dQ contract the E4M3 codes as in ``mxfp8`` (their K exponent
+``kdq`` then comes from ``k_exp``).
+
 Validity: rows past the document are masked by selects (the token-major tiles may hold the
 next document's codes, which a select, unlike a zero weight, keeps out even when they are
 NaN); the column-layout tiles hold zeros there (the layout's column alignment is a multiple
@@ -102,6 +107,7 @@ class FlamiaBwdSm90:
         dk_keys: int,
         num_stages: int,
         debug_p: bool,
+        qk_wide: bool = False,
     ) -> None:
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64 and 128")
@@ -116,6 +122,9 @@ class FlamiaBwdSm90:
         self.dk_keys = dk_keys
         self.num_stages = num_stages
         self.debug_p = debug_p
+        # Sᵀ's operands: E4M3 codes, or NVFP4 values widened to BF16 (mixed recipes)
+        self.qk_wide = qk_wide
+        self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
         self.step_q = STEP_FOR_D[head_dim]
         self.dq_rows_per_warp = self.step_q // 4  # dQ rows a warp adds per step, one a lane
@@ -124,15 +133,17 @@ class FlamiaBwdSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (T, Hq, d) e4m3
-        mK: cute.Tensor,  # (T, Hkv, d) e4m3
+        mQ: cute.Tensor,  # (T, Hq, d) e4m3 (bf16: qk_wide)
+        mK: cute.Tensor,  # (T, Hkv, d) e4m3 (bf16: qk_wide)
         mV: cute.Tensor,  # (T, Hkv, d) e4m3
         mDO: cute.Tensor,  # (T, Hq, d) e4m3
         mQt: cute.Tensor,  # (d, t_pad, Hq) e4m3, column layout
         mKt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, column layout
         mGt: cute.Tensor,  # (d, t_pad, Hq) e4m3, column layout
         mQexp: cute.Tensor,  # (Hq, T) int16
-        mFactors: cute.Tensor,  # (Hkv, 3, t_pad) f32: 2^eK, eV, 2^-eV
+        mQsexp: cute.Tensor,  # (Hq, T) int8, NVFP4 second level (qk_wide; else mQexp)
+        mKexp: cute.Tensor,  # (Hkv, t_pad) int16, column layout (read with qk_wide)
+        mFactors: cute.Tensor,  # (Hkv, 3, t_pad) f32: 2^eK (scores), eV, 2^-eV
         mDOexp: cute.Tensor,  # (Hq, T) int16
         mGexp: cute.Tensor,  # (Hq, t_pad) int16
         mDelta: cute.Tensor,  # (Hq, T) f32
@@ -156,7 +167,9 @@ class FlamiaBwdSm90:
         mQ, mDO = (layout_utils.select(t, [0, 2, 1]) for t in (mQ, mDO))  # (T, d, H)
         mK, mV = (layout_utils.select(t, [0, 2, 1]) for t in (mK, mV))
         halves = self.halves
+        qk = self.qk_dtype
         rows_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (WG_KEYS, d), NUM_WG)
+        k_rows_layout = sm90_utils.make_smem_layout(qk, LayoutEnum.ROW_MAJOR, (WG_KEYS, d), NUM_WG)
         # column-layout tiles in 64-row pieces of the head dimension: (warpgroup or stage,
         # piece) -> index wg·halves + piece
         cols_layout = sm90_utils.make_smem_layout(
@@ -164,6 +177,9 @@ class FlamiaBwdSm90:
         )
         step_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (self.step_q, d), self.num_stages
+        )
+        q_step_layout = sm90_utils.make_smem_layout(
+            qk, LayoutEnum.ROW_MAJOR, (self.step_q, d), self.num_stages
         )
         step_t_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (64, self.step_q), self.num_stages * halves
@@ -180,7 +196,12 @@ class FlamiaBwdSm90:
         # h, 2^e_Ĝ at 2 + h
         stats_layout = cute.make_layout((6, self.step_q, self.num_stages))
         mma_kw = dict(atom_layout_mnk=(1, 1, 1))
-        # Sᵀ / dPᵀ: keys x queries, contraction over d (A and B from shared memory)
+        # Sᵀ (in the score operands' type) and dPᵀ: keys x queries, contraction over d (A
+        # and B from shared memory; the two accumulators share one layout)
+        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            qk, qk, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            tiler_mn=(WG_KEYS, self.step_q), **mma_kw,
+        )  # fmt: skip
         tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
             FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             tiler_mn=(WG_KEYS, self.step_q), **mma_kw,
@@ -203,15 +224,16 @@ class FlamiaBwdSm90:
                 tma_load, tensor, cute.select(layout, mode=[0, 1]), box, 1
             )
 
-        atom_k, tma_k = atom(mK, rows_layout, (WG_KEYS, d))
+        atom_k, tma_k = atom(mK, k_rows_layout, (WG_KEYS, d))
         atom_v, tma_v = atom(mV, rows_layout, (WG_KEYS, d))
         atom_kt, tma_kt = atom(mKt, cols_layout, (64, WG_KEYS))
-        atom_q, tma_q = atom(mQ, step_layout, (self.step_q, d))
+        atom_q, tma_q = atom(mQ, q_step_layout, (self.step_q, d))
         atom_do, tma_do = atom(mDO, step_layout, (self.step_q, d))
         atom_qt, tma_qt = atom(mQt, step_t_layout, (64, self.step_q))
         atom_gt, tma_gt = atom(mGt, step_t_layout, (64, self.step_q))
-        self.kv_bytes = 3 * NUM_WG * WG_KEYS * d
-        self.step_bytes = 4 * self.step_q * d
+        qk_bytes = qk.width // 8
+        self.kv_bytes = (2 + qk_bytes) * NUM_WG * WG_KEYS * d
+        self.step_bytes = (3 + qk_bytes) * self.step_q * d
         stages = self.num_stages
 
         @cute.struct
@@ -221,10 +243,10 @@ class FlamiaBwdSm90:
             mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
             sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
-            sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
             sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
             sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
             sQt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_t_layout)], 1024]
             sGt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_t_layout)], 1024]
@@ -234,11 +256,11 @@ class FlamiaBwdSm90:
         self.kernel(
             (tma_k, tma_v, tma_kt, tma_q, tma_do, tma_qt, tma_gt),
             (atom_k, atom_v, atom_kt, atom_q, atom_do, atom_qt, atom_gt),
-            mQexp, mFactors, mDOexp, mGexp, mDelta, mM, mLSE, mCu, mVtStart, mItemDoc,
-            mItemTile, mCount, mDQ, mDK, mDV, mDbg, qk_scale, softmax_scale,
+            (mQexp, mQsexp, mKexp), mFactors, mDOexp, mGexp, mDelta, mM, mLSE, mCu, mVtStart,
+            mItemDoc, mItemTile, mCount, mDQ, mDK, mDV, mDbg, qk_scale, softmax_scale,
             (rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout,
-             amax_layout, stats_layout),
-            (tiled_mma_s, tiled_mma_kv, tiled_mma_dq), Storage,
+             amax_layout, stats_layout, k_rows_layout, q_step_layout),
+            (tiled_mma_s, tiled_mma_kv, tiled_mma_dq, tiled_mma_qk), Storage,
         ).launch(
             grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
@@ -250,7 +272,7 @@ class FlamiaBwdSm90:
         self,
         tmas: tuple,
         atoms: tuple,
-        mQexp: cute.Tensor,
+        exps: tuple,
         mFactors: cute.Tensor,
         mDOexp: cute.Tensor,
         mGexp: cute.Tensor,
@@ -273,7 +295,8 @@ class FlamiaBwdSm90:
         Storage: cutlass.Constexpr,
     ):
         (rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout, amax_layout,
-         stats_layout) = layouts  # fmt: skip
+         stats_layout, k_rows_layout, q_step_layout) = layouts  # fmt: skip
+        mQexp, mQsexp, mKexp = exps
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for a in atoms:
@@ -302,8 +325,8 @@ class FlamiaBwdSm90:
         smem_tensors = [
             getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
             for name, layout in (
-                ("sK", rows_layout), ("sV", rows_layout), ("sKt", cols_layout),
-                ("sQ", step_layout), ("sDO", step_layout), ("sQt", step_t_layout),
+                ("sK", k_rows_layout), ("sV", rows_layout), ("sKt", cols_layout),
+                ("sQ", q_step_layout), ("sDO", step_layout), ("sQt", step_t_layout),
                 ("sGt", step_t_layout), ("sDS", ds_layout),
             )
         ]  # fmt: skip
@@ -329,14 +352,14 @@ class FlamiaBwdSm90:
                 cute.arch.setmaxregister_decrease(24)
                 if warp_idx == 0:
                     self.produce(
-                        item_ctx, tmas, atoms, smem_tensors, pipes, sStats, mQexp, mDOexp,
-                        mGexp, mDelta, mM, mLSE, qk_scale,
+                        item_ctx, tmas, atoms, smem_tensors, pipes, sStats, (mQexp, mQsexp),
+                        mDOexp, mGexp, mDelta, mM, mLSE, qk_scale,
                     )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(240)
                 self.consume(
-                    item_ctx, mmas, smem_tensors, sDQ, sAmax, sStats, pipes, mFactors, mDQ,
-                    mDK, mDV, mDbg, softmax_scale,
+                    item_ctx, mmas, smem_tensors, sDQ, sAmax, sStats, pipes, mFactors, mKexp,
+                    mDQ, mDK, mDV, mDbg, softmax_scale,
                 )  # fmt: skip
 
     @cute.jit
@@ -349,7 +372,7 @@ class FlamiaBwdSm90:
 
     @cute.jit
     def produce(
-        self, w, tmas, atoms, smem, pipes, sStats, mQexp, mDOexp, mGexp, mDelta, mM, mLSE,
+        self, w, tmas, atoms, smem, pipes, sStats, q_exps, mDOexp, mGexp, mDelta, mM, mLSE,
         qk_scale,
     ):  # fmt: skip
         """TMA loads: the key tile once, then Q̂, dÔ, Q̂ᵀ, Ĝᵀ per head and step; and each
@@ -396,7 +419,7 @@ class FlamiaBwdSm90:
                     loads_t[hf][1](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
                 pipe_stats.producer_acquire(state)
                 self.stage_stats(
-                    w, h, lo + i * self.step_q, state.index, sStats, mQexp, mDOexp, mGexp, mDelta,
+                    w, h, lo + i * self.step_q, state.index, sStats, q_exps, mDOexp, mGexp, mDelta,
                     mM, mLSE, qk_scale,
                 )  # fmt: skip
                 pipe_stats.producer_commit(state)
@@ -404,30 +427,35 @@ class FlamiaBwdSm90:
 
     @cute.jit
     def stage_stats(
-        self, w, h, i0, idx, sStats, mQexp, mDOexp, mGexp, mDelta, mM, mLSE, qk_scale
+        self, w, h, i0, idx, sStats, q_exps, mDOexp, mGexp, mDelta, mM, mLSE, qk_scale
     ):  # fmt: skip
         """This lane's query of each half of step ``i0`` (head ``h``): its factors into
-        stage ``idx``; lanes 0..3 the halves' dÔ (row 5 at ``hb``) and Ĝ (at ``2 + hb``)
-        exponents as factors (1 past the document)."""
+        stage ``idx`` (the scores' ``qk_scale·2^eQ`` from ``q_exps[1]``, NVFP4's second level
+        with ``qk_wide``; the products' ``2^eQ`` from ``q_exps[0]``); lanes 0..3 the halves'
+        dÔ (row 5 at ``hb``) and Ĝ (at ``2 + hb``) exponents as factors (1 past the
+        document)."""
         lane = cute.arch.lane_idx()
         doc_start = w["doc_start"]
         seqlen = w["seqlen"]
         n_halves = self.step_q // HALF
+        mQexp, mQsexp = q_exps
         for hb in cutlass.range_constexpr(n_halves):
             c = hb * HALF + lane
             q = i0 + c
             eq = Int32(0)
+            eqs = Int32(0)
             m = Float32(0.0)
             lse = Float32(0.0)
             dl = Float32(0.0)
             if q < seqlen:
                 tok = doc_start + q
                 eq = Int32(mQexp[h, tok])
+                eqs = Int32(mQsexp[h, tok]) if const_expr(self.qk_wide) else eq
                 m = mM[tok, h]
                 lse = mLSE[tok, h]
                 dl = mDelta[h, tok]
             q8 = pow2(eq)
-            sStats[0, c, idx] = q8 * qk_scale
+            sStats[0, c, idx] = pow2(eqs) * qk_scale
             sStats[1, c, idx] = q8
             sStats[2, c, idx] = m - P_HAT_EXP
             sStats[3, c, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
@@ -445,11 +473,11 @@ class FlamiaBwdSm90:
 
     @cute.jit
     def consume(
-        self, w, mmas, smem, sDQ, sAmax, sStats, pipes, mFactors, mDQ, mDK, mDV, mDbg,
+        self, w, mmas, smem, sDQ, sAmax, sStats, pipes, mFactors, mKexp, mDQ, mDK, mDV, mDbg,
         softmax_scale,
     ):  # fmt: skip
         """The two key warpgroups: every step of every head of the group, then dK/dV."""
-        tiled_mma_s, tiled_mma_kv, tiled_mma_dq = mmas
+        tiled_mma_s, tiled_mma_kv, tiled_mma_dq, tiled_mma_qk = mmas
         sK, sV, sKt, sQ, sDO, sQt, sGt, sDS = smem
         pipe_kv, pipe_step, pipe_stats = pipes
         tidx = cute.arch.thread_idx()[0] - 128
@@ -462,7 +490,8 @@ class FlamiaBwdSm90:
         wg_kv = tiled_mma_kv.get_slice(0)
         wg_dq = tiled_mma_dq.get_slice(0)
         d = self.d
-        _, tSrK, tSrQ = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, self.step_q, d), sK, sQ)
+        wg_qk = tiled_mma_qk.get_slice(0)
+        _, tSrK, tSrQ = sm90_utils.partition_fragment_ABC(wg_qk, (WG_KEYS, self.step_q, d), sK, sQ)
         _, tPrV, tPrDO = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, self.step_q, d), sV, sDO)
         # dV / dK / dQᵀ in 64-column pieces of the head dimension (B / A index: stage or
         # warpgroup · halves + piece)
@@ -487,8 +516,12 @@ class FlamiaBwdSm90:
         seqlen = w["seqlen"]
         key0 = w["key0"] + wg * WG_KEYS  # this warpgroup's first key
         hk = w["hk"]
-        # per key row: 2^eK, eV, 2^-eV, 2^eV
+        # per key row: 2^eK (scores), eV, 2^-eV, 2^eV; kdq: 2^eK of dQ's E4M3 K̂ (the scores'
+        # with E4M3 Q/K)
         kfac = cute.make_rmem_tensor(n_rows, Float32)
+        kdq = kfac
+        if const_expr(self.qk_wide):
+            kdq = cute.make_rmem_tensor(n_rows, Float32)
         ev = cute.make_rmem_tensor(n_rows, Float32)
         vinv = cute.make_rmem_tensor(n_rows, Float32)
         vfac = cute.make_rmem_tensor(n_rows, Float32)
@@ -499,9 +532,13 @@ class FlamiaBwdSm90:
             ev[r] = Float32(0.0)
             vinv[r] = Float32(0.0)
             vfac[r] = Float32(0.0)
+            if const_expr(self.qk_wide):
+                kdq[r] = Float32(0.0)
             if key[r] < seqlen:
                 col = w["vt_start"] + v_t_position(key[r])
                 kfac[r] = mFactors[hk, 0, col]
+                if const_expr(self.qk_wide):
+                    kdq[r] = pow2(Int32(mKexp[hk, col]))
                 ev[r] = mFactors[hk, 1, col]
                 vinv[r] = mFactors[hk, 2, col]
                 vfac[r] = pow2(Int32(ev[r]))
@@ -516,7 +553,7 @@ class FlamiaBwdSm90:
         # follows every query of a step, only keeps the stages in step
         wg_live = key0 < seqlen
         ctx = dict(
-            w=w, wg=wg, t=t, warp=warp, col0=col0, key=key, kfac=kfac, ev=ev, vinv=vinv,
+            w=w, wg=wg, t=t, warp=warp, col0=col0, key=key, kfac=kfac, kdq=kdq, ev=ev, vinv=vinv,
             vfac=vfac, tScS=tScS, n_rows=n_rows, n_cols=n_cols, tSrK=tSrK, tSrQ=tSrQ,
             tPrV=tPrV, tPrDO=tPrDO, frag_p=frag_p, frag_ds=frag_ds, tVrG=tVrG, tKrQ=tKrQ,
             tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS,
@@ -554,7 +591,7 @@ class FlamiaBwdSm90:
         """One step (one or two 32-query halves) of one head for this warpgroup's 64 keys
         (``masked``: some keys or queries lie outside the document or, causal, a key
         follows a query)."""
-        tiled_mma_s, _, tiled_mma_dq = ctx["mmas"]
+        tiled_mma_s, _, tiled_mma_dq, tiled_mma_qk = ctx["mmas"]
         w = ctx["w"]
         wg = ctx["wg"]
         doc_start = w["doc_start"]
@@ -564,7 +601,7 @@ class FlamiaBwdSm90:
         cols_per_half = n_cols // n_halves  # a thread's columns of one half, in order
         halves = self.halves
         acc_s = sm90_utils.gemm_zero_init(
-            tiled_mma_s, (WG_KEYS, self.step_q), ctx["tSrK"], ctx["tSrQ"], A_idx=wg, B_idx=stage,
+            tiled_mma_qk, (WG_KEYS, self.step_q), ctx["tSrK"], ctx["tSrQ"], A_idx=wg, B_idx=stage,
             wg_wait=-1,
         )  # fmt: skip
         acc_dp = sm90_utils.gemm_zero_init(
@@ -642,7 +679,7 @@ class FlamiaBwdSm90:
                     row_amax[r] = fa_utils.fmax(row_amax[r], abs(ds))
                 amax_k[hb] = fa_utils.fmax(amax_k[hb], col_amax * sStats[1, c, stage])  # ·2^eQ
             for r in cutlass.range_constexpr(n_rows):
-                amax_q[hb] = fa_utils.fmax(amax_q[hb], row_amax[r] * ctx["kfac"][r])
+                amax_q[hb] = fa_utils.fmax(amax_q[hb], row_amax[r] * ctx["kdq"][r])
         # (the first dV product runs during the exponent exchange; issued earlier, it would
         # hold its accumulator beside P̂ and dS and spill)
         issue_dv(0)
@@ -682,7 +719,7 @@ class FlamiaBwdSm90:
             k_inv = pow2(-ek[hb])
             row_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eK · 2^-eb
             for r in cutlass.range_constexpr(n_rows):
-                row_fac[r] = ctx["kfac"][r] * pow2(-eb[hb])
+                row_fac[r] = ctx["kdq"][r] * pow2(-eb[hb])
             for jj in cutlass.range_constexpr(cols_per_half):
                 j = hb * cols_per_half + jj
                 col_fac = sStats[1, ctx["col0"] + column_offset(j), stage] * k_inv  # 2^eQ·2^-ek
@@ -861,6 +898,12 @@ def attn_bwd_sm90(
     pack's, for the dQ accumulator and the token-major V codes."""
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
+    # Sᵀ's operands: E4M3 codes, or (NVFP4 Q/K) the widened values with the second level
+    wide = qkv.q4 is not None
+    if wide and (qkv.q_wide is None or qkv.k_wide is None):
+        raise ValueError("NVFP4 Q/K on the CuTe backward: quantize with widen=True")
+    q_in, k_in = (qkv.q_wide, qkv.k_wide) if wide else (qkv.q_codes, qkv.k_codes)
+    q_score_exp = (qkv.q4.exponents if wide else qkv.q_exp).t()
     dq_acc = zeroed_accumulator(workspace, (heads_q, total, d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
@@ -872,17 +915,19 @@ def attn_bwd_sm90(
     v_codes = v_bytes.view(torch.float8_e4m3fn)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
     aligned = (
-        (qkv.q_codes, 16), (qkv.k_codes, 16), (v_codes, 16), (qdo.do_codes, 16),
+        (q_in, 16), (k_in, 16), (v_codes, 16), (qdo.do_codes, 16),
         (qkv.q_t.permute(1, 2, 0), 16), (qkv.k_t.permute(1, 2, 0), 16),
-        (qdo.g_t.permute(1, 2, 0), 16), (qkv.q_exp.t(), 4), (qkv.kv_factors, 16),
+        (qdo.g_t.permute(1, 2, 0), 16), (qkv.q_exp.t(), 4), (q_score_exp, 4), (qkv.k_exp, 4),
+        (qkv.kv_factors, 16),
         (qdo.do_exp.t(), 4), (qdo.g_exp, 4), (qdo.delta.t(), 4), (m_rows.contiguous(), 4),
         (lse_rows.contiguous(), 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),
         (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),
     )  # fmt: skip
-    key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, out_dtype)
+    key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, out_dtype,
+           wide)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaBwdSm90(
-            d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None
+            d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, wide
         )
         _COMPILED[key] = compile_kernel(
             kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)

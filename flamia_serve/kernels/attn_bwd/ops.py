@@ -28,11 +28,12 @@ class BwdConfig:
     exponent per step and tile in dQ = dS·K̂).
 
     ``kernel="triton"``: the portable kernel (CPU interpreter), one program per ``block_n``
-    keys. ``kernel="cute"`` (sm_90, E4M3 Q/K, d 64 or 128, a layout whose column alignment
-    is a multiple of 128): the CuTe DSL kernel of ``cute_sm90.py``, one CTA per 128 keys
-    (two warpgroups of ``block_n`` = 64 keys; query steps of two ``block_m`` blocks at
-    d = 64, one at d = 128, ``cute_sm90.STEP_FOR_D``), ``num_stages`` query steps in
-    flight; ``num_warps``/``maxnreg`` are Triton's.
+    keys. ``kernel="cute"`` (sm_90, d 64 or 128, a layout whose column alignment is a
+    multiple of 128; NVFP4 Q/K from ``quantize_qkv(..., widen=True)``): the CuTe DSL
+    kernel of ``cute_sm90.py``, one CTA per 128 keys (two warpgroups of ``block_n`` = 64
+    keys; query steps of two ``block_m`` blocks at d = 64, one at d = 128,
+    ``cute_sm90.STEP_FOR_D``), ``num_stages`` query steps in flight; ``num_warps``/``maxnreg``
+    are Triton's.
     """
 
     block_m: int = 32
@@ -62,9 +63,10 @@ class BwdConfig:
 CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 
 
-def cute_bwd_runs(head_dim: int, qk_nvfp4: bool, column_align: int) -> bool:
-    """The CuTe backward's operand limits (the device aside)."""
-    return head_dim in (64, 128) and not qk_nvfp4 and column_align % 128 == 0
+def cute_bwd_runs(head_dim: int, column_align: int) -> bool:
+    """The CuTe backward's operand limits (the device aside; NVFP4 Q/K also need the
+    quantizer's widened values)."""
+    return head_dim in (64, 128) and column_align % 128 == 0
 
 
 def default_bwd_config(
@@ -84,7 +86,7 @@ def default_bwd_config(
         raise ValueError(f"kernel must be None or 'triton', got {kernel!r}")
     if device.type != "cuda":
         return BwdConfig(num_warps=4, num_stages=1)
-    if kernel is None and cute_bwd_runs(head_dim, qk_nvfp4, column_align):
+    if kernel is None and cute_bwd_runs(head_dim, column_align):
         if _cute_available(device):
             return CUTE_BWD_CONFIG
     return BwdConfig(num_warps=4 if head_dim <= 128 else 8)
@@ -120,8 +122,7 @@ def _cute_refusal(
     d: int,
     heads_q: int,
     total: int,
-    nvfp4: bool,
-    column_align: int,
+    qkv: KernelQKV,
     with_dq: bool,
     device: torch.device,
 ) -> str | None:
@@ -130,12 +131,13 @@ def _cute_refusal(
         return f"takes heads_q·T·head_dim < 2^31, got {heads_q}·{total}·{d}"
     if not with_dq:
         return "always computes dQ (with_dq=False is Triton's)"
-    if not cute_bwd_runs(d, nvfp4, column_align):
+    if not cute_bwd_runs(d, qkv.column_align):
         return (
-            "runs E4M3 Q/K (recipe mxfp8), head_dim 64 or 128, on a layout with a column "
-            f"alignment that is a multiple of 128 (got head_dim {d}, NVFP4 Q/K {nvfp4}, "
-            f"column_align {column_align})"
+            "runs head_dim 64 or 128 on a layout with a column alignment that is a multiple "
+            f"of 128 (got head_dim {d}, column_align {qkv.column_align})"
         )
+    if qkv.q4 is not None and qkv.q_wide is None:
+        return "runs NVFP4 Q/K (mixed recipes) from quantize_qkv(..., widen=True)"
     if not cute_available(device):
         return (
             "needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4 (pip install "
@@ -189,7 +191,7 @@ def attn_bwd(
     check_bwd_config(cfg, rec)
     refusal = None
     if cfg.kernel == "cute":
-        refusal = _cute_refusal(d, heads_q, total, nvfp4, qkv.column_align, with_dq, dev)
+        refusal = _cute_refusal(d, heads_q, total, qkv, with_dq, dev)
     if refusal:
         if config is not None:
             raise ValueError(f"backward config.kernel='cute' {refusal}; use kernel='triton'")

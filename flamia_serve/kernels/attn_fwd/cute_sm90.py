@@ -20,6 +20,12 @@ in registers (RS ``wgmma``): ``v_t`` stores keys permuted inside 16-key groups
 fragment of ``P̂·V̂`` as it is; the exponent factors use the same columns, so a thread's
 four factors of a 16-key group are adjacent in shared memory.
 
+Mixed recipes (NVFP4 Q/K): Hopper has no FP4 MMA, so the scores come from the NVFP4 values
+widened exactly to BF16 (``KernelQKV.q_wide``/``k_wide``) by a BF16 ``wgmma``, with the
+per-token second-level exponents as the row/column factors (``kv_factors`` row 0 then holds
+K's); P̂·V̂ stays FP8 (at d = 256 with 64-key tiles: the BF16 tiles double Q/K's shared
+memory).
+
 Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazily by
 ``ops.attn_fwd`` only on sm_90 when they are installed.
 """
@@ -82,10 +88,17 @@ class FlamiaFwdSm90:
         ticket: bool,
         extend: bool = False,
         exp_mode: str = "exact",
+        qk_wide: bool = False,
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
+        if qk_wide and head_dim > 128 and tile_n > 64:
+            raise ValueError(
+                "BF16 score operands (NVFP4 Q/K) at head_dim 256 take 64-key tiles (shared memory)"
+            )
         self.d = head_dim
+        # the score operands: E4M3 codes, or NVFP4 values widened to BF16 (mixed recipes)
+        self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         # P̂·V̂ runs in chunks of at most 128 output columns, each promoted into its part of O
         # before the next is issued: O plus one chunk's product stay in registers (d = 256)
         self.d_chunk = min(head_dim, 128)
@@ -114,10 +127,10 @@ class FlamiaFwdSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (T, Hq, d) e4m3
-        mK: cute.Tensor,  # (T, Hkv, d) e4m3
+        mQ: cute.Tensor,  # (T, Hq, d) e4m3 (or bf16: qk_wide)
+        mK: cute.Tensor,  # (T, Hkv, d) e4m3 (or bf16)
         mVt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, keys contiguous
-        mQexp: cute.Tensor,  # (Hq, T) int16
+        mQexp: cute.Tensor,  # (Hq, T) int16 (int8: NVFP4's second level)
         mFactors: cute.Tensor,  # (Hkv, 3, t_pad) f32: 2^eK, eV, 2^-eV in v_t's columns
         mCu: cute.Tensor,  # (B+1,) int32: queries (and keys unless ``extend``)
         mCuK: cute.Tensor,  # (B+1,) int32: keys with ``extend`` (else not read)
@@ -135,15 +148,16 @@ class FlamiaFwdSm90:
     ):
         mQ = layout_utils.select(mQ, [0, 2, 1])  # (T, d, Hq)
         mK = layout_utils.select(mK, [0, 2, 1])  # (T, d, Hkv)
-        sQ_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (self.tile_m, self.d))
+        qk = self.qk_dtype
+        sQ_layout = sm90_utils.make_smem_layout(qk, LayoutEnum.ROW_MAJOR, (self.tile_m, self.d))
         sK_layout = sm90_utils.make_smem_layout(
-            FP8, LayoutEnum.ROW_MAJOR, (self.tile_n, self.d), self.num_stages
+            qk, LayoutEnum.ROW_MAJOR, (self.tile_n, self.d), self.num_stages
         )
         sV_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (self.d, self.tile_n), self.num_stages
         )
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
-            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            qk, qk, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
         )  # fmt: skip
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
@@ -166,9 +180,11 @@ class FlamiaFwdSm90:
             (self.tile_n, 3),
         )  # fmt: skip
         self.tma_bytes = {
-            name: cute.size_in_bytes(FP8, cute.select(layout, mode=[0, 1]))
-            for name, layout in (("q", sQ_layout), ("k", sK_layout), ("v", sV_layout))
-        }
+            name: cute.size_in_bytes(dtype, cute.select(layout, mode=[0, 1]))
+            for name, dtype, layout in (
+                ("q", qk, sQ_layout), ("k", qk, sK_layout), ("v", FP8, sV_layout)
+            )
+        }  # fmt: skip
         self.tma_bytes["k"] += cute.size_in_bytes(Float32, cute.make_layout((self.tile_n, 3)))
         stages = self.num_stages
 
@@ -179,8 +195,8 @@ class FlamiaFwdSm90:
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_work: cute.struct.MemRange[cutlass.Int64, 2 * _WORK_STAGES]
             sWork: cute.struct.MemRange[Int32, _WORK_STAGES]
-            sQ: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sV_layout)], 1024]
             sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
 
@@ -748,11 +764,18 @@ def attn_fwd_sm90(
     ``exp2`` (``numerics.exp2``). ``workspace``: the pack's, for the ticket counter."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
-    q_exp = qkv.q_exp.t()  # (Hq, T) contiguous
+    # the score operands: E4M3 codes and exponents, or (NVFP4 Q/K) the widened values and
+    # the per-token second level (kv_factors then hold K's: one exponent per key)
+    wide = qkv.q4 is not None
+    if wide and (qkv.q_wide is None or qkv.k_wide is None):
+        raise ValueError("NVFP4 Q/K on the CuTe forward: quantize with widen=True")
+    q_in, k_in = (qkv.q_wide, qkv.k_wide) if wide else (qkv.q_codes, qkv.k_codes)
+    q_exp = (qkv.q4.exponents if wide else qkv.q_exp).t()  # (Hq, T) contiguous
+    k_exp_block = 1 if wide else qkv.k_exp_block
     # (tensor, byte alignment the kernel may assume): TMA-loaded and paired-store tensors 16
     extend = cu_seqlens_k is not None
     aligned = (
-        (qkv.q_codes, 16), (qkv.k_codes, 16), (v_t, 16), (q_exp, 4), (qkv.kv_factors, 16),
+        (q_in, 16), (k_in, 16), (v_t, 16), (q_exp, 4), (qkv.kv_factors, 16),
         (cu_seqlens, 4), (cu_seqlens_k if extend else cu_seqlens, 4), (qkv.doc_v_t_start, 4),
         (work.doc, 4), (work.tile, 4),
         (work.count, 4), (zero_counter(workspace, out.device), 4),
@@ -760,12 +783,12 @@ def attn_fwd_sm90(
         (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]
-    key = (d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
-           ticket, out.dtype, extend, exp_mode)  # fmt: skip
+    key = (d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
+           ticket, out.dtype, extend, exp_mode, wide)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
-            d, heads_q, heads_kv, causal, qkv.k_exp_block, tile_m, tile_n, num_stages, overlap,
-            ticket, extend, exp_mode,
+            d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
+            ticket, extend, exp_mode, wide,
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     sms = sm_count(out.device)

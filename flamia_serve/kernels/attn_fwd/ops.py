@@ -35,9 +35,10 @@ class FwdConfig:
     work list through an atomic ticket with ``programs_per_sm`` programs per SM (measured
     10-15% slower under the same cap: the item loop keeps more values live).
 
-    ``kernel="cute"`` (sm_90, d in {64, 128, 256}, E4M3 Q/K, one pass): the warp-specialized CuTe
-    DSL kernel of ``cute_sm90.py``, one CTA per SM taking items after its first by atomic
-    ticket (``persistent=True``) or by a static stride of the grid size (``False``);
+    ``kernel="cute"`` (sm_90, d in {64, 128, 256}; NVFP4 Q/K from the quantizer's widened
+    values, at d = 256 with ``block_n`` 64; one pass): the warp-specialized CuTe DSL kernel
+    of ``cute_sm90.py``, one CTA per SM taking items after its first by atomic ticket
+    (``persistent=True``) or by a static stride of the grid size (``False``);
     ``block_m`` = 64 rows per consumer warpgroup (64, 128 or 192), ``block_n`` 64 or 128
     keys, ``num_stages`` K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the
     previous tile's P̂·V̂ finishes. ``num_warps``/``maxnreg``/``programs_per_sm`` do not
@@ -90,13 +91,21 @@ CUTE_CONFIG_D256 = FwdConfig(
     128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
 )
 
+#: its default at d = 256 with NVFP4 Q/K: the BF16 score tiles take twice the shared memory
+#: of E4M3 ones, so 64-key tiles
+CUTE_CONFIG_D256_NVFP4 = FwdConfig(
+    128, 64, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
+)
+
 #: the Triton kernel's default at d = 256: two warpgroups split the 256 output columns (no
 #: register spills)
 TRITON_CONFIG_D256 = FwdConfig(64, 64, num_warps=8, num_stages=2, persistent=True, maxnreg=None)
 
 
-def _cute_config(head_dim: int) -> FwdConfig:
-    return CUTE_CONFIG_D256 if head_dim >= 256 else CUTE_CONFIG
+def _cute_config(head_dim: int, qk_nvfp4: bool) -> FwdConfig:
+    if head_dim >= 256:
+        return CUTE_CONFIG_D256_NVFP4 if qk_nvfp4 else CUTE_CONFIG_D256
+    return CUTE_CONFIG
 
 
 @torch.compiler.assume_constant_result
@@ -121,29 +130,29 @@ def default_config(
 ) -> FwdConfig:
     """Kernel and tiles per head dim and Q/K format; small tiles under the CPU interpreter.
 
-    ``kernel=None`` picks the CuTe kernel where it runs (sm_90, d in {64, 128, 256}, E4M3 Q/K,
-    packages installed, documents of at least ``SHORT_DOCUMENTS`` tokens on average when
-    ``mean_doc_len`` is given; ``FLAMIA_FWD_KERNEL=triton`` opts out), else Triton;
-    ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
+    ``kernel=None`` picks the CuTe kernel where it runs (sm_90, d in {64, 128, 256},
+    packages installed, documents of at least ``SHORT_DOCUMENTS``
+    tokens on average when ``mean_doc_len`` is given; ``FLAMIA_FWD_KERNEL=triton`` opts
+    out), else Triton; ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
     "block_m,block_n,num_warps,num_stages"`` overrides the Triton tiles (tuning runs).
     """
     if kernel not in (None, "triton", "cute"):
         raise ValueError(f"kernel must be None, 'triton' or 'cute', got {kernel!r}")
     if kernel == "cute":
-        return _cute_config(head_dim)
+        return _cute_config(head_dim, qk_nvfp4)
     if device.type != "cuda":
         return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, persistent=True)
     override = os.environ.get("FLAMIA_FWD_CONFIG")
     if override:
         bm, bn, warps, stages = (int(x) for x in override.split(","))
         return FwdConfig(bm, bn, warps, stages)
-    if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
-        return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig(128, 64, 8, 3, maxnreg=None)
     prefer_triton = os.environ.get("FLAMIA_FWD_KERNEL", "") == "triton"
     short = mean_doc_len is not None and mean_doc_len < SHORT_DOCUMENTS
     if kernel is None and not (prefer_triton or short) and head_dim in (64, 128, 256):
         if _cute_available(device):
-            return _cute_config(head_dim)
+            return _cute_config(head_dim, qk_nvfp4)
+    if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
+        return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig(128, 64, 8, 3, maxnreg=None)
     return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig()
 
 
@@ -171,7 +180,8 @@ def attn_fwd(
     Same contract as ``flamia_serve.reference.attention_forward`` (M integer row reference,
     lse base 2). ``work`` comes from a ``VarlenPlan``; without one it is built here. Without
     ``config`` the CuTe kernel runs only on a layout quantized with its ``column_align``
-    (else the Triton kernel does); an explicit CuTe config on another layout is an error.
+    and, with NVFP4 Q/K, widened operands (else the Triton kernel does); an explicit CuTe
+    config on other operands is an error.
     ``debug_p`` (Triton kernel, small calls): two float32 ``[Hq, T, T]`` buffers that receive
     every P̂ as quantized and the row reference it was quantized against. ``workspace``: the
     pack's (``VarlenPlan.workspace``), for the persistent grid's item counter.
@@ -179,15 +189,24 @@ def attn_fwd(
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     cfg = config or default_config(d, dev, qk_nvfp4=qkv.q4 is not None)
-    if config is None and qkv.column_align % cfg.column_align:  # the layout decides
+    unwidened = qkv.q4 is not None and qkv.q_wide is None
+    if config is None and (qkv.column_align % cfg.column_align or unwidened):  # the operands decide
         cfg = default_config(d, dev, qk_nvfp4=qkv.q4 is not None, kernel="triton")
     if cfg.kernel == "triton" and cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
     if cfg.kernel not in ("triton", "cute"):
         raise ValueError(f"config.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
-    if cfg.kernel == "cute" and (qkv.q4 is not None or cfg.two_pass or d not in (64, 128, 256)):
+    if cfg.kernel == "cute" and (cfg.two_pass or d not in (64, 128, 256)):
+        raise ValueError("config.kernel='cute' runs one pass, head_dim 64, 128 or 256")
+    if cfg.kernel == "cute" and qkv.q4 is not None and qkv.q_wide is None:
         raise ValueError(
-            "config.kernel='cute' runs E4M3 Q/K (recipe mxfp8), one pass, head_dim 64, 128 or 256"
+            "config.kernel='cute' runs NVFP4 Q/K (mixed recipes) from quantize_qkv(..., "
+            "widen=True)"
+        )
+    if cfg.kernel == "cute" and qkv.q4 is not None and d > 128 and cfg.block_n > 64:
+        raise ValueError(
+            f"config.kernel='cute' with NVFP4 Q/K at head_dim {d} takes block_n 64 (the BF16 "
+            f"score tiles' shared memory), got {cfg.block_n}"
         )
     if cfg.kernel == "cute" and (cfg.block_m not in (64, 128, 192) or cfg.block_n not in (64, 128)):
         raise ValueError(

@@ -113,6 +113,7 @@ def quantize_qkv(
     num_warps: int = 4,
     programs_per_sm: int = 32,
     workspace: PackWorkspace | None = None,
+    widen: bool = False,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
@@ -127,7 +128,10 @@ def quantize_qkv(
     that will read it; ``blocks``, when given, must come from a table with the same one);
     ``columns``: the tokens' columns in that layout (``token_columns``; a plan caches them).
     ``workspace``: the pack's buffers to write into (``VarlenPlan.workspace``; the result is
-    then valid until the next call on that workspace), else new ones.
+    then valid until the next call on that workspace), else new ones. ``widen`` (NVFP4 Q/K
+    recipes; no effect on E4M3 ones): also write ``q_wide``/``k_wide``, the NVFP4 values
+    without their per-token power of two in BF16 (exact), the score operands of the CuTe
+    kernels. With NVFP4 Q/K, ``kv_factors`` row 0 holds 2^ of K's NVFP4 second level.
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -157,17 +161,22 @@ def quantize_qkv(
     nvfp4 = rec.qk_format == "nvfp4"
     q4 = buf.nvfp4("q4", total, heads_q, d) if nvfp4 else _nvfp4_placeholder(dev)
     k4 = buf.nvfp4("k4", total, heads_kv, d) if nvfp4 else _nvfp4_placeholder(dev)
+    widen = widen and nvfp4
+    bf16 = torch.bfloat16
+    q_wide = buf.empty("q_wide", (total, heads_q, d), bf16) if widen else None
+    k_wide = buf.empty("k_wide", (total, heads_kv, d), bf16) if widen else None
     if total > 0:
         grid = (_num_programs(dev, blocks.num_slots * (heads_q + 2 * heads_kv), programs_per_sm),)
         _LAUNCH_QKV(
             grid, q, k, v, blocks.start, blocks.length, blocks.v_t_start,
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
+            q if q_wide is None else q_wide, k if k_wide is None else k_wide,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             t_pad, total, blocks.num_slots,
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
-            LOG2_D=d.bit_length() - 1, INTERPRET=interpreted(),
+            LOG2_D=d.bit_length() - 1, WIDE=widen, INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
@@ -181,7 +190,7 @@ def quantize_qkv(
         q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp, kv_factors,
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
-        q_t, k_t, column_align, columns,
+        q_t, k_t, column_align, columns, q_wide, k_wide,
     )  # fmt: skip
 
 

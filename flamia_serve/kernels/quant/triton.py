@@ -14,6 +14,8 @@ from flamia_serve.kernels._common import (
     fp8_rows,
     hadamard_rows,
     nvfp4_rows,
+    nvfp4_values,
+    to_bf16,
     to_e4m3,
     v_t_key,
 )
@@ -27,12 +29,14 @@ P_HAT_EXP = tl.constexpr(_P_HAT_EXP)
 @triton.jit
 def _quantize_qk_head(
     x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, exp_at, out4, out4_scale, out4_exp,
-    n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr,
-    QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr, LOG2_D: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    out_wide, n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    PER_TOKEN: tl.constexpr, QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr,
+    LOG2_D: tl.constexpr, WIDE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``)
-    and NVFP4 when asked; returns the exponents (int32)."""
+    and NVFP4 when asked (``WIDE``: also its values without the per-token power of two, BF16,
+    at ``out_wide``); returns the exponents of the score operand (int32 per row: E4M3's, or
+    NVFP4's second level)."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -50,6 +54,10 @@ def _quantize_qk_head(
         scale_ptrs = out4_scale + row_off[:, None] * (D // 16) + groups[None, :]
         tl.store(scale_ptrs, to_e4m3(scale, INTERPRET), mask=row_ok[:, None])
         tl.store(out4_exp + h * n_tok + tok, e4.to(tl.int8), mask=row_ok)
+        if WIDE:
+            wide = to_bf16(nvfp4_values(packed, scale, BLOCK, D), INTERPRET)
+            tl.store(out_wide + row_off[:, None] * D + cols[None, :], wide, mask=row_ok[:, None])
+        e = e4
     return e
 
 
@@ -89,13 +97,15 @@ def quantize_qkv_kernel(
     k_exp_ptr,  # [HKV, t_pad] int16, in v_t's column layout
     vt_ptr,  # [HKV, D, t_pad] e4m3: V codes, keys contiguous (K-major for P·V)
     v_exp_ptr,  # [HKV, t_pad] int16, in v_t's column layout
-    kv_factor_ptr,  # [HKV, 3, t_pad] float32: 2^eK, eV, 2^-eV in v_t's column layout
+    kv_factor_ptr,  # [HKV, 3, t_pad] float32: 2^eK (scores), eV, 2^-eV in v_t's column layout
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4 only)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
     q4_exp_ptr,  # [HQ, T] int8
     k4_ptr,  # [T, HKV, D/2] uint8
     k4_scale_ptr,  # [T, HKV, D/16] e4m3
     k4_exp_ptr,  # [HKV, T] int8
+    q_wide_ptr,  # [T, HQ, D] bf16 (WIDE): NVFP4 Q values without the per-token power of two
+    k_wide_ptr,  # [T, HKV, D] bf16 (WIDE)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -113,6 +123,7 @@ def quantize_qkv_kernel(
     QK_NVFP4: tl.constexpr,
     HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr,
+    WIDE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
@@ -131,8 +142,8 @@ def quantize_qkv_kernel(
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
         _quantize_qk_head(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
-            q4_ptr, q4_scale_ptr, q4_exp_ptr, n_tokens,
-            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
+            q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
+            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, INTERPRET,
         )  # fmt: skip
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
@@ -140,10 +151,11 @@ def quantize_qkv_kernel(
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
         e = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
-            k4_ptr, k4_scale_ptr, k4_exp_ptr, n_tokens,
-            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, INTERPRET,
+            k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
+            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, INTERPRET,
         )  # fmt: skip
-        factor_at = kv_factor_ptr + h * 3 * t_pad + col  # (a token block's e is a scalar)
+        # the score operand's K factor (E4M3: a token block's exponent; NVFP4: per token)
+        factor_at = kv_factor_ptr + h * 3 * t_pad + col
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
