@@ -2,7 +2,7 @@
 # One device call of the training-path checks and measurements (H200), results under $OUT.
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
-#                                                   # host-baseline, mixed
+#                                                   # host-baseline, mixed, quant
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -39,6 +39,15 @@ if [[ $steps == *,mixed,* ]]; then  # the mixed recipes on the CuTe kernels (BF1
     "tests/kernels/test_gpu_cute.py::test_cute_rejects_what_it_does_not_run" \
     tests/kernels/test_gpu_paged.py tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py \
     tests/kernels/test_attn_bwd.py -k "${FLAMIA_TEST_K:-not test_gpu_paged or compile_nothing}"
+fi
+if [[ $steps == *,quant,* ]]; then  # the quantizers bit-exact on the GPU, then their launch sweep
+  run pytest_gpu_quant "${FLAMIA_TEST_SECS:-240}" python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_common.py tests/kernels/test_quant.py tests/kernels/test_paged.py \
+    tests/kernels/test_gpu_paged.py \
+    "tests/kernels/test_gpu_cute.py::test_cute_fwd_mixed_matches_reference_and_triton" \
+    -k "${FLAMIA_QUANT_K:-not test_paged or nvfp4}"
+  run tune_quant 240 python benchmarks/tune_quant.py --workloads W1,W3,W7 \
+    --recipes mxfp8,mixed_nvfp4
 fi
 if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \

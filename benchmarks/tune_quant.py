@@ -1,13 +1,14 @@
 """Sweep the fused quantization kernel (warps, persistent programs per SM) against the
-copy-bandwidth floor.
+copy-bandwidth floor, per recipe.
 
-    python benchmarks/tune_quant.py [--workloads W1,W3,W4,W7]
+    python benchmarks/tune_quant.py [--workloads W1,W3,W4,W7] [--recipes mxfp8,mixed_nvfp4]
 
 GPU time is the kernel replayed from a CUDA graph; ``eager`` adds the host-side launch
 (allocations, argument binding), which hides behind the attention kernel in training.
+Each recipe is quantized as its default CuTe forward reads it (128-column layout; the mixed
+recipes with their widened BF16 copy, ``widen=True``; ``--no-widen`` leaves it out).
 Writes ``tune_quant.json``; the best goes into ``quantize_qkv``'s defaults by hand.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ from benchmarks.common import copy_bandwidth, graph_time, time_ms, write_results
 from benchmarks.workloads import HEAD_DIM, HKV, HQ, training_workload
 
 SWEEP = [  # num_warps, persistent programs per SM
-    (4, 7), (4, 16), (4, 32), (2, 16), (2, 32), (8, 8),
+    (4, 7), (4, 16), (4, 32), (2, 16), (2, 32), (8, 8), (8, 16), (16, 4),
 ]
 
 
@@ -39,6 +40,9 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="W1,W3,W4,W7")
+    ap.add_argument("--recipes", default="mxfp8")
+    ap.add_argument("--no-widen", action="store_true", help="mixed recipes: no BF16 copy")
+    ap.add_argument("--name", default="tune_quant", help="results file stem")
     args = ap.parse_args()
     dev = torch.device("cuda")
     copy = copy_bandwidth(dev)
@@ -46,29 +50,32 @@ def main() -> int:
     for name in args.workloads.split(","):
         wl = training_workload(name)
         cu = wl.cu_seqlens(dev)
-        blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, wl.max_seqlen).blocks
+        blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, wl.max_seqlen).token_blocks(128)
         t = wl.total_tokens
         q = torch.randn(t, HQ, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         k, v = (torch.randn(t, HKV, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in "kv")
         moved = quant_bytes(t, HQ + 2 * HKV, HEAD_DIM)
         floor_ms = moved / (copy["gbps"] * 1e9) * 1e3
-        for warps, per_sm in SWEEP:
-            run = functools.partial(
-                quantize_qkv, q, k, v, cu, recipe="mxfp8", blocks=blocks, num_warps=warps,
-                programs_per_sm=per_sm,
-            )  # fmt: skip
-            gpu = graph_time(run)
-            eager = time_ms(run)
-            print(f"{name} warps={warps} programs/SM={per_sm}: "
-                  f"GPU {gpu['ms'] * 1e3:.1f} us "
-                  f"(floor {floor_ms * 1e3:.1f} us, ratio {gpu['ms'] / floor_ms:.2f}), "
-                  f"eager {eager['ms'] * 1e3:.1f} us")  # fmt: skip
-            rows.append({"workload": name, "pass": "quant", "impl": "flamia-mxfp8-quant",
-                         "num_warps": warps, "programs_per_sm": per_sm,
-                         **gpu, "eager_ms": eager["ms"], "tflops": None,
-                         "gbps": moved / (gpu["ms"] * 1e-3) / 1e9,
-                         "floor_ratio": gpu["ms"] / floor_ms})  # fmt: skip
-    write_results("tune_quant", rows)
+        for recipe in args.recipes.split(","):
+            widen = recipe != "mxfp8" and not args.no_widen
+            for warps, per_sm in SWEEP:
+                run = functools.partial(
+                    quantize_qkv, q, k, v, cu, recipe=recipe, blocks=blocks, column_align=128,
+                    num_warps=warps, programs_per_sm=per_sm, widen=widen,
+                )  # fmt: skip
+                gpu = graph_time(run)
+                eager = time_ms(run)
+                print(f"{name} {recipe} widen={widen} warps={warps} programs/SM={per_sm}: "
+                      f"GPU {gpu['ms'] * 1e3:.1f} us "
+                      f"(mxfp8 floor {floor_ms * 1e3:.1f} us, ratio {gpu['ms'] / floor_ms:.2f}), "
+                      f"eager {eager['ms'] * 1e3:.1f} us")  # fmt: skip
+                rows.append({"workload": name, "pass": "quant", "impl": f"flamia-{recipe}-quant",
+                             "recipe": recipe, "widen": widen,
+                             "num_warps": warps, "programs_per_sm": per_sm,
+                             **gpu, "eager_ms": eager["ms"], "tflops": None,
+                             "gbps": moved / (gpu["ms"] * 1e-3) / 1e9,
+                             "floor_ratio": gpu["ms"] / floor_ms})  # fmt: skip
+    write_results(args.name, rows)
     return 0
 
 

@@ -207,18 +207,28 @@ def nvfp4_block_scale(t):
 
 
 @triton.jit
+def e2m1_round(v):
+    """``v`` (float32, 0 <= v <= 6) rounded to the nearest E2M1 value (0, 0.5, 1, 1.5, 2, 3,
+    4, 6), ties to the even code: below 1 by the magic-number add (quantum 0.5), from 1 on
+    by rounding the mantissa to its top bit (a carry steps the exponent). The same as
+    ``numerics.e2m1_encode``'s thresholds at the midpoints, in 7 operations."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & -0x400000).to(tl.float32, bitcast=True)
+    return tl.where(v < 1.0, (v + 6291456.0) - 6291456.0, normal)
+
+
+@triton.jit
+def e2m1_magnitude_code(r):
+    """int32 E2M1 code (0..7) of a magnitude on the E2M1 grid: from 1 on its float's
+    exponent and top mantissa bit (``bits >> 22`` is 254..259 for 1..6), 0.5 -> 1, 0 -> 0."""
+    top = r.to(tl.int32, bitcast=True) >> 22
+    return tl.maximum(top - 252 + (r < 1.0).to(tl.int32), 0)
+
+
+@triton.jit
 def e2m1_encode(x):
     """Round-to-nearest-even E2M1 code (uint8, bit 3 = sign) of float32 |x| <= 6."""
-    v = tl.abs(x)
-    code = (
-        (v > 0.25).to(tl.uint8)
-        + (v >= 0.75).to(tl.uint8)
-        + (v > 1.25).to(tl.uint8)
-        + (v >= 1.75).to(tl.uint8)
-        + (v > 2.5).to(tl.uint8)
-        + (v >= 3.5).to(tl.uint8)
-        + (v > 5.0).to(tl.uint8)
-    )
+    code = e2m1_magnitude_code(e2m1_round(tl.abs(x))).to(tl.uint8)
     return code | ((x < 0).to(tl.uint8) << 3)
 
 
@@ -278,8 +288,10 @@ def hadamard_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr)
 @triton.jit
 def nvfp4_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, SECOND_LEVEL: tl.constexpr):
     """NVFP4 of a ``[BLOCK, D]`` fp32 tile: packed codes ``[BLOCK, D/2]`` uint8, E4M3 block
-    scales ``[BLOCK, D/16]`` (float32 values) and per-row int32 exponents (0 without
-    SECOND_LEVEL: block scales then saturate at 448, numerics.quantize_nvfp4)."""
+    scales ``[BLOCK, D/16]`` (float32 values), per-row int32 exponents (0 without
+    SECOND_LEVEL: block scales then saturate at 448, numerics.quantize_nvfp4) and the
+    values ``[BLOCK, D]`` the codes stand for without the exponents (E2M1 value x block
+    scale, float32, exact: :func:`nvfp4_values` of the codes)."""
     x16 = tl.reshape(x, (BLOCK, D // 16, 16))
     amax16 = tl.max(tl.abs(x16), axis=2)
     e = pow2_exponent_ceil(tl.max(amax16, axis=1), NVFP4_EXP, NVFP4_MANT)
@@ -289,7 +301,10 @@ def nvfp4_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, SECOND_LEVEL: tl.constex
     scale = nvfp4_block_scale(tl.minimum(amax16 * p2[:, None], 2688.0))
     safe = tl.where(scale > 0, scale, 1.0)
     ratio = tl.math.div_rn(x16 * p2[:, None, None], safe[:, :, None])
-    ratio = tl.where(scale[:, :, None] > 0, ratio, 0.0)
-    codes = e2m1_encode(tl.minimum(tl.maximum(ratio, -6.0), 6.0))
+    ratio = tl.minimum(tl.maximum(tl.where(scale[:, :, None] > 0, ratio, 0.0), -6.0), 6.0)
+    rounded = e2m1_round(tl.abs(ratio))
+    negative = ratio < 0
+    codes = e2m1_magnitude_code(rounded).to(tl.uint8) | (negative.to(tl.uint8) << 3)
     low, high = tl.split(tl.reshape(codes, (BLOCK, D // 2, 2)))
-    return low | (high << 4), scale, e
+    values = tl.where(negative, -rounded, rounded) * scale[:, :, None]
+    return low | (high << 4), scale, e, tl.reshape(values, (BLOCK, D))

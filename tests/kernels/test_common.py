@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import e4m3_value
+from flamia_serve.kernels._common import e2m1_decode, e2m1_encode, e2m1_round, e4m3_value
+from flamia_serve.numerics import formats
 
 
 @triton.jit
@@ -30,3 +31,39 @@ def test_e4m3_value_is_torch_round_to_nearest_even(device) -> None:
     _e4m3_value_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
     want = x.to(torch.float8_e4m3fn).float()
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@triton.jit
+def _e2m1_kernel(x_ptr, code_ptr, round_ptr, decode_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    code = e2m1_encode(x)
+    tl.store(code_ptr + offs, code, mask=offs < n)
+    tl.store(round_ptr + offs, e2m1_round(tl.abs(x)), mask=offs < n)
+    tl.store(decode_ptr + offs, e2m1_decode(code), mask=offs < n)
+
+
+def test_e2m1_encode_is_the_threshold_rule(device) -> None:
+    """The kernels' E2M1 encode (rounding by bits) against ``numerics.e2m1_encode``'s
+    thresholds, code for code: every E2M1 value, every midpoint (ties to the even code) and
+    its float32 neighbours a few ulps away, signed zeros, random values in [-6, 6]; and
+    ``e2m1_round`` is the decoded magnitude, bit for bit."""
+    grid = torch.tensor(formats.E2M1_VALUES, dtype=torch.float32)
+    mid = (grid[:-1] + grid[1:]) / 2
+    near = [torch.nextafter(mid, torch.full_like(mid, sign * 7.0)) for sign in (1, -1)]
+    for _ in range(3):
+        near += [torch.nextafter(x, torch.full_like(x, sign * 7.0)) for x, sign in
+                 zip(near[-2:], (1, -1), strict=True)]  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    rand = torch.rand(8192, generator=gen) * 6.0
+    tiny = torch.exp2(-torch.rand(256, generator=gen) * 140)  # down to float32 subnormals
+    mags = torch.cat([grid, mid, *near, rand, tiny, torch.tensor([6.0, 0.0])])
+    x = torch.cat([mags, -mags]).to(device)
+    n = x.numel()
+    code = torch.empty(n, dtype=torch.uint8, device=device)
+    rounded, decoded = torch.empty_like(x), torch.empty_like(x)
+    _e2m1_kernel[(triton.cdiv(n, 256),)](x, code, rounded, decoded, n, BLOCK=256)
+    want = formats.e2m1_encode(x.cpu())
+    assert torch.equal(code.cpu(), want)
+    assert torch.equal(rounded.cpu(), formats.e2m1_decode(want & 7))
+    assert torch.equal(decoded.cpu(), formats.e2m1_decode(want))  # (-0 == +0 here)

@@ -14,7 +14,6 @@ from flamia_serve.kernels._common import (
     fp8_rows,
     hadamard_rows,
     nvfp4_rows,
-    nvfp4_values,
     to_bf16,
     to_e4m3,
     v_t_key,
@@ -47,7 +46,7 @@ def _quantize_qk_head(
     if QK_NVFP4:
         if HADAMARD:
             x = hadamard_rows(x, BLOCK, D, LOG2_D)
-        packed, scale, e4 = nvfp4_rows(x, BLOCK, D, True)
+        packed, scale, e4, values = nvfp4_rows(x, BLOCK, D, True)
         half = tl.arange(0, D // 2)
         groups = tl.arange(0, D // 16)
         tl.store(out4 + row_off[:, None] * (D // 2) + half[None, :], packed, mask=row_ok[:, None])
@@ -55,7 +54,7 @@ def _quantize_qk_head(
         tl.store(scale_ptrs, to_e4m3(scale, INTERPRET), mask=row_ok[:, None])
         tl.store(out4_exp + h * n_tok + tok, e4.to(tl.int8), mask=row_ok)
         if WIDE:
-            wide = to_bf16(nvfp4_values(packed, scale, BLOCK, D), INTERPRET)
+            wide = to_bf16(values, INTERPRET)
             tl.store(out_wide + row_off[:, None] * D + cols[None, :], wide, mask=row_ok[:, None])
         e = e4
     return e
