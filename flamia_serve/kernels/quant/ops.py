@@ -91,12 +91,6 @@ def _nvfp4_placeholder(device: torch.device) -> NVFP4Tensor:
     return _Buffers(device, None, V_T_ALIGN).nvfp4("placeholder", 0, 1, 16)
 
 
-#: (num_warps, persistent programs per SM) of ``quantize_qkv`` by Q/K format on the H200
-#: (``benchmarks/tune_quant.py``): E4M3 is memory-bound at 4 warps; the NVFP4 encoding is
-#: compute-bound and needs ~120-170 registers, so it runs more warps per program
-QKV_LAUNCH = {"e4m3": (4, 32), "nvfp4": (8, 16)}
-
-
 def _num_programs(device: torch.device, items: int, programs_per_sm: int) -> int:
     """Persistent grid: ``programs_per_sm`` per SM (2 under the CPU interpreter)."""
     if device.type != "cuda":
@@ -116,8 +110,8 @@ def quantize_qkv(
     with_transposed: bool = False,
     column_align: int = V_T_ALIGN,
     columns: torch.Tensor | None = None,
-    num_warps: int | None = None,
-    programs_per_sm: int | None = None,
+    num_warps: int = 4,
+    programs_per_sm: int = 32,
     workspace: PackWorkspace | None = None,
     widen: bool = False,
 ) -> KernelQKV:
@@ -125,14 +119,14 @@ def quantize_qkv(
 
     Same codes as ``flamia_serve.reference.quantize_qkv``, bit for bit. Inputs are assumed
     checked (public entry points do that); ``blocks`` may be passed to reuse a plan.
-    ``num_warps`` / ``programs_per_sm`` (persistent grid) default to the H200's best per
-    Q/K format (``QKV_LAUNCH``, ``benchmarks/tune_quant.py``). ``with_transposed`` also
-    builds ``q_t``/``k_t`` (the backward's column-layout copies of the Q/K codes) with a
-    torch scatter: written from
-    the kernel, per-token (``exact_causal``) codes came out scrambled in some head-dim
-    columns on the H200 (Triton 3.6, FP8 tile stored transposed). ``column_align``: documents
-    start at multiples of it in the column layout (``FwdConfig.column_align`` of the forward
-    that will read it; ``blocks``, when given, must come from a table with the same one);
+    ``num_warps`` / ``programs_per_sm`` (persistent grid) default to the H200's best for
+    both Q/K formats (``benchmarks/tune_quant.py``: NVFP4, compute-bound, gains nothing
+    from 8 warps). ``with_transposed`` also builds ``q_t``/``k_t`` (the backward's
+    column-layout copies of the Q/K codes) with a torch scatter: written from the kernel,
+    per-token (``exact_causal``) codes came out scrambled in some head-dim columns on the
+    H200 (Triton 3.6, FP8 tile stored transposed). ``column_align``: documents start at
+    multiples of it in the column layout (``FwdConfig.column_align`` of the forward that
+    will read it; ``blocks``, when given, must come from a table with the same one);
     ``columns``: the tokens' columns in that layout (``token_columns``; a plan caches them).
     ``workspace``: the pack's buffers to write into (``VarlenPlan.workspace``; the result is
     then valid until the next call on that workspace), else new ones. ``widen`` (NVFP4 Q/K
@@ -166,8 +160,6 @@ def quantize_qkv(
     v_exp = buf.empty("v_exp", (heads_kv, t_pad), EXPONENT_DTYPE)
     kv_factors = buf.empty("kv_factors", (heads_kv, 3, t_pad), torch.float32)
     nvfp4 = rec.qk_format == "nvfp4"
-    warps, per_sm = QKV_LAUNCH["nvfp4" if nvfp4 else "e4m3"]
-    num_warps, programs_per_sm = num_warps or warps, programs_per_sm or per_sm
     q4 = buf.nvfp4("q4", total, heads_q, d) if nvfp4 else _nvfp4_placeholder(dev)
     k4 = buf.nvfp4("k4", total, heads_kv, d) if nvfp4 else _nvfp4_placeholder(dev)
     widen = widen and nvfp4
