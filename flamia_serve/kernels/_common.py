@@ -220,9 +220,10 @@ def e2m1_round(v):
 @triton.jit
 def e2m1_magnitude_code(r):
     """int32 E2M1 code (0..7) of a magnitude on the E2M1 grid: from 1 on its float's
-    exponent and top mantissa bit (``bits >> 22`` is 254..259 for 1..6), 0.5 -> 1, 0 -> 0."""
+    exponent and top mantissa bit (``bits >> 22`` is 254..259 for 1..6), 0.5 -> 1, 0 -> 0;
+    NaN -> 0, as the threshold rule gives (every comparison false)."""
     top = r.to(tl.int32, bitcast=True) >> 22
-    return tl.maximum(top - 252 + (r < 1.0).to(tl.int32), 0)
+    return tl.where(r >= 1.0, top - 252, (r > 0.0).to(tl.int32))
 
 
 @triton.jit
