@@ -45,9 +45,10 @@ if [[ $steps == *,quant,* ]]; then  # the quantizers bit-exact on the GPU, then 
     tests/kernels/test_common.py tests/kernels/test_quant.py tests/kernels/test_paged.py \
     tests/kernels/test_gpu_paged.py \
     "tests/kernels/test_gpu_cute.py::test_cute_fwd_mixed_matches_reference_and_triton" \
+    "tests/kernels/test_gpu_cute.py::test_cute_fwd_reads_only_the_score_operands" \
     -k "${FLAMIA_QUANT_K:-not test_paged or nvfp4}"
   run tune_quant 240 python benchmarks/tune_quant.py --workloads W1,W3,W7 \
-    --recipes mxfp8,mixed_nvfp4
+    --recipes mxfp8,mixed_nvfp4 --scores-only
 fi
 if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \

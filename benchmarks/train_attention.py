@@ -12,7 +12,8 @@ Impls (each dropped with a printed reason when its package is missing):
 * ``flamia-mixed_nvfp4-triton`` the same on the portable Triton kernels (forward and backward)
 * ``flamia-mxfp8-quant``  ``quantize_qkv(..., recipe="mxfp8")`` alone, pass ``"quant"``
 * ``flamia-mixed_nvfp4-quant`` the same for the mixed recipe (widened when the default
-                          forward is CuTe)
+                          forward is CuTe); ``-quant-scores`` with ``scores_only`` (only the
+                          CuTe forward's operands)
 * ``fa4``                 FlashAttention-4 CuTe ``flash_attn_varlen_func``
 * ``cudnn-sdpa``          dense SDPA, cuDNN backend, single-document workloads only
 * ``fa2-varlen``          ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2)
@@ -176,10 +177,10 @@ def _default_bwd_config(device: torch.device) -> dict[str, Any]:
     return dataclasses.asdict(default_bwd_config(HEAD_DIM, device))
 
 
-def _flamia_quant_loader(recipe: str) -> Callable[[], Builder]:
+def _flamia_quant_loader(recipe: str, scores_only: bool = False) -> Callable[[], Builder]:
     """``flamia_serve.kernels.quant.ops.quantize_qkv`` alone, plan prebuilt, as the default
     forward calls it: its column layout (128-aligned documents for the CuTe kernel) and, for
-    NVFP4 Q/K on the CuTe kernel, the widened values."""
+    NVFP4 Q/K on the CuTe kernel, the widened values (``scores_only``: nothing else)."""
 
     def load() -> Builder:
         import flamia_serve
@@ -196,8 +197,10 @@ def _flamia_quant_loader(recipe: str) -> Callable[[], Builder]:
             blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).token_blocks(align)
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
-                return quantize_qkv(q, k, v, cu, recipe=recipe, blocks=blocks, column_align=align,
-                                    widen=cfg.kernel == "cute")  # fmt: skip
+                return quantize_qkv(
+                    q, k, v, cu, recipe=recipe, blocks=blocks, column_align=align,
+                    widen=cfg.kernel == "cute", scores_only=scores_only,
+                )  # fmt: skip
 
             return _identity, run
 
@@ -347,6 +350,9 @@ IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     "flamia-mixed_nvfp4-triton": ("fwd", _flamia_loader("mixed_nvfp4", kernel="triton"), False),
     "flamia-mxfp8-quant": ("quant", _flamia_quant_loader("mxfp8"), False),
     "flamia-mixed_nvfp4-quant": ("quant", _flamia_quant_loader("mixed_nvfp4"), False),
+    "flamia-mixed_nvfp4-quant-scores": (
+        "quant", _flamia_quant_loader("mixed_nvfp4", scores_only=True), False
+    ),
     "fa4": ("fwd", _load_fa4, False),
     "cudnn-sdpa": ("fwd", _load_cudnn, True),
     "fa2-varlen": ("fwd", _load_fa2_varlen, False),

@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--workloads", default="W1,W3,W4,W7")
     ap.add_argument("--recipes", default="mxfp8")
     ap.add_argument("--no-widen", action="store_true", help="mixed recipes: no BF16 copy")
+    ap.add_argument("--scores-only", action="store_true",
+                    help="mixed recipes: also time scores_only (the CuTe forward's operands)")
     ap.add_argument("--name", default="tune_quant", help="results file stem")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -58,19 +60,23 @@ def main() -> int:
         floor_ms = moved / (copy["gbps"] * 1e9) * 1e3
         for recipe in args.recipes.split(","):
             widen = recipe != "mxfp8" and not args.no_widen
-            for warps, per_sm in SWEEP:
+            for warps, per_sm, scores_only in [
+                (w, p, s) for s in ((False, True) if widen and args.scores_only else (False,))
+                for w, p in SWEEP
+            ]:  # fmt: skip
                 run = functools.partial(
                     quantize_qkv, q, k, v, cu, recipe=recipe, blocks=blocks, column_align=128,
-                    num_warps=warps, programs_per_sm=per_sm, widen=widen,
+                    num_warps=warps, programs_per_sm=per_sm, widen=widen, scores_only=scores_only,
                 )  # fmt: skip
                 gpu = graph_time(run)
                 eager = time_ms(run)
-                print(f"{name} {recipe} widen={widen} warps={warps} programs/SM={per_sm}: "
+                print(f"{name} {recipe} widen={widen} scores_only={scores_only} warps={warps} "
+                      f"programs/SM={per_sm}: "
                       f"GPU {gpu['ms'] * 1e3:.1f} us "
                       f"(mxfp8 floor {floor_ms * 1e3:.1f} us, ratio {gpu['ms'] / floor_ms:.2f}), "
                       f"eager {eager['ms'] * 1e3:.1f} us")  # fmt: skip
                 rows.append({"workload": name, "pass": "quant", "impl": f"flamia-{recipe}-quant",
-                             "recipe": recipe, "widen": widen,
+                             "recipe": recipe, "widen": widen, "scores_only": scores_only,
                              "num_warps": warps, "programs_per_sm": per_sm,
                              **gpu, "eager_ms": eager["ms"], "tflops": None,
                              "gbps": moved / (gpu["ms"] * 1e-3) / 1e9,

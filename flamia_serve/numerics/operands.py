@@ -135,7 +135,10 @@ class KernelQKV:
     Written only when asked (``quantize_qkv(widen=True)``, NVFP4 Q/K): ``q_wide`` ``[T, Hq,
     d]`` / ``k_wide`` ``[T, Hkv, d]`` BF16, the NVFP4 values without their per-token power of
     two (exact): the score operands of the CuTe kernels, which multiply them in BF16 (Hopper
-    has no FP4 MMA).
+    has no FP4 MMA). ``scores_only`` (``quantize_qkv(scores_only=True)``): only what the
+    CuTe forward reads was written (``q_wide``/``k_wide``, the NVFP4 second levels,
+    ``kv_factors``, ``v_t``, ``v_exp``); the E4M3 Q/K codes and exponents and the packed
+    NVFP4 codes and block scales hold no values, and every other reader refuses it.
     """
 
     q_codes: torch.Tensor
@@ -159,6 +162,15 @@ class KernelQKV:
     columns: torch.Tensor | None = None
     q_wide: torch.Tensor | None = None
     k_wide: torch.Tensor | None = None
+    scores_only: bool = False
+
+    def check_full(self, reader: str) -> None:
+        """``ValueError`` naming ``reader`` when only the score operands were written."""
+        if self.scores_only:
+            raise ValueError(
+                f"{reader} reads the E4M3 Q/K codes or the packed NVFP4 codes, which a "
+                "scores_only quantization leaves unwritten (only the CuTe forward reads it)"
+            )
 
     def key_columns(self) -> torch.Tensor:
         """int64 ``[T]``: the column of each token in the column layout."""
@@ -169,6 +181,7 @@ class KernelQKV:
     def nvfp4_kernel_args(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """(codes, block scales, exponents) of Q and of K for a kernel's NVFP4 pointers:
         the NVFP4 operands, or placeholders of the right dtypes (never read) without them."""
+        self.check_full("a Triton attention kernel")
         if self.q4 is not None and self.k4 is not None:
             return (
                 (self.q4.codes, self.q4.block_scales, self.q4.exponents),
@@ -179,6 +192,7 @@ class KernelQKV:
 
     def to_reference(self) -> QuantizedQKV:
         """The same operands in the reference layout (V token-major, int8 exponents)."""
+        self.check_full("to_reference")
         column = self.key_columns()
         v_codes = self.v_t[:, :, column].permute(2, 0, 1).contiguous()
 

@@ -76,16 +76,18 @@ def quant_variants() -> None:
         "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
         "k4_exp_ptr": I8, "q_wide_ptr": BF16, "k_wide_ptr": BF16,
     }  # fmt: skip
-    # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels)
+    # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels, only those)
     for d in (64, 128, 256):
-        for exact, nvfp4, had, wide in (
-            (False, False, False, False), (True, True, False, True), (False, True, True, False)
+        for exact, nvfp4, had, wide, scores_only in (
+            (False, False, False, False, False), (True, True, False, True, False),
+            (False, True, True, False, False), (False, True, False, True, True),
         ):  # fmt: skip
             consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
                           HADAMARD=had, LOG2_D=d.bit_length() - 1, WIDE=wide,
-                          INTERPRET=False)  # fmt: skip
+                          SCORES_ONLY=scores_only, INTERPRET=False)  # fmt: skip
             _compile(quantize_qkv_kernel, ptrs, consts, 4)
-            print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide}: ok")
+            print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide} "
+                  f"scores_only={scores_only}: ok")  # fmt: skip
 
 
 def fwd_variants() -> None:

@@ -183,3 +183,18 @@ def test_cute_fwd_mixed_matches_reference_and_triton(lens, hq, hkv, d, causal, e
     exact64 = attention_float64(q, k, v, cu, ms, causal=causal)
     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), exact64.flatten(), dim=0)
     assert float(cos) >= 0.985
+
+
+@pytest.mark.parametrize("recipe", ["mixed_nvfp4", "mixed_nvfp4_hadamard"])
+def test_cute_fwd_reads_only_the_score_operands(recipe) -> None:
+    """On operands quantized with ``scores_only`` (the E4M3 Q/K codes and packed NVFP4 codes
+    left unwritten), the CuTe forward gives the bits it gives on the full quantization."""
+    q, k, v, cu, _ms = make_pack((1, 300, 1000, 129, 31), 8, 2, 128, seed=33, device="cuda")
+    runs = []
+    for scores_only in (False, True):
+        qkv = quantize_qkv(q, k, v, cu, recipe=recipe, column_align=128, widen=True,
+                           scores_only=scores_only)  # fmt: skip
+        runs.append(attn_fwd(qkv, cu, heads_q=8, causal=True, softmax_scale=0.1,
+                             config=CUTE_CONFIG))  # fmt: skip
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

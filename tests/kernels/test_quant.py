@@ -180,6 +180,38 @@ def test_widened_nvfp4_score_operands(recipe, exact, device) -> None:
     assert _same(f[:, 1:], plain.kv_factors.cpu()[:, 1:, cols])
 
 
+@pytest.mark.parametrize("recipe", ["mixed_nvfp4", "mixed_nvfp4_hadamard"])
+def test_scores_only_writes_the_cute_forwards_operands_as_the_full_quantization(
+    recipe, device
+) -> None:
+    """``scores_only`` (the CuTe forward's operands): the widened values, the NVFP4 second
+    levels, ``kv_factors``, ``v_t`` and ``v_exp`` equal the full quantization's bit for bit;
+    every reader of the rest refuses the result by name, and so do impossible requests."""
+    from flamia_serve.kernels.attn_fwd.ops import attn_fwd
+
+    lens = (5, 40, 1, 33, 0, 70)
+    q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=9, device=device)
+    full = quantize_qkv(q, k, v, cu, recipe=recipe, column_align=128, widen=True)
+    part = quantize_qkv(q, k, v, cu, recipe=recipe, column_align=128, widen=True,
+                        scores_only=True)  # fmt: skip
+    assert part.scores_only and not full.scores_only
+    cols = full.key_columns().cpu()
+    for name in ("q_wide", "k_wide", "v_t"):
+        assert _same(getattr(full, name), getattr(part, name)), name
+    for a, b in ((full.q4, part.q4), (full.k4, part.k4)):
+        assert _same(a.exponents, b.exponents)
+    for name in ("kv_factors", "v_exp"):
+        assert _same(getattr(full, name).cpu()[..., cols], getattr(part, name).cpu()[..., cols])
+    with pytest.raises(ValueError, match="to_reference reads"):
+        part.to_reference()
+    with pytest.raises(ValueError, match="a Triton attention kernel reads"):
+        attn_fwd(part, cu, heads_q=4, causal=True, softmax_scale=0.125)
+    for kw in (dict(recipe="mxfp8", widen=True), dict(recipe=recipe),
+               dict(recipe=recipe, widen=True, with_transposed=True)):  # fmt: skip
+        with pytest.raises(ValueError, match="scores_only writes"):
+            quantize_qkv(q, k, v, cu, column_align=128, scores_only=True, **kw)
+
+
 def test_token_block_must_fill_v_t_key_groups(device) -> None:
     """A recipe whose token blocks are not whole 16-key groups is refused by name (the
     K-major V layout permutes keys inside 16-key groups)."""

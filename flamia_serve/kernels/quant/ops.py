@@ -114,6 +114,7 @@ def quantize_qkv(
     programs_per_sm: int = 32,
     workspace: PackWorkspace | None = None,
     widen: bool = False,
+    scores_only: bool = False,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
@@ -133,12 +134,21 @@ def quantize_qkv(
     recipes; no effect on E4M3 ones): also write ``q_wide``/``k_wide``, the NVFP4 values
     without their per-token power of two in BF16 (exact), the score operands of the CuTe
     kernels. With NVFP4 Q/K, ``kv_factors`` row 0 holds 2^ of K's NVFP4 second level.
+    ``scores_only`` (NVFP4 Q/K with ``widen``, no ``with_transposed``): write only what the
+    CuTe forward reads (``KernelQKV.scores_only``); the E4M3 Q/K codes and exponents and
+    the packed NVFP4 codes and block scales are left unwritten.
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
         raise ValueError(
             f"recipe token_block {rec.token_block}: must be a multiple of {V_T_ALIGN} (the "
             "K-major V layout permutes keys inside 16-key groups)"
+        )
+    if scores_only and (rec.qk_format != "nvfp4" or not widen or with_transposed):
+        raise ValueError(
+            "scores_only writes the CuTe forward's operands only: it needs a recipe with NVFP4 "
+            f"Q/K and widen=True, and no with_transposed (got recipe {rec.name}, widen={widen}, "
+            f"with_transposed={with_transposed})"
         )
     total, heads_q, d = q.shape
     heads_kv = k.shape[1]
@@ -177,7 +187,8 @@ def quantize_qkv(
             t_pad, total, blocks.num_slots,
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
-            LOG2_D=d.bit_length() - 1, WIDE=widen, INTERPRET=interpreted(),
+            LOG2_D=d.bit_length() - 1, WIDE=widen, SCORES_ONLY=bool(scores_only),
+            INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
@@ -191,7 +202,7 @@ def quantize_qkv(
         q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp, kv_factors,
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
-        q_t, k_t, column_align, columns, q_wide, k_wide,
+        q_t, k_t, column_align, columns, q_wide, k_wide, bool(scores_only),
     )  # fmt: skip
 
 

@@ -30,28 +30,32 @@ def _quantize_qk_head(
     x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, exp_at, out4, out4_scale, out4_exp,
     out_wide, n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     PER_TOKEN: tl.constexpr, QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr,
-    LOG2_D: tl.constexpr, WIDE: tl.constexpr, INTERPRET: tl.constexpr,
+    LOG2_D: tl.constexpr, WIDE: tl.constexpr, SCORES_ONLY: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``)
     and NVFP4 when asked (``WIDE``: also its values without the per-token power of two, BF16,
-    at ``out_wide``); returns the exponents of the score operand (int32 per row: E4M3's, or
-    NVFP4's second level)."""
+    at ``out_wide``; ``SCORES_ONLY``: only those and the second level); returns the exponents
+    of the score operand (int32 per row: E4M3's, or NVFP4's second level)."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     codes, e = fp8_rows(x, PER_TOKEN, INTERPRET)
     row_off = tok * N_HEADS + h
-    tl.store(out8 + row_off[:, None] * D + cols[None, :], codes, mask=row_ok[:, None])
-    tl.store(out_exp + exp_at, e.to(out_exp.dtype.element_ty), mask=row_ok)
+    if not SCORES_ONLY:
+        tl.store(out8 + row_off[:, None] * D + cols[None, :], codes, mask=row_ok[:, None])
+        tl.store(out_exp + exp_at, e.to(out_exp.dtype.element_ty), mask=row_ok)
     if QK_NVFP4:
         if HADAMARD:
             x = hadamard_rows(x, BLOCK, D, LOG2_D)
         packed, scale, e4, values = nvfp4_rows(x, BLOCK, D, True)
-        half = tl.arange(0, D // 2)
-        groups = tl.arange(0, D // 16)
-        tl.store(out4 + row_off[:, None] * (D // 2) + half[None, :], packed, mask=row_ok[:, None])
-        scale_ptrs = out4_scale + row_off[:, None] * (D // 16) + groups[None, :]
-        tl.store(scale_ptrs, to_e4m3(scale, INTERPRET), mask=row_ok[:, None])
+        if not SCORES_ONLY:
+            half = tl.arange(0, D // 2)
+            groups = tl.arange(0, D // 16)
+            codes4 = out4 + row_off[:, None] * (D // 2) + half[None, :]
+            tl.store(codes4, packed, mask=row_ok[:, None])
+            scale_ptrs = out4_scale + row_off[:, None] * (D // 16) + groups[None, :]
+            tl.store(scale_ptrs, to_e4m3(scale, INTERPRET), mask=row_ok[:, None])
         tl.store(out4_exp + h * n_tok + tok, e4.to(tl.int8), mask=row_ok)
         if WIDE:
             wide = to_bf16(values, INTERPRET)
@@ -123,6 +127,7 @@ def quantize_qkv_kernel(
     HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr,
     WIDE: tl.constexpr,
+    SCORES_ONLY: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
@@ -142,7 +147,7 @@ def quantize_qkv_kernel(
         _quantize_qk_head(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
             q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
-            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, INTERPRET,
+            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY, INTERPRET,
         )  # fmt: skip
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
@@ -151,7 +156,7 @@ def quantize_qkv_kernel(
         e = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
-            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, INTERPRET,
+            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY, INTERPRET,
         )  # fmt: skip
         # the score operand's K factor (E4M3: a token block's exponent; NVFP4: per token)
         factor_at = kv_factor_ptr + h * 3 * t_pad + col
