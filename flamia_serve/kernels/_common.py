@@ -227,10 +227,13 @@ def e2m1_magnitude_code(r):
 
 
 @triton.jit
-def e2m1_encode(x):
-    """Round-to-nearest-even E2M1 code (uint8, bit 3 = sign) of float32 |x| <= 6."""
-    code = e2m1_magnitude_code(e2m1_round(tl.abs(x))).to(tl.uint8)
-    return code | ((x < 0).to(tl.uint8) << 3)
+def e2m1_quantize(x):
+    """Round-to-nearest-even E2M1 of float32 |x| <= 6: its code (uint8, bit 3 = sign) and
+    the float32 value the code stands for (``e2m1_decode`` of it; NaN stays NaN)."""
+    rounded = e2m1_round(tl.abs(x))
+    negative = x < 0
+    code = e2m1_magnitude_code(rounded).to(tl.uint8) | (negative.to(tl.uint8) << 3)
+    return code, tl.where(negative, -rounded, rounded)
 
 
 @triton.jit
@@ -303,9 +306,7 @@ def nvfp4_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, SECOND_LEVEL: tl.constex
     safe = tl.where(scale > 0, scale, 1.0)
     ratio = tl.math.div_rn(x16 * p2[:, None, None], safe[:, :, None])
     ratio = tl.minimum(tl.maximum(tl.where(scale[:, :, None] > 0, ratio, 0.0), -6.0), 6.0)
-    rounded = e2m1_round(tl.abs(ratio))
-    negative = ratio < 0
-    codes = e2m1_magnitude_code(rounded).to(tl.uint8) | (negative.to(tl.uint8) << 3)
+    codes, e2m1 = e2m1_quantize(ratio)
     low, high = tl.split(tl.reshape(codes, (BLOCK, D // 2, 2)))
-    values = tl.where(negative, -rounded, rounded) * scale[:, :, None]
-    return low | (high << 4), scale, e, tl.reshape(values, (BLOCK, D))
+    values = tl.reshape(e2m1 * scale[:, :, None], (BLOCK, D))
+    return low | (high << 4), scale, e, values

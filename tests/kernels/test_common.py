@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import e2m1_decode, e2m1_encode, e2m1_round, e4m3_value
+from flamia_serve.kernels._common import e2m1_decode, e2m1_quantize, e2m1_round, e4m3_value
 from flamia_serve.numerics import formats
 
 
@@ -34,20 +34,22 @@ def test_e4m3_value_is_torch_round_to_nearest_even(device) -> None:
 
 
 @triton.jit
-def _e2m1_kernel(x_ptr, code_ptr, round_ptr, decode_ptr, n, BLOCK: tl.constexpr):
+def _e2m1_kernel(x_ptr, code_ptr, value_ptr, round_ptr, decode_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    code = e2m1_encode(x)
+    code, value = e2m1_quantize(x)
     tl.store(code_ptr + offs, code, mask=offs < n)
+    tl.store(value_ptr + offs, value, mask=offs < n)
     tl.store(round_ptr + offs, e2m1_round(tl.abs(x)), mask=offs < n)
     tl.store(decode_ptr + offs, e2m1_decode(code), mask=offs < n)
 
 
-def test_e2m1_encode_is_the_threshold_rule(device) -> None:
-    """The kernels' E2M1 encode (rounding by bits) against ``numerics.e2m1_encode``'s
+def test_e2m1_quantize_is_the_threshold_rule(device) -> None:
+    """The kernels' E2M1 quantization (rounding by bits) against ``numerics.e2m1_encode``'s
     thresholds, code for code: every E2M1 value, every midpoint (ties to the even code) and
     its float32 neighbours a few ulps away, signed zeros, random values in [-6, 6], NaN; and
-    ``e2m1_round`` is the decoded magnitude, bit for bit."""
+    ``e2m1_round``'s magnitude is the decoded code's bit for bit, and the value
+    ``e2m1_quantize`` returns beside the code is the decoded code's (zeros of either sign)."""
     grid = torch.tensor(formats.E2M1_VALUES, dtype=torch.float32)
     mid = (grid[:-1] + grid[1:]) / 2
     near = [torch.nextafter(mid, torch.full_like(mid, sign * 7.0)) for sign in (1, -1)]
@@ -61,10 +63,11 @@ def test_e2m1_encode_is_the_threshold_rule(device) -> None:
     x = torch.cat([mags, -mags, torch.tensor([float("nan")])]).to(device)
     n = x.numel()
     code = torch.empty(n, dtype=torch.uint8, device=device)
-    rounded, decoded = torch.empty_like(x), torch.empty_like(x)
-    _e2m1_kernel[(triton.cdiv(n, 256),)](x, code, rounded, decoded, n, BLOCK=256)
+    value, rounded, decoded = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    _e2m1_kernel[(triton.cdiv(n, 256),)](x, code, value, rounded, decoded, n, BLOCK=256)
     want = formats.e2m1_encode(x.cpu())
     assert torch.equal(code.cpu(), want)
     finite = ~x.isnan().cpu()  # (NaN: code 0 as the thresholds give; its rounding is NaN)
     assert torch.equal(rounded.cpu()[finite], formats.e2m1_decode(want & 7)[finite])
+    assert torch.equal(value.cpu()[finite], formats.e2m1_decode(want)[finite])  # (-0 == +0)
     assert torch.equal(decoded.cpu(), formats.e2m1_decode(want))  # (-0 == +0 here)
