@@ -164,6 +164,22 @@ class KernelQKV:
     k_wide: torch.Tensor | None = None
     scores_only: bool = False
 
+    @property
+    def unwidened(self) -> bool:
+        """NVFP4 Q/K quantized without the widened copy the CuTe kernels read."""
+        return self.q4 is not None and (self.q_wide is None or self.k_wide is None)
+
+    def score_operands(self, kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The score product's operands as the CuTe kernels read them: ``(Q, K, Q exponents
+        [Hq, T])``: E4M3 codes and their exponents, or with NVFP4 Q/K the widened values
+        and the second level (``kv_factors`` row 0 then holds K's). ``ValueError`` naming
+        ``kernel`` without the widened copy."""
+        if self.unwidened:
+            raise ValueError(f"NVFP4 Q/K on the {kernel}: quantize with widen=True")
+        if self.q4 is not None:
+            return self.q_wide, self.k_wide, self.q4.exponents.t()
+        return self.q_codes, self.k_codes, self.q_exp.t()
+
     def check_full(self, reader: str) -> None:
         """``ValueError`` naming ``reader`` when only the score operands were written."""
         if self.scores_only:

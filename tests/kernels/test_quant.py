@@ -166,8 +166,15 @@ def test_widened_nvfp4_score_operands(recipe, exact, device) -> None:
         assert _same(getattr(plain, name).cpu()[:, cols], getattr(wide, name).cpu()[:, cols])
     if plain.q4 is None:
         assert wide.q_wide is None and wide.k_wide is None
+        assert wide.score_operands("CuTe kernel")[:2] == (wide.q_codes, wide.k_codes)
         assert _same(plain.kv_factors.cpu()[:, :, cols], wide.kv_factors.cpu()[:, :, cols])
         return
+    assert plain.unwidened and not wide.unwidened
+    with pytest.raises(ValueError, match="NVFP4 Q/K on the CuTe kernel: quantize with widen"):
+        plain.score_operands("CuTe kernel")
+    q_in, k_in, q_exp = wide.score_operands("CuTe kernel")
+    assert q_in is wide.q_wide and k_in is wide.k_wide
+    assert torch.equal(q_exp, wide.q4.exponents.t()) and q_exp.is_contiguous()
     for got, nv in ((wide.q_wide, wide.q4), (wide.k_wide, wide.k4)):
         values = nv.dequantize(second_level=False)
         assert got.dtype == torch.bfloat16 and got.shape == values.shape

@@ -898,12 +898,8 @@ def attn_bwd_sm90(
     pack's, for the dQ accumulator and the token-major V codes."""
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
-    # Sᵀ's operands: E4M3 codes, or (NVFP4 Q/K) the widened values with the second level
+    q_in, k_in, q_score_exp = qkv.score_operands("CuTe backward")  # Sᵀ's
     wide = qkv.q4 is not None
-    if wide and (qkv.q_wide is None or qkv.k_wide is None):
-        raise ValueError("NVFP4 Q/K on the CuTe backward: quantize with widen=True")
-    q_in, k_in = (qkv.q_wide, qkv.k_wide) if wide else (qkv.q_codes, qkv.k_codes)
-    q_score_exp = (qkv.q4.exponents if wide else qkv.q_exp).t()
     dq_acc = zeroed_accumulator(workspace, (heads_q, total, d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)

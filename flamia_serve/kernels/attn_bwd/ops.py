@@ -136,7 +136,7 @@ def _cute_refusal(
             "runs head_dim 64 or 128 on a layout with a column alignment that is a multiple "
             f"of 128 (got head_dim {d}, column_align {qkv.column_align})"
         )
-    if qkv.q4 is not None and qkv.q_wide is None:
+    if qkv.unwidened:
         return "runs NVFP4 Q/K (mixed recipes) from quantize_qkv(..., widen=True)"
     if not cute_available(device):
         return (

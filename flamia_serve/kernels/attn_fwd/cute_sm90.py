@@ -764,13 +764,9 @@ def attn_fwd_sm90(
     ``exp2`` (``numerics.exp2``). ``workspace``: the pack's, for the ticket counter."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
-    # the score operands: E4M3 codes and exponents, or (NVFP4 Q/K) the widened values and
-    # the per-token second level (kv_factors then hold K's: one exponent per key)
+    # NVFP4 Q/K: widened values, one K exponent per key (their second level)
+    q_in, k_in, q_exp = qkv.score_operands("CuTe forward")
     wide = qkv.q4 is not None
-    if wide and (qkv.q_wide is None or qkv.k_wide is None):
-        raise ValueError("NVFP4 Q/K on the CuTe forward: quantize with widen=True")
-    q_in, k_in = (qkv.q_wide, qkv.k_wide) if wide else (qkv.q_codes, qkv.k_codes)
-    q_exp = (qkv.q4.exponents if wide else qkv.q_exp).t()  # (Hq, T) contiguous
     k_exp_block = 1 if wide else qkv.k_exp_block
     # (tensor, byte alignment the kernel may assume): TMA-loaded and paired-store tensors 16
     extend = cu_seqlens_k is not None

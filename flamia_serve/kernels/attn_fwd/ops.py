@@ -189,8 +189,7 @@ def attn_fwd(
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     cfg = config or default_config(d, dev, qk_nvfp4=qkv.q4 is not None)
-    unwidened = qkv.q4 is not None and qkv.q_wide is None
-    if config is None and (qkv.column_align % cfg.column_align or unwidened):  # the operands decide
+    if config is None and (qkv.column_align % cfg.column_align or qkv.unwidened):  # the operands
         cfg = default_config(d, dev, qk_nvfp4=qkv.q4 is not None, kernel="triton")
     if cfg.kernel == "triton" and cfg.block_m % cfg.block_n:
         raise ValueError(f"block_m ({cfg.block_m}) must be a multiple of block_n ({cfg.block_n})")
@@ -198,7 +197,7 @@ def attn_fwd(
         raise ValueError(f"config.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
     if cfg.kernel == "cute" and (cfg.two_pass or d not in (64, 128, 256)):
         raise ValueError("config.kernel='cute' runs one pass, head_dim 64, 128 or 256")
-    if cfg.kernel == "cute" and qkv.q4 is not None and qkv.q_wide is None:
+    if cfg.kernel == "cute" and qkv.unwidened:
         raise ValueError(
             "config.kernel='cute' runs NVFP4 Q/K (mixed recipes) from quantize_qkv(..., "
             "widen=True)"
