@@ -81,24 +81,32 @@ def main() -> None:
         torch.set_default_device("cuda")
         # then the FP8-cache prefill's (per-key K exponents, queries after cached keys), with
         # exact exponentials and with Mitchell-P; last the mixed recipes' (BF16 scores)
-        for d, causal, tile_n, overlap, k_exp_block, extend, exp_mode, wide in (
-            (128, True, 128, False, 32, False, "exact", False),
-            (128, True, 128, True, 32, False, "exact", False),
-            (64, True, 128, False, 32, False, "exact", False),
-            (128, False, 128, False, 32, False, "exact", False),
-            (256, True, 64, False, 32, False, "exact", False),
-            (256, True, 128, False, 32, False, "exact", False),
-            (128, True, 128, False, 1, True, "exact", False),
-            (128, True, 128, False, 1, True, "mitchell", False),
-            (128, True, 128, False, 1, False, "exact", True),
-            (64, False, 128, False, 1, False, "exact", True),
-            (256, True, 64, False, 1, False, "exact", True),
+        # (promote: each tile's P̂·V̂ added to O in FP32; False: accumulated in the wgmma)
+        for d, causal, tile_n, overlap, k_exp_block, extend, exp_mode, wide, promote in (
+            (128, True, 128, False, 32, False, "exact", False, True),
+            (128, True, 128, True, 32, False, "exact", False, True),
+            (128, True, 128, False, 32, False, "exact", False, False),
+            (128, True, 128, True, 32, False, "exact", False, False),
+            (64, True, 128, False, 32, False, "exact", False, True),
+            (64, True, 128, True, 32, False, "exact", False, False),
+            (128, False, 128, False, 32, False, "exact", False, True),
+            (256, True, 64, False, 32, False, "exact", False, True),
+            (256, True, 128, False, 32, False, "exact", False, True),
+            (256, True, 128, False, 32, False, "exact", False, False),
+            (128, True, 128, False, 1, True, "exact", False, True),
+            (128, True, 128, True, 1, True, "exact", False, False),
+            (128, True, 128, False, 1, True, "mitchell", False, True),
+            (128, True, 128, False, 1, False, "exact", True, True),
+            (128, True, 128, True, 1, False, "exact", True, False),
+            (64, False, 128, False, 1, False, "exact", True, True),
+            (256, True, 64, False, 1, False, "exact", True, True),
         ):  # fmt: skip
             kernel = FlamiaFwdSm90(
                 d, 8, 2, causal, k_exp_block, 128, tile_n, 2, overlap, True, extend, exp_mode,
-                wide,
+                wide, promote,
             )  # fmt: skip
             name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}"
+            name += "" if promote else "_into_o"
             name += f"_extend_{exp_mode}" if extend else ""
             name += "_wide.cubin" if wide else ".cubin"
             compile_and_keep(
@@ -106,7 +114,7 @@ def main() -> None:
                 name=name,
             )  # fmt: skip
             print(f"cute forward d={d} causal={causal} 128x{tile_n} overlap={overlap} "
-                  f"extend={extend} {exp_mode} wide={wide}: compiled")  # fmt: skip
+                  f"promote_pv={promote} extend={extend} {exp_mode} wide={wide}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # One device call of the training-path checks and measurements (H200), results under $OUT.
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
-#                                                   # host-baseline, mixed, quant
+#                                                   # host-baseline, mixed, quant, fwd-pv
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -49,6 +49,17 @@ if [[ $steps == *,quant,* ]]; then  # the quantizers bit-exact on the GPU, then 
     -k "${FLAMIA_QUANT_K:-not test_paged or nvfp4}"
   run tune_quant 240 python benchmarks/tune_quant.py --workloads W1,W3,W7 \
     --recipes mxfp8,mixed_nvfp4 --scores-only
+fi
+if [[ $steps == *,fwd-pv,* ]]; then  # the CuTe forward's P̂·V̂ accumulated in the wgmma against
+  # promoted per tile: GPU tests of the variants, accuracy on long documents, forward speed
+  run pytest_gpu_cute_pv "${FLAMIA_TEST_SECS:-240}" python -m pytest -q -m gpu -W ignore::DeprecationWarning \
+    tests/kernels/test_gpu_cute.py \
+    -k "${FLAMIA_TEST_K:-(pv-in-mma and ([0- or [1-) and not 128x64) or (d256 and pv-in-mma and causal)}"
+  run fwd_accumulation 200 python benchmarks/fwd_accumulation.py
+  run train_attention_pv 360 python benchmarks/train_attention.py --quick --passes fwd \
+    --workloads "${FLAMIA_PV_WORKLOADS:-W1,W2,W3,W4,W5,W6,W7,W8,W9,P1,P2,P3,P4,P5}" \
+    --impls "${FLAMIA_IMPLS:-flamia-mxfp8-pv-promoted,flamia-mxfp8-pv-in-mma,flamia-mxfp8-pv-in-mma-overlap,fa4}" \
+    --name "${FLAMIA_BENCH_NAME:-train_attention_pv}"
 fi
 if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \

@@ -126,11 +126,15 @@ def _thd(x: Tensor) -> Tensor:
 
 
 def _flamia_loader(
-    recipe: str, two_pass: bool = False, kernel: str | None = None
+    recipe: str,
+    two_pass: bool = False,
+    kernel: str | None = None,
+    cute_changes: dict[str, Any] | None = None,
 ) -> Callable[[], Builder]:
     """``flamia_serve.flamia_attn_varlen`` (quantization included); the per-microbatch plan
     (one host sync + schedules) is built outside timing, as a training step reuses it for
-    every layer. ``kernel``: the forward kernel (default: the library's choice)."""
+    every layer. ``kernel``: the forward kernel (default: the library's choice);
+    ``cute_changes``: fields of the CuTe config to change where the CuTe kernel runs."""
 
     def load() -> Builder:
         import dataclasses
@@ -146,6 +150,8 @@ def _flamia_loader(
             base = default_config(wl.head_dim, cu.device, qk_nvfp4=nvfp4, kernel=kernel,
                                   mean_doc_len=wl.total_tokens / wl.num_docs)  # fmt: skip
             cfg = dataclasses.replace(base, two_pass=two_pass) if two_pass else base
+            if cute_changes and cfg.kernel == "cute":
+                cfg = dataclasses.replace(cfg, **cute_changes)
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
                 return flamia_serve.flamia_attn_varlen(
@@ -346,6 +352,20 @@ IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     "flamia-mxfp8": ("fwd", _flamia_loader("mxfp8"), False),
     "flamia-mxfp8-triton": ("fwd", _flamia_loader("mxfp8", kernel="triton"), False),
     "flamia-mxfp8-2pass": ("fwd", _flamia_loader("mxfp8", two_pass=True, kernel="triton"), False),
+    # the CuTe forward's P̂·V̂ added to O in FP32 per key tile, or accumulated in the wgmma
+    # (serial, or overlapping the next Q̂·K̂ᵀ with the softmax step)
+    "flamia-mxfp8-pv-promoted": (
+        "fwd", _flamia_loader("mxfp8", cute_changes={"promote_pv": True, "overlap": False}),
+        False,
+    ),
+    "flamia-mxfp8-pv-in-mma": (
+        "fwd", _flamia_loader("mxfp8", cute_changes={"promote_pv": False, "overlap": False}),
+        False,
+    ),
+    "flamia-mxfp8-pv-in-mma-overlap": (
+        "fwd", _flamia_loader("mxfp8", cute_changes={"promote_pv": False, "overlap": True}),
+        False,
+    ),
     "flamia-mixed_nvfp4": ("fwd", _flamia_loader("mixed_nvfp4"), False),
     "flamia-mixed_nvfp4-triton": ("fwd", _flamia_loader("mixed_nvfp4", kernel="triton"), False),
     "flamia-mxfp8-quant": ("quant", _flamia_quant_loader("mxfp8"), False),

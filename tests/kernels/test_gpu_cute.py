@@ -37,6 +37,11 @@ CONFIGS = {
     "serial-128x64": FwdConfig(128, 64, num_stages=3, kernel="cute", overlap=False),
     "overlap-128x64": FwdConfig(128, 64, num_stages=2, kernel="cute"),
     "one-warpgroup": FwdConfig(64, 64, num_stages=3, kernel="cute"),
+    # P̂·V̂ accumulated in the wgmma, serial and overlapped with the next Q̂·K̂ᵀ
+    "pv-in-mma": FwdConfig(128, 128, num_stages=2, kernel="cute", overlap=False, promote_pv=False),
+    "pv-in-mma-overlap": FwdConfig(128, 128, num_stages=2, kernel="cute", promote_pv=False),
+    "pv-in-mma-overlap-128x64": FwdConfig(128, 64, num_stages=2, kernel="cute", promote_pv=False),
+    "pv-promoted": FwdConfig(128, 128, num_stages=2, kernel="cute", overlap=False, promote_pv=True),
 }
 CASES = [
     # lens (1-token documents, lengths not multiples of 32/64/128, an empty one), hq, hkv, d
@@ -59,6 +64,9 @@ D256_CONFIGS = {
     "default": CUTE_CONFIG_D256,
     "128x64": FwdConfig(128, 64, num_stages=2, kernel="cute", overlap=False),
     "one-warpgroup": FwdConfig(64, 64, num_stages=2, kernel="cute", overlap=False),
+    "pv-in-mma": FwdConfig(128, 128, num_stages=2, kernel="cute", overlap=False, promote_pv=False),
+    "pv-in-mma-overlap-128x64": FwdConfig(128, 64, num_stages=2, kernel="cute", promote_pv=False),
+    "pv-promoted": FwdConfig(128, 128, num_stages=2, kernel="cute", overlap=False, promote_pv=True),
 }
 
 

@@ -89,6 +89,7 @@ class FlamiaFwdSm90:
         extend: bool = False,
         exp_mode: str = "exact",
         qk_wide: bool = False,
+        promote_pv: bool = True,
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
@@ -103,8 +104,15 @@ class FlamiaFwdSm90:
         # before the next is issued: O plus one chunk's product stay in registers (d = 256)
         self.d_chunk = min(head_dim, 128)
         self.n_chunks = head_dim // self.d_chunk
-        if self.n_chunks > 1 and overlap:
-            raise ValueError("overlap=True needs head_dim <= 128 (both P̂·V̂ chunks in flight)")
+        if self.n_chunks > 1 and overlap and promote_pv:
+            raise ValueError(
+                "overlap=True with promote_pv=True needs head_dim <= 128 (both P̂·V̂ chunks' "
+                "products in flight)"
+            )
+        # True: each key tile's P̂·V̂ starts from zero and is added to O in FP32 (promotion
+        # per tile); False: it accumulates into O inside the ``wgmma`` (no product
+        # accumulator, and a warpgroup's tensor-core turn is only its MMA issues)
+        self.promote_pv = promote_pv
         self.heads_q = heads_q
         self.group = heads_q // heads_kv
         self.causal = causal
@@ -461,6 +469,11 @@ class FlamiaFwdSm90:
                 tiled_mma_pv, (self.tile_m, self.d_chunk), tOrP, tOrV[h], B_idx=v_idx,
                 wg_wait=wait,
             ),
+            # O += P̂·V̂ inside the wgmma (``promote_pv=False``)
+            mma_pv_into_o=lambda v_idx, wait, h=0: sm90_utils.gemm_w_idx(
+                tiled_mma_pv, acc_O[h], tOrP, tOrV[h], zero_init=False, B_idx=v_idx,
+                wg_wait=wait,
+            ),
             pipe_k=pipe_k, pipe_v=pipe_v, acc_O=acc_O, tOrP=tOrP, wg=wg, tScS=tScS, sF=sF,
             col0=col0,
             row=cute.make_rmem_tensor(n_rows, Int32),  # query position among the keys
@@ -509,7 +522,9 @@ class FlamiaFwdSm90:
             first_row = w.q_offset + w.tile * self.tile_m
             n_masked_end = cutlass.min(first_row // self.tile_n, n_blocks - 1)
         pipe_q.consumer_wait_w_index_phase(0, q_phase)
-        if const_expr(self.overlap):
+        if const_expr(not self.promote_pv):
+            state = self.key_tiles_into_o(ctx, state, pipe_q, n_blocks, n_masked_end)
+        elif const_expr(self.overlap):
             # first tile alone (nothing to add to O yet), then each Q̂·K̂ᵀ overlaps the
             # previous tile's P̂·V̂, then the last P̂·V̂
             n = n_blocks - 1
@@ -538,6 +553,86 @@ class FlamiaFwdSm90:
             pipe_q.consumer_release_w_index(0)
             self.turn_pass(ctx.wg)
         return state
+
+    @cute.jit
+    def key_tiles_into_o(self, ctx, state, pipe_q, n_blocks, n_masked_end):
+        """``promote_pv=False``: each key tile's P̂·V̂ accumulates into O inside the
+        ``wgmma``. A warpgroup's turn on the tensor cores is only MMA issues: P̂·V̂ of one
+        tile and Q̂·K̂ᵀ of the next (serial: P̂·V̂ is waited for with the next Q̂·K̂ᵀ), or
+        Q̂·K̂ᵀ of the next and P̂·V̂ of this one (``overlap``: P̂·V̂ runs during the next
+        tile's softmax step). O holds its rows against the reference of the last softmax
+        step: it is rescaled by that step's ``alpha`` before the next P̂·V̂ adds to it. The
+        first tile (the last key tile, always masked) runs alone; O starts at zero."""
+        self.turn_wait(ctx.wg)
+        ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
+        acc_S = ctx.mma_qk(state.index, -1)
+        self.turn_pass(ctx.wg)
+        warpgroup.wait_group(0)
+        self.softmax_step(ctx, acc_S, state, n_blocks - 1, True)
+        ctx.pipe_k.consumer_release(state)
+        self.stage_p(ctx, acc_S)
+        if const_expr(not self.overlap):
+            self.turn_wait(ctx.wg)
+            self.issue_pv_into_o(ctx, state)
+        for i in cutlass.range(n_blocks - 1 - n_masked_end, unroll=1):
+            state = self.key_tile_into_o(ctx, state, n_blocks - 2 - i, True)
+        for i in cutlass.range(n_masked_end, unroll=1):
+            state = self.key_tile_into_o(ctx, state, n_masked_end - 1 - i, False)
+        if const_expr(self.overlap):
+            self.turn_wait(ctx.wg)
+            self.issue_pv_into_o(ctx, state)
+        self.turn_pass(ctx.wg)
+        pipe_q.consumer_release_w_index(0)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def issue_pv_into_o(self, ctx, state):
+        """Wait for tile ``state``'s V̂ᵀ, then issue ``O += P̂·V̂`` (not waited for)."""
+        ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
+        for h in cutlass.range_constexpr(self.n_chunks):
+            ctx.mma_pv_into_o(state.index, -1, h)
+
+    @cute.jit
+    def key_tile_into_o(self, ctx, state, n, mask: cutlass.Constexpr):
+        """Key tile ``n`` after the first; ``state`` is the previous tile's (its P̂·V̂ in
+        flight, serial, or not yet issued, ``overlap``). Returns this tile's state."""
+        state_v = state.clone()
+        state.advance()
+        ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
+        if const_expr(self.overlap):
+            self.turn_wait(ctx.wg)
+            acc_S = ctx.mma_qk(state.index, -1)
+            self.issue_pv_into_o(ctx, state_v)
+            self.turn_pass(ctx.wg)
+            warpgroup.wait_group(1)
+        else:
+            acc_S = ctx.mma_qk(state.index, -1)
+            self.turn_pass(ctx.wg)
+            warpgroup.wait_group(0)
+            ctx.pipe_v.consumer_release(state_v)
+        self.softmax_step(ctx, acc_S, state, n, mask)
+        ctx.pipe_k.consumer_release(state)
+        if const_expr(self.overlap):
+            warpgroup.wait_group(0)
+            ctx.pipe_v.consumer_release(state_v)
+        self.rescale_o(ctx)
+        self.stage_p(ctx, acc_S)
+        if const_expr(not self.overlap):
+            self.turn_wait(ctx.wg)
+            self.issue_pv_into_o(ctx, state)
+        return state
+
+    @cute.jit
+    def rescale_o(self, ctx):
+        """O ·= ``alpha`` (2^(m_old − m_new) per row) before the next P̂·V̂ adds to it."""
+        for h in cutlass.range_constexpr(self.n_chunks):
+            acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O[h])
+            for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                    acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r]
 
     @cute.jit
     def key_tile_overlapped(self, ctx, state, n, mask: cutlass.Constexpr):
@@ -750,6 +845,7 @@ def attn_fwd_sm90(
     cu_seqlens_k: torch.Tensor | None = None,
     exp_mode: str = "exact",
     workspace: PackWorkspace | None = None,
+    promote_pv: bool = True,
 ) -> None:
     """Fill ``out [T, Hq, d]`` (BF16/FP16), ``m_rows``/``lse_rows [T, Hq]`` (float32) from
     quantized operands; ``work`` was built with ``block_m = tile_m`` (one persistent CTA per SM
@@ -761,7 +857,8 @@ def attn_fwd_sm90(
     rows; each document's queries are its last keys (query ``i`` of ``n`` sees keys ``j <=
     L − n + i`` with ``causal``), and ``work`` was built with the same ``cu_seqlens_k``.
     ``exp_mode="mitchell"`` (serving only; training is always exact): Mitchell-P instead of
-    ``exp2`` (``numerics.exp2``). ``workspace``: the pack's, for the ticket counter."""
+    ``exp2`` (``numerics.exp2``). ``workspace``: the pack's, for the ticket counter.
+    ``promote_pv=False``: P̂·V̂ accumulates into O inside the ``wgmma`` (``FwdConfig``)."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     # NVFP4 Q/K: widened values, one K exponent per key (their second level)
@@ -780,11 +877,11 @@ def attn_fwd_sm90(
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]
     key = (d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
-           ticket, out.dtype, extend, exp_mode, wide)  # fmt: skip
+           ticket, out.dtype, extend, exp_mode, wide, promote_pv)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
-            ticket, extend, exp_mode, wide,
+            ticket, extend, exp_mode, wide, promote_pv,
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     sms = sm_count(out.device)

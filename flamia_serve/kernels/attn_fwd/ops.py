@@ -41,8 +41,9 @@ class FwdConfig:
     (``persistent=True``) or by a static stride of the grid size (``False``);
     ``block_m`` = 64 rows per consumer warpgroup (64, 128 or 192), ``block_n`` 64 or 128
     keys, ``num_stages`` K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the
-    previous tile's P̂·V̂ finishes. ``num_warps``/``maxnreg``/``programs_per_sm`` do not
-    apply.
+    previous tile's P̂·V̂ finishes, ``promote_pv`` adds each key tile's P̂·V̂ to O in FP32
+    (False: it accumulates into O inside the FP8 ``wgmma``, whose additions keep fewer
+    bits). ``num_warps``/``maxnreg``/``programs_per_sm`` do not apply.
     """
 
     block_m: int = 64
@@ -55,6 +56,7 @@ class FwdConfig:
     programs_per_sm: int = 2  # persistent grid: programs per SM
     kernel: str = "triton"  # "triton" | "cute"
     overlap: bool = True  # cute: overlap Q̂·K̂ᵀ of one key tile with P̂·V̂ of the previous
+    promote_pv: bool = True  # cute: each key tile's P̂·V̂ added to O in FP32
 
     @property
     def column_align(self) -> int:
@@ -69,15 +71,15 @@ class FwdConfig:
         return [
             self.block_m, self.block_n, self.num_warps, self.num_stages, int(self.persistent),
             int(self.two_pass), self.maxnreg or 0, self.programs_per_sm,
-            int(self.kernel == "cute"), int(self.overlap),
+            int(self.kernel == "cute"), int(self.overlap), int(self.promote_pv),
         ]  # fmt: skip
 
     @classmethod
     def from_ints(cls, xs: list[int]) -> FwdConfig:
-        bm, bn, warps, stages, persistent, two_pass, maxnreg, per_sm, cute, overlap = xs
+        bm, bn, warps, stages, persistent, two_pass, maxnreg, per_sm, cute, overlap, promote = xs
         return cls(
             bm, bn, warps, stages, bool(persistent), bool(two_pass), maxnreg or None, per_sm,
-            "cute" if cute else "triton", bool(overlap),
+            "cute" if cute else "triton", bool(overlap), bool(promote),
         )  # fmt: skip
 
 
@@ -244,7 +246,7 @@ def attn_fwd(
             qkv, cu_seqlens, work, out, m_rows, lse_rows, heads_q=heads_q, causal=causal,
             qk_scale=scale_log2, tile_m=cfg.block_m, tile_n=cfg.block_n,
             num_stages=cfg.num_stages, overlap=cfg.overlap, ticket=cfg.persistent,
-            workspace=workspace,
+            workspace=workspace, promote_pv=cfg.promote_pv,
         )  # fmt: skip
         return out, m_rows, lse_rows
     nvfp4 = qkv.q4 is not None and qkv.k4 is not None

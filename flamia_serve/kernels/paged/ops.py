@@ -593,6 +593,7 @@ def _cute_prefill(
         stats[1], heads_q=plan.heads_q, causal=True, qk_scale=qk_scale, tile_m=cfg.block_m,
         tile_n=cfg.block_n, num_stages=cfg.num_stages, overlap=cfg.overlap,
         ticket=cfg.persistent, cu_seqlens_k=offsets[1], exp_mode=exp_mode,
+        promote_pv=cfg.promote_pv,
     )  # fmt: skip
 
 
