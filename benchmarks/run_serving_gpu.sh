@@ -49,8 +49,8 @@ if [[ $steps == *,cute-prefill-tests,* ]]; then
     tests/kernels/test_gpu_cute_prefill.py
 fi
 if [[ $steps == *,cute-train-tests,* ]]; then
-  PYTHONPATH=$CUTE_SITE run pytest_gpu_cute_train 330 python -m pytest -q -m gpu \
-    tests/kernels/test_gpu_cute.py tests/kernels/test_gpu_cute_bwd.py
+  PYTHONPATH=$CUTE_SITE run pytest_gpu_cute_train "${FLAMIA_TEST_SECS:-330}" python -m pytest -q \
+    -m gpu tests/kernels/test_gpu_cute.py tests/kernels/test_gpu_cute_bwd.py -k "${FLAMIA_TEST_K:-}"
 fi
 if [[ $steps == *,cute-prefill-profile,* ]]; then
   PYTHONPATH=$CUTE_SITE run profile_cute_prefill 300 python benchmarks/profile_cute_prefill.py \

@@ -83,12 +83,18 @@ class FwdConfig:
         )  # fmt: skip
 
 
-#: the CuTe forward's default on sm_90 (``benchmarks/tune_fwd.py --kernel cute``)
+#: the CuTe forward's default on sm_90 (``benchmarks/tune_fwd.py --kernel cute``); P̂·V̂
+#: accumulates into O inside the wgmma (H200, ``results/train_attention_pv.json``: W1-W9
+#: 1.06-1.34x the per-tile promotion, cos-sim vs float64 equal to 6 digits,
+#: ``results/fwd_accumulation.json``)
 CUTE_CONFIG = FwdConfig(
-    128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
+    128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False,
+    promote_pv=False,
 )
-#: its default at d = 256 (P̂·V̂ in two 128-column chunks; H200, P2: 731 TFLOP/s with
-#: 128-key tiles, 670 with 64-key tiles, ``results/tune_fwd_mxfp8_cute_d256_split_n.json``)
+#: its default at d = 256 (P̂·V̂ in two 128-column chunks, each promoted per tile; H200,
+#: P2: 731 TFLOP/s with 128-key tiles, 670 with 64-key tiles,
+#: ``results/tune_fwd_mxfp8_cute_d256_split_n.json``; accumulated in the wgmma: 753 against
+#: 900 promoted, ``results/train_attention_pv.json``)
 CUTE_CONFIG_D256 = FwdConfig(
     128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
 )
