@@ -93,6 +93,7 @@ def main() -> None:
             (256, True, 64, False, 32, False, "exact", False, True),
             (256, True, 128, False, 32, False, "exact", False, True),
             (256, True, 128, False, 32, False, "exact", False, False),
+            (256, True, 128, True, 32, False, "exact", False, False),
             (128, True, 128, False, 1, True, "exact", False, True),
             (128, True, 128, True, 1, True, "exact", False, False),
             (128, True, 128, False, 1, True, "mitchell", False, True),

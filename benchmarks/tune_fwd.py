@@ -36,19 +36,20 @@ NVFP4_CONFIGS = [  # mixed recipes: Q/K dequantized to BF16 in registers (more l
     (128, 64, 4, 3, True, False, None, 2),
 ]
 
-CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap, ticket (kernel="cute", sm_90)
-    (128, 128, 2, False, True),
-    (128, 128, 2, False, False),
-    (128, 128, 3, False, True),
-    (192, 64, 2, False, True),
+CUTE_CONFIGS = [  # block_m, block_n, num_stages, overlap, ticket, promote_pv (kernel="cute")
+    (128, 128, 2, False, True, False),
+    (128, 128, 2, False, True, True),
+    (128, 128, 3, False, True, False),
+    (192, 64, 2, False, True, False),
+    (128, 64, 2, True, True, False),
 ]
 CUTE_CONFIGS_D256 = [  # d = 256 (workload P2): the 64x256 output accumulator limits the tiles
-    (128, 64, 2, False, True),
-    (128, 64, 3, False, True),
-    (64, 64, 2, False, True),
-    (64, 64, 3, False, True),
-    (64, 128, 2, False, True),
-    (128, 128, 2, False, True),
+    (128, 128, 2, False, True, True),
+    (128, 64, 2, False, True, True),
+    (128, 64, 2, False, True, False),
+    (128, 64, 2, True, True, False),
+    (128, 128, 2, True, True, False),
+    (64, 128, 2, False, True, False),
 ]
 
 
@@ -60,9 +61,12 @@ def configs(recipe: str, kernel: str, head_dim: int = 128) -> list:
         triton = default_config(head_dim, torch.device("cuda"), kernel="triton")
         return [triton] + [
             FwdConfig(
-                bm, bn, num_stages=st, overlap=ov, persistent=ticket, kernel="cute", maxnreg=None
+                bm, bn, num_stages=st, overlap=ov, persistent=ticket, kernel="cute", maxnreg=None,
+                promote_pv=promote,
             )
-            for bm, bn, st, ov, ticket in (CUTE_CONFIGS_D256 if head_dim >= 256 else CUTE_CONFIGS)
+            for bm, bn, st, ov, ticket, promote in (
+                CUTE_CONFIGS_D256 if head_dim >= 256 else CUTE_CONFIGS
+            )
         ]
     return [FwdConfig(*e) for e in (NVFP4_CONFIGS if recipe.startswith("mixed") else CONFIGS)]
 

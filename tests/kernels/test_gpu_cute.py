@@ -66,6 +66,7 @@ D256_CONFIGS = {
     "one-warpgroup": FwdConfig(64, 64, num_stages=2, kernel="cute", overlap=False),
     "pv-in-mma": FwdConfig(128, 128, num_stages=2, kernel="cute", overlap=False, promote_pv=False),
     "pv-in-mma-overlap-128x64": FwdConfig(128, 64, num_stages=2, kernel="cute", promote_pv=False),
+    "pv-in-mma-overlap": FwdConfig(128, 128, num_stages=2, kernel="cute", promote_pv=False),
     "pv-promoted": FwdConfig(128, 128, num_stages=2, kernel="cute", overlap=False, promote_pv=True),
 }
 

@@ -91,12 +91,14 @@ CUTE_CONFIG = FwdConfig(
     128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False,
     promote_pv=False,
 )
-#: its default at d = 256 (P̂·V̂ in two 128-column chunks, each promoted per tile; H200,
-#: P2: 731 TFLOP/s with 128-key tiles, 670 with 64-key tiles,
-#: ``results/tune_fwd_mxfp8_cute_d256_split_n.json``; accumulated in the wgmma: 753 against
-#: 900 promoted, ``results/train_attention_pv.json``)
+#: its default at d = 256: P̂·V̂ in two 128-column chunks accumulated in the wgmma, each key
+#: tile's Q̂·K̂ᵀ issued before the previous tile's P̂·V̂ (H200, P2, three runs of 2026-12-02:
+#: 901-903 TFLOP/s against 853-900 with the per-tile promotion, ``results/
+#: tune_fwd_mxfp8_cute_pv_in_mma.json``, ``train_attention_p2_d256_pv.json``; serially
+#: accumulated: 753-837)
 CUTE_CONFIG_D256 = FwdConfig(
-    128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=False
+    128, 128, num_stages=2, persistent=True, kernel="cute", maxnreg=None, overlap=True,
+    promote_pv=False,
 )
 
 #: its default at d = 256 with NVFP4 Q/K: the BF16 score tiles take twice the shared memory
