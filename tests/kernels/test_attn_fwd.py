@@ -230,6 +230,18 @@ def test_fwd_config_errors(device) -> None:
         aligned = quantize_qkv(q, k, v, cu, column_align=128)
         with pytest.raises(RuntimeError, match="needs an sm_90 GPU"):
             attn_fwd(aligned, cu, config=FwdConfig(128, 128, kernel="cute"), **args)
+    q, k, v, cu, _ms = make_pack((40, 9), 2, 1, 256, seed=1, device=device)
+    qkv = quantize_qkv(q, k, v, cu, column_align=128)
+    with pytest.raises(ValueError, match="only with promote_pv=False"):
+        attn_fwd(qkv, cu, config=FwdConfig(128, 128, kernel="cute", overlap=True), **args)
+
+
+def test_fwd_config_round_trips_through_ints() -> None:
+    """The custom ops carry a config as ints: every field comes back, ``promote_pv`` too."""
+    for cfg in (FwdConfig(), CUTE_CONFIG, fwd_ops.CUTE_CONFIG_D256, fwd_ops.CUTE_CONFIG_D256_NVFP4,
+                FwdConfig(192, 64, 8, 3, True, True, None, 4, "cute", False, False)):  # fmt: skip
+        assert FwdConfig.from_ints(cfg.to_ints()) == cfg
+    assert not CUTE_CONFIG.promote_pv and FwdConfig().promote_pv
 
 
 def test_cute_config_refuses_a_layout_it_would_read_across(device) -> None:

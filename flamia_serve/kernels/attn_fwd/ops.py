@@ -217,6 +217,11 @@ def attn_fwd(
             f"config.kernel='cute' with NVFP4 Q/K at head_dim {d} takes block_n 64 (the BF16 "
             f"score tiles' shared memory), got {cfg.block_n}"
         )
+    if cfg.kernel == "cute" and d > 128 and cfg.overlap and cfg.promote_pv:
+        raise ValueError(
+            f"config.kernel='cute' at head_dim {d} overlaps Q̂·K̂ᵀ with P̂·V̂ only with "
+            "promote_pv=False (promoted, both P̂·V̂ chunks' products would be in flight)"
+        )
     if cfg.kernel == "cute" and (cfg.block_m not in (64, 128, 192) or cfg.block_n not in (64, 128)):
         raise ValueError(
             f"config.kernel='cute' takes block_m in (64, 128, 192) and block_n in (64, 128), "
