@@ -23,9 +23,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.common import write_results
+from benchmarks.common import cos64, rel64, write_results
 from flamia_serve import flamia_attn_varlen
 from flamia_serve.attention import debug_p_hat
 from flamia_serve.numerics import RECIPES, exp2i, quantize_blocks_2d
@@ -44,14 +43,6 @@ CANDIDATES = {  # name: (ds_block for dK, dq_ds_block for dQ)
 }
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def _grads(fn, q, k, v, d_out) -> list[torch.Tensor]:
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = fn(*leaves)
@@ -64,7 +55,7 @@ def accuracy(q, k, v, cu, ms, d_out, exact) -> list[dict]:
     for recipe in ("mxfp8", "mixed_nvfp4", "mixed_nvfp4_hadamard"):
         got = _grads(lambda *a, r=recipe: flamia_attn_varlen(*a, cu, ms, recipe=r), q, k, v, d_out)
         for name, g, e in zip(("O", "dQ", "dK", "dV"), got, exact, strict=True):
-            row = {"recipe": recipe, "tensor": name, "cos": _cos(g, e), "rel_err": _rel(g, e)}
+            row = {"recipe": recipe, "tensor": name, "cos": cos64(g, e), "rel_err": rel64(g, e)}
             rows.append(row)
             print(f"  {recipe:22s} {name}: cos {rows[-1]['cos']:.6f} rel {rows[-1]['rel_err']:.4f}")
     return rows
@@ -97,7 +88,7 @@ def ds_blocks(q, k, v, cu, ms, d_out, exact) -> list[dict]:
         row = {
             "candidate": name, "dk_block": list(dk_block), "dq_block": list(dq_block),
             "zero_frac_dk": zero["dK"] / nonzero, "zero_frac_dq": zero["dQ"] / nonzero,
-            "cos_dq": _cos(got[1], exact[1]), "cos_dk": _cos(got[2], exact[2]),
+            "cos_dq": cos64(got[1], exact[1]), "cos_dk": cos64(got[2], exact[2]),
         }  # fmt: skip
         rows.append(row)
         print(f"  {name:40s} zero dK {row['zero_frac_dk']:.4%} dQ {row['zero_frac_dq']:.4%} "

@@ -174,6 +174,20 @@ def copy_bandwidth(device: Any, gib: float = 2.0) -> dict:
             "tflops": None, "gbps": gbps}  # fmt: skip
 
 
+def cos64(a: Any, b: Any) -> float:
+    """Cosine similarity of two tensors, flattened, in float64."""
+    import torch
+
+    return float(torch.nn.functional.cosine_similarity(
+        a.double().flatten(), b.double().flatten(), dim=0
+    ))  # fmt: skip
+
+
+def rel64(a: Any, b: Any) -> float:
+    """``|a − b| / |b|`` (Frobenius norms) in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes held by the tensors in ``obj`` (tensors, sequences, dicts, dataclasses)."""
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):

@@ -26,9 +26,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.common import write_results
+from benchmarks.common import cos64, rel64, write_results
 from flamia_serve.kernels.attn_fwd.ops import CUTE_CONFIG, CUTE_CONFIG_D256, attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.probes import make_pack
@@ -46,14 +45,6 @@ VARIANTS = {  # name: changes to the head dim's CuTe default
     "pv_in_mma": {"promote_pv": False, "overlap": False},
     "pv_in_mma_overlap": {"promote_pv": False, "overlap": True},
 }
-
-
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def main() -> int:
@@ -76,8 +67,8 @@ def main() -> int:
                 "workload": name, "pass": "fwd", "impl": f"flamia-mxfp8-{variant}",
                 "ms": None, "tflops": None, "gbps": None,
                 "config": dataclasses.asdict(cfg),
-                "rel_vs_twin": _rel(out, twin), "cos_vs_twin": _cos(out, twin),
-                "rel_vs_float64": _rel(out, exact), "cos_vs_float64": _cos(out, exact),
+                "rel_vs_twin": rel64(out, twin), "cos_vs_twin": cos64(out, twin),
+                "rel_vs_float64": rel64(out, exact), "cos_vs_float64": cos64(out, exact),
                 "norm_ratio_vs_float64": float(out.double().norm() / exact.norm()),
             })  # fmt: skip
             r = rows[-1]
@@ -86,8 +77,8 @@ def main() -> int:
                   f"|O|/|O64| {r['norm_ratio_vs_float64']:.6f}")  # fmt: skip
         rows.append({
             "workload": name, "pass": "fwd", "impl": "reference-twin", "ms": None,
-            "tflops": None, "gbps": None, "rel_vs_float64": _rel(twin, exact),
-            "cos_vs_float64": _cos(twin, exact),
+            "tflops": None, "gbps": None, "rel_vs_float64": rel64(twin, exact),
+            "cos_vs_float64": cos64(twin, exact),
             "norm_ratio_vs_float64": float(twin.double().norm() / exact.norm()),
         })  # fmt: skip
         del exact, twin
