@@ -10,6 +10,11 @@ for a file lock and times T = 8192 and 16384 at d = 128 and T = 8192 at d = 64, 
 so timings never overlap. Writes ``bwd_variants.json`` (one entry per version:
 accuracy rows, speed rows, or the error). Five versions took ~90 s of device time on
 2026-12-01.
+
+``--ablate all`` (or ``noadd,nodq,...``) adds copies of the package's kernel with one part of
+the step removed (``ABLATIONS``; their gradients are wrong, their accuracy rows say so): how
+much of the step's time each part costs, in the same call. Six of them and the current
+kernel took ~110 s on 2026-12-02 (``results/bwd_ablations_2026-12-02.json``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,78 @@ if __package__ in (None, ""):
 from benchmarks.common import env_info, results_dir
 
 MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
+KERNEL = Path(__file__).resolve().parents[1] / "flamia_serve/kernels/attn_bwd/cute_sm90.py"
+
+# the kernel's text that the ablations change (each must occur exactly once)
+_BULK_ADD = "        if lane < self.dq_rows_per_warp and i0 + q < seqlen:\n"
+_DQ_ORDER = """\
+        order = [
+            item
+            for hf in range(halves)
+            for item in [("k", 0, hf), ("q", 0, hf)] + [("k", hb, hf) for hb in range(1, n_halves)]
+        ]
+"""
+_DQ_BARRIER = """\
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
+"""
+_DS_STORE = """\
+                sDS[tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
+"""
+_DS_BARRIER = """\
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
+"""
+_SECOND_ISSUE = "        issue(0)\n        issue(1)\n"
+_K_ONLY = '        order = [("k", hb, hf) for hf in range(halves) for hb in range(n_halves)]\n'
+_NO_DQ = [
+    (_DQ_ORDER, _K_ONLY),
+    (_DQ_BARRIER, ""),
+    (_BULK_ADD, _BULK_ADD.replace(":\n", " and q < 0:\n")),
+]
+#: name -> (text, replacement) pairs applied to the CuTe backward's source: timing-only
+#: versions without one part of the step (H200 2026-12-02, T=8192 d=128 causal: current 277,
+#: noadd 323, nodq 389, nodq_nods 419, noamaxbar 279, nodv 288, nodk 315 TFLOP/s)
+ABLATIONS: dict[str, list[tuple[str, str]]] = {
+    # dQ staged, never added to dq_acc (the bulk reduce-adds)
+    "noadd": [(_BULK_ADD, _BULK_ADD.replace(":\n", " and q < 0:\n"))],
+    # no dQ products, staging or adds
+    "nodq": _NO_DQ,
+    # and no dŜ to shared memory (nor its barrier)
+    "nodq_nods": [
+        *_NO_DQ,
+        (_DS_STORE, _DS_STORE.replace("                sDS", "                if i0 < 0:\n"
+                                      "                    sDS")),
+        (_DS_BARRIER, ""),
+    ],
+    # the warpgroup barrier of the dS exponent exchange (exponents then read early)
+    "noamaxbar": [
+        ("        cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)\n", ""),
+    ],
+    # no dV products
+    "nodv": [
+        ("        issue_dv(0)\n", ""),
+        ("        promote_dv(0)\n", ""),
+        ("            promote_dv(n)\n", "            pass\n"),
+    ],
+    # no dK products
+    "nodk": [
+        (_DQ_ORDER, '        order = [("q", 0, hf) for hf in range(halves)]\n'),
+        (_SECOND_ISSUE, "        issue(0)\n        if const_expr(len(order) > 1):\n"
+                        "            issue(1)\n"),
+    ],
+}
+
+
+def ablated_source(name: str, source: str) -> str:
+    """``source`` (the CuTe backward's) with ablation ``name`` applied; ``ValueError`` naming
+    the text when the kernel no longer holds it exactly once."""
+    for old, new in ABLATIONS[name]:
+        if source.count(old) != 1:
+            raise ValueError(f"ablation {name!r}: the kernel holds {source.count(old)} copies "
+                             f"of {old.strip().splitlines()[0]!r} (expected one)")  # fmt: skip
+        source = source.replace(old, new)
+    return source
 
 
 def run_one(name: str, path: str | None, lock_path: str, out_path: str) -> None:
@@ -60,6 +137,7 @@ def run_one(name: str, path: str | None, lock_path: str, out_path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variants", nargs="*", help="NAME=PATH of a copy of cute_sm90.py")
+    ap.add_argument("--ablate", default="", help=f"'all' or some of {', '.join(ABLATIONS)}")
     ap.add_argument("--one", nargs=4, metavar=("NAME", "PATH", "LOCK", "OUT"),
                     help=argparse.SUPPRESS)  # fmt: skip
     args = ap.parse_args(argv)
@@ -74,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"variant {item!r}: expected NAME=PATH of an existing file")
         versions[name] = str(Path(path).resolve())
     tmp = Path(tempfile.mkdtemp(prefix="bwd_variants_"))
+    names = list(ABLATIONS) if args.ablate == "all" else [x for x in args.ablate.split(",") if x]
+    for name in names:
+        if name not in ABLATIONS:
+            ap.error(f"--ablate {name!r}: expected 'all' or some of {', '.join(ABLATIONS)}")
+        path = tmp / f"ablation_{name}.py"
+        path.write_text(ablated_source(name, KERNEL.read_text()))
+        versions[name] = str(path)
     lock = str(tmp / "lock")
     procs = {
         name: subprocess.Popen(
