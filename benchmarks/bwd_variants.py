@@ -58,18 +58,19 @@ _DS_BARRIER = """\
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
 """
 _SECOND_ISSUE = "        issue(0)\n        issue(1)\n"
+_NO_ADD = (_BULK_ADD, _BULK_ADD.replace(":\n", " and q < 0:\n"))
 _K_ONLY = '        order = [("k", hb, hf) for hf in range(halves) for hb in range(n_halves)]\n'
 _NO_DQ = [
     (_DQ_ORDER, _K_ONLY),
     (_DQ_BARRIER, ""),
-    (_BULK_ADD, _BULK_ADD.replace(":\n", " and q < 0:\n")),
+    _NO_ADD,
 ]
 #: name -> (text, replacement) pairs applied to the CuTe backward's source: timing-only
 #: versions without one part of the step (H200 2026-12-02, T=8192 d=128 causal: current 277,
 #: noadd 323, nodq 389, nodq_nods 419, noamaxbar 279, nodv 288, nodk 315 TFLOP/s)
 ABLATIONS: dict[str, list[tuple[str, str]]] = {
     # dQ staged, never added to dq_acc (the bulk reduce-adds)
-    "noadd": [(_BULK_ADD, _BULK_ADD.replace(":\n", " and q < 0:\n"))],
+    "noadd": [_NO_ADD],
     # no dQ products, staging or adds
     "nodq": _NO_DQ,
     # and no dŜ to shared memory (nor its barrier)
@@ -153,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         versions[name] = str(Path(path).resolve())
     tmp = Path(tempfile.mkdtemp(prefix="bwd_variants_"))
     names = list(ABLATIONS) if args.ablate == "all" else [x for x in args.ablate.split(",") if x]
+    kernel = KERNEL.read_text() if names else ""
     for name in names:
         if name not in ABLATIONS:
             ap.error(f"--ablate {name!r}: expected 'all' or some of {', '.join(ABLATIONS)}")
         path = tmp / f"ablation_{name}.py"
-        path.write_text(ablated_source(name, KERNEL.read_text()))
+        path.write_text(ablated_source(name, kernel))
         versions[name] = str(path)
     lock = str(tmp / "lock")
     procs = {
