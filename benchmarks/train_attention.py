@@ -7,10 +7,14 @@ Impls (each dropped with a printed reason when its package is missing):
                           the library's default kernel (CuTe on sm_90 when installed)
 * ``flamia-mxfp8-triton`` the same with the portable Triton forward kernel
 * ``flamia-mxfp8-2pass``  Triton, max-only first pass (DESIGN N5 option a)
+* ``flamia-mxfp8-separate-q`` the default with Q quantized by the quantization launch
+                          (``FwdConfig.quantize_q=False``) instead of inside the CuTe forward
 * ``flamia-mixed_nvfp4``  mixed NVFP4 Q/K recipe, the library's default kernels (CuTe on
                           sm_90 when installed: BF16 scores from the widened NVFP4 values)
 * ``flamia-mixed_nvfp4-triton`` the same on the portable Triton kernels (forward and backward)
-* ``flamia-mxfp8-quant``  ``quantize_qkv(..., recipe="mxfp8")`` alone, pass ``"quant"``
+* ``flamia-mxfp8-quant``  ``quantize_qkv(..., recipe="mxfp8")`` alone, pass ``"quant"``, as
+                          the default forward calls it (without Q where the forward
+                          quantizes Q itself)
 * ``flamia-mixed_nvfp4-quant`` the same for the mixed recipe (widened when the default
                           forward is CuTe); ``-quant-scores`` with ``scores_only`` (only the
                           CuTe forward's operands)
@@ -190,7 +194,7 @@ def _flamia_quant_loader(recipe: str, scores_only: bool = False) -> Callable[[],
 
     def load() -> Builder:
         import flamia_serve
-        from flamia_serve.kernels.attn_fwd.ops import default_config
+        from flamia_serve.kernels.attn_fwd.ops import default_config, quantizes_q
         from flamia_serve.kernels.quant.ops import quantize_qkv
         from flamia_serve.numerics import resolve_recipe
 
@@ -202,10 +206,13 @@ def _flamia_quant_loader(recipe: str, scores_only: bool = False) -> Callable[[],
             align = cfg.column_align
             blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).token_blocks(align)
 
+            qk_format = resolve_recipe(recipe).qk_format
+
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
                 return quantize_qkv(
                     q, k, v, cu, recipe=recipe, blocks=blocks, column_align=align,
                     widen=cfg.kernel == "cute", scores_only=scores_only,
+                    defer_q=quantizes_q(cfg, qk_format, q),
                 )  # fmt: skip
 
             return _identity, run
@@ -352,6 +359,10 @@ IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     "flamia-mxfp8": ("fwd", _flamia_loader("mxfp8"), False),
     "flamia-mxfp8-triton": ("fwd", _flamia_loader("mxfp8", kernel="triton"), False),
     "flamia-mxfp8-2pass": ("fwd", _flamia_loader("mxfp8", two_pass=True, kernel="triton"), False),
+    # Q quantized by the quantization launch, not inside the CuTe forward
+    "flamia-mxfp8-separate-q": (
+        "fwd", _flamia_loader("mxfp8", cute_changes={"quantize_q": False}), False
+    ),
     # the CuTe forward's P̂·V̂ added to O in FP32 per key tile, or accumulated in the wgmma
     # (serial, or overlapping the next Q̂·K̂ᵀ with the softmax step)
     "flamia-mxfp8-pv-promoted": (

@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd
-from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd
+from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, quantizes_q
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import TokenBlocks, WorkList
 from flamia_serve.kernels.workspace import PackWorkspace
@@ -75,6 +75,7 @@ def attention_forward(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=call.blocks, column_align=call.column_align, workspace=call.workspace,
         widen=call.config.kernel == "cute",
+        defer_q=quantizes_q(call.config, call.recipe.qk_format, q),
     )  # fmt: skip
     return attn_fwd(
         qkv, cu_seqlens, heads_q=q.shape[1], causal=call.causal,

@@ -139,6 +139,10 @@ class KernelQKV:
     CuTe forward reads was written (``q_wide``/``k_wide``, the NVFP4 second levels,
     ``kv_factors``, ``v_t``, ``v_exp``); the E4M3 Q/K codes and exponents and the packed
     NVFP4 codes and block scales hold no values, and every other reader refuses it.
+
+    ``q_input`` (``quantize_qkv(defer_q=True)``, E4M3 Q/K): the BF16/FP16 Q ``[T, Hq, d]`` as
+    given, which the CuTe forward quantizes as it loads it (same rule, same codes); ``q_codes``
+    and ``q_exp`` then hold no values, and every other reader refuses it.
     """
 
     q_codes: torch.Tensor
@@ -163,17 +167,26 @@ class KernelQKV:
     q_wide: torch.Tensor | None = None
     k_wide: torch.Tensor | None = None
     scores_only: bool = False
+    q_input: torch.Tensor | None = None
 
     @property
     def unwidened(self) -> bool:
         """NVFP4 Q/K quantized without the widened copy the CuTe kernels read."""
         return self.q4 is not None and (self.q_wide is None or self.k_wide is None)
 
-    def score_operands(self, kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def score_operands(
+        self, kernel: str, *, quantizes_q: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The score product's operands as the CuTe kernels read them: ``(Q, K, Q exponents
         [Hq, T])``: E4M3 codes and their exponents, or with NVFP4 Q/K the widened values
-        and the second level (``kv_factors`` row 0 then holds K's). ``ValueError`` naming
-        ``kernel`` without the widened copy."""
+        and the second level (``kv_factors`` row 0 then holds K's); with ``q_input``, Q is
+        that input (for a kernel that ``quantizes_q``; its exponents then hold no values).
+        ``ValueError`` naming ``kernel`` without the widened copy, or with ``q_input`` for a
+        kernel that does not quantize Q."""
+        if self.q_input is not None:
+            if not quantizes_q:
+                self.check_full(f"the {kernel}")
+            return self.q_input, self.k_codes, self.q_exp.t()
         if self.unwidened:
             raise ValueError(f"NVFP4 Q/K on the {kernel}: quantize with widen=True")
         if self.q4 is not None:
@@ -181,7 +194,13 @@ class KernelQKV:
         return self.q_codes, self.k_codes, self.q_exp.t()
 
     def check_full(self, reader: str) -> None:
-        """``ValueError`` naming ``reader`` when only the score operands were written."""
+        """``ValueError`` naming ``reader`` when only the score operands were written, or Q
+        was left to the CuTe forward (``q_input``)."""
+        if self.q_input is not None:
+            raise ValueError(
+                f"{reader} reads the E4M3 Q codes, which a defer_q quantization leaves "
+                "unwritten (only the CuTe forward quantizes Q itself)"
+            )
         if self.scores_only:
             raise ValueError(
                 f"{reader} reads the E4M3 Q/K codes or the packed NVFP4 codes, which a "

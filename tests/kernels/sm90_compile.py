@@ -77,17 +77,19 @@ def quant_variants() -> None:
         "k4_exp_ptr": I8, "q_wide_ptr": BF16, "k_wide_ptr": BF16,
     }  # fmt: skip
     # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels, only those)
+    # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels, only those, no Q)
     for d in (64, 128, 256):
-        for exact, nvfp4, had, wide, scores_only in (
-            (False, False, False, False, False), (True, True, False, True, False),
-            (False, True, True, False, False), (False, True, False, True, True),
+        for exact, nvfp4, had, wide, scores_only, skip_q in (
+            (False, False, False, False, False, False), (True, True, False, True, False, False),
+            (False, True, True, False, False, False), (False, True, False, True, True, False),
+            (False, False, False, False, False, True),
         ):  # fmt: skip
             consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
                           HADAMARD=had, LOG2_D=d.bit_length() - 1, WIDE=wide,
-                          SCORES_ONLY=scores_only, INTERPRET=False)  # fmt: skip
+                          SCORES_ONLY=scores_only, SKIP_Q=skip_q, INTERPRET=False)  # fmt: skip
             _compile(quantize_qkv_kernel, ptrs, consts, 4)
             print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide} "
-                  f"scores_only={scores_only}: ok")  # fmt: skip
+                  f"scores_only={scores_only} skip_q={skip_q}: ok")  # fmt: skip
 
 
 def fwd_variants() -> None:

@@ -17,6 +17,7 @@ most 1, on under 1% of rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -242,6 +243,26 @@ def test_fwd_config_round_trips_through_ints() -> None:
                 FwdConfig(192, 64, 8, 3, True, True, None, 4, "cute", False, False)):  # fmt: skip
         assert FwdConfig.from_ints(cfg.to_ints()) == cfg
     assert not CUTE_CONFIG.promote_pv and FwdConfig().promote_pv
+    no_q = dataclasses.replace(CUTE_CONFIG, quantize_q=False)
+    assert FwdConfig.from_ints(no_q.to_ints()) == no_q and CUTE_CONFIG.quantize_q
+
+
+def test_quantizes_q_only_where_the_cute_forward_can(device) -> None:
+    """Q is left to the forward kernel only for the CuTe config with ``quantize_q``, E4M3
+    Q/K, d <= 128 and a Q whose start and token/head strides its TMA can load."""
+    q = torch.zeros(40, 4, 128, dtype=torch.bfloat16, device=device)
+    assert fwd_ops.quantizes_q(CUTE_CONFIG, "e4m3", q)
+    assert fwd_ops.quantizes_q(CUTE_CONFIG, "e4m3", q.half())
+    assert not fwd_ops.quantizes_q(dataclasses.replace(CUTE_CONFIG, quantize_q=False), "e4m3", q)
+    assert not fwd_ops.quantizes_q(FwdConfig(), "e4m3", q)  # the Triton kernel
+    assert not fwd_ops.quantizes_q(CUTE_CONFIG, "nvfp4", q)
+    assert not fwd_ops.quantizes_q(fwd_ops.CUTE_CONFIG_D256, "e4m3", torch.zeros(8, 2, 256))
+    fused_qkv = torch.zeros(40, 3 * 4 * 128 + 8, dtype=torch.bfloat16, device=device)
+    aligned = fused_qkv[:, : 4 * 128].view(40, 4, 128)  # token stride 1544: 16-byte multiple
+    assert fwd_ops.quantizes_q(CUTE_CONFIG, "e4m3", aligned)
+    odd = torch.zeros(40, 4 * 128 + 1, dtype=torch.bfloat16, device=device)[:, 1:]
+    assert not fwd_ops.quantizes_q(CUTE_CONFIG, "e4m3", odd.view(40, 4, 128))  # start, stride
+    assert not fwd_ops.quantizes_q(CUTE_CONFIG, "e4m3", q[:, :, ::2])  # d stride 2
 
 
 def test_cute_config_refuses_a_layout_it_would_read_across(device) -> None:

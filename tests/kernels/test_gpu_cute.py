@@ -16,6 +16,7 @@ from flamia_serve.kernels.attn_fwd.ops import (
     attn_fwd,
     cute_available,
     default_config,
+    quantizes_q,
 )
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.probes import cross_document_leakage, future_leakage, make_pack
@@ -207,3 +208,50 @@ def test_cute_fwd_reads_only_the_score_operands(recipe) -> None:
                              config=CUTE_CONFIG))  # fmt: skip
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+FUSED_Q_CASES = [
+    # config, exact_causal, input dtype, causal, CASES index
+    (CUTE_CONFIG, False, torch.bfloat16, True, 0),
+    (CUTE_CONFIG, True, torch.float16, True, 1),
+    (CUTE_CONFIG, False, torch.bfloat16, False, 2),
+    (CONFIGS["pv-promoted"], False, torch.bfloat16, True, 3),
+    (CONFIGS["overlap-128x64"], True, torch.bfloat16, True, 0),
+    (CONFIGS["one-warpgroup"], False, torch.bfloat16, True, 1),
+    (FwdConfig(192, 64, num_stages=2, kernel="cute", overlap=False), False, torch.float16, True, 0),
+]
+
+
+@pytest.mark.parametrize(("cfg", "exact", "dtype", "causal", "case"), FUSED_Q_CASES)
+def test_cute_fwd_quantizing_q_itself_gives_the_bits_of_quantized_q(
+    cfg, exact, dtype, causal, case
+) -> None:
+    """Q quantized inside the forward (``defer_q``: BF16/FP16 tile by TMA, codes and
+    exponents by the consumer warpgroups) gives O, M and lse bit for bit as the forward on
+    the quantization kernel's codes: same codes, same exponents."""
+    lens, hq, hkv, d = CASES[case]
+    q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=41, device="cuda", dtype=dtype)
+    runs = []
+    for defer_q in (False, True):
+        qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, column_align=cfg.column_align,
+                           defer_q=defer_q)  # fmt: skip
+        runs.append(attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5,
+                             config=cfg))  # fmt: skip
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cute_fwd_quantizing_q_keeps_non_finite_q_in_its_document() -> None:
+    """Inf and NaN in one document's Q (the kernel loads whole 128-row Q tiles across
+    document ends) change no bit of the other documents' outputs, and the default call
+    quantizes Q in the kernel here."""
+    q, k, v, cu, ms = make_pack((300, 77, 1000), 8, 2, 128, seed=42, device="cuda")
+    assert quantizes_q(default_config(128, q.device), "e4m3", q)
+    bad = q.clone()
+    bad[300:377:5, 3] = float("nan")
+    bad[301:377:7, 1, 5] = float("inf")
+    with torch.no_grad():
+        clean = flamia_attn_varlen(q, k, v, cu, ms)
+        dirty = flamia_attn_varlen(bad, k, v, cu, ms)
+    for rows in (slice(0, 300), slice(377, 1377)):
+        assert torch.equal(clean[rows], dirty[rows])

@@ -219,6 +219,51 @@ def test_scores_only_writes_the_cute_forwards_operands_as_the_full_quantization(
             quantize_qkv(q, k, v, cu, column_align=128, scores_only=True, **kw)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["token_block", "exact_causal"])
+def test_defer_q_writes_k_and_v_as_the_full_quantization(exact, device) -> None:
+    """``defer_q`` (the CuTe forward quantizes Q itself): K's codes and exponents,
+    ``kv_factors``, ``v_t`` and ``v_exp`` equal the full quantization's bit for bit, Q's
+    buffers are not written, ``q_input`` is Q itself (not a copy), and every reader of Q's
+    codes refuses the result by name, as do impossible requests."""
+    from flamia_serve.kernels.attn_fwd.ops import attn_fwd
+
+    q, k, v, cu, _ms = make_pack((5, 40, 1, 33, 0, 70), 4, 2, 64, seed=9, device=device)
+    full = quantize_qkv(q, k, v, cu, column_align=128, exact_causal=exact)
+    sentinel = torch.full((4, q.shape[0]), 77, dtype=torch.int16, device=device)
+    part = quantize_qkv(q, k, v, cu, column_align=128, exact_causal=exact, defer_q=True)
+    assert part.q_input is q and full.q_input is None
+    assert part.k_exp_block == full.k_exp_block == (1 if exact else 32)
+    cols = full.key_columns().cpu()
+    for name in ("k_codes", "v_t"):
+        assert _same(getattr(full, name), getattr(part, name)), name
+    for name in ("kv_factors", "k_exp", "v_exp"):
+        assert _same(getattr(full, name).cpu()[..., cols], getattr(part, name).cpu()[..., cols])
+    # Q's exponents stay whatever the buffer held: the Q items were skipped
+    ws_part = quantize_qkv(q, k, v, cu, column_align=128, exact_causal=exact, defer_q=True,
+                           workspace=_workspace_with("q_exp", sentinel))  # fmt: skip
+    assert torch.equal(ws_part.q_exp.t().cpu(), sentinel.cpu())
+    with pytest.raises(ValueError, match="to_reference reads the E4M3 Q codes"):
+        part.to_reference()
+    with pytest.raises(ValueError, match="a Triton attention kernel reads the E4M3 Q codes"):
+        attn_fwd(part, cu, heads_q=4, causal=True, softmax_scale=0.125)
+    with pytest.raises(ValueError, match="the CuTe backward reads the E4M3 Q codes"):
+        part.score_operands("CuTe backward")
+    assert part.score_operands("CuTe forward", quantizes_q=True)[0] is q
+    for kw in (dict(recipe="mixed_nvfp4"), dict(with_transposed=True),
+               dict(recipe="mixed_nvfp4", widen=True, scores_only=True)):  # fmt: skip
+        with pytest.raises(ValueError, match="defer_q leaves Q"):
+            quantize_qkv(q, k, v, cu, column_align=128, defer_q=True, **kw)
+
+
+def _workspace_with(name: str, value: torch.Tensor):
+    """A workspace whose buffer ``name`` already holds ``value`` (head-major)."""
+    from flamia_serve.kernels.workspace import PackWorkspace
+
+    ws = PackWorkspace(value.device)
+    ws.empty(name, tuple(value.shape), value.dtype).copy_(value)
+    return ws
+
+
 def test_token_block_must_fill_v_t_key_groups(device) -> None:
     """A recipe whose token blocks are not whole 16-key groups is refused by name (the
     K-major V layout permutes keys inside 16-key groups)."""

@@ -53,6 +53,7 @@ from flamia_serve.kernels.cute_sm90_common import (
     accumulator_to_a,
     column_offset,
     compile_kernel,
+    e4m3_exponent,
     kernel_tensors,
     pow2,
 )
@@ -62,8 +63,10 @@ from flamia_serve.numerics import P_HAT_EXP
 from flamia_serve.numerics.exp2 import P_E4M3, RNE_MAGIC, RNE_MAGIC_BITS
 from flamia_serve.numerics.operands import KernelQKV
 
-# named barriers (0 is __syncthreads): the tensor-core turns of consumer warpgroups 0..2
+# named barriers (0 is __syncthreads): the tensor-core turns of consumer warpgroups 0..2,
+# then each warpgroup's own (its quantization of Q)
 _BAR_TURN = 1
+_BAR_WG = 4
 # Mitchell-P's E4M3 codes: code = RNE(8·t') + bias·8 for t' = t + P_HAT_EXP; adding
 # (127 − bias)·8 and shifting by 20 makes a code the top bits of its float32
 _MITCHELL_BIAS = float(P_E4M3.bias << P_E4M3.mant_bits)
@@ -90,6 +93,7 @@ class FlamiaFwdSm90:
         exp_mode: str = "exact",
         qk_wide: bool = False,
         promote_pv: bool = True,
+        q_block: int = 0,
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
@@ -126,6 +130,17 @@ class FlamiaFwdSm90:
         if exp_mode not in ("exact", "mitchell"):
             raise ValueError(f"exp_mode must be 'exact' or 'mitchell' (serving), got {exp_mode!r}")
         self.exp_mode = exp_mode
+        # q_block > 0: Q arrives in BF16/FP16 and each consumer warpgroup quantizes its 64 rows
+        # as the quantizer would (E4M3, one exponent per q_block rows of the document: 32, or
+        # 1 for per-token exponents), so Q needs no quantization launch
+        if q_block not in (0, 1, 32):
+            raise ValueError(f"q_block must be 0 (Q quantized beforehand), 1 or 32, got {q_block}")
+        if q_block and (qk_wide or extend or head_dim > 128):
+            raise ValueError(
+                "q_block (Q quantized in the kernel) needs E4M3 Q/K, no extend and head_dim <= "
+                "128 (shared memory)"
+            )
+        self.q_block = q_block
         self.num_wg = self.tile_m // 64
         assert self.num_wg in (1, 2, 3)
         self.num_threads = 128 * (self.num_wg + 1)
@@ -135,7 +150,7 @@ class FlamiaFwdSm90:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (T, Hq, d) e4m3 (or bf16: qk_wide)
+        mQ: cute.Tensor,  # (T, Hq, d) e4m3 (or bf16: qk_wide; bf16/fp16: q_block)
         mK: cute.Tensor,  # (T, Hkv, d) e4m3 (or bf16)
         mVt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, keys contiguous
         mQexp: cute.Tensor,  # (Hq, T) int16 (int8: NVFP4's second level)
@@ -164,6 +179,14 @@ class FlamiaFwdSm90:
         sV_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (self.d, self.tile_n), self.num_stages
         )
+        # what Q's TMA fills: the E4M3 tile itself, or (q_block) its BF16/FP16 input
+        q_in = mQ.element_type
+        sQin_layout = sm90_utils.make_smem_layout(q_in, LayoutEnum.ROW_MAJOR, (self.tile_m, self.d))
+        q_in_elems = 8
+        if const_expr(self.q_block > 0):
+            q_in_elems = cute.cosize(sQin_layout)
+        else:
+            sQin_layout = sQ_layout
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
             qk, qk, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
@@ -174,7 +197,9 @@ class FlamiaFwdSm90:
             a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.d))
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            tma_load, mQ, sQin_layout, (self.tile_m, self.d)
+        )
         atom_k, tma_k = cpasync.make_tiled_tma_atom(
             tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.d), 1
         )
@@ -190,7 +215,7 @@ class FlamiaFwdSm90:
         self.tma_bytes = {
             name: cute.size_in_bytes(dtype, cute.select(layout, mode=[0, 1]))
             for name, dtype, layout in (
-                ("q", qk, sQ_layout), ("k", qk, sK_layout), ("v", FP8, sV_layout)
+                ("q", q_in, sQin_layout), ("k", qk, sK_layout), ("v", FP8, sV_layout)
             )
         }  # fmt: skip
         self.tma_bytes["k"] += cute.size_in_bytes(Float32, cute.make_layout((self.tile_n, 3)))
@@ -207,12 +232,16 @@ class FlamiaFwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(sV_layout)], 1024]
             sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
+            # q_block: the BF16/FP16 Q tile, each row's exponent, each warp's amax
+            sQin: cute.struct.Align[cute.struct.MemRange[q_in, q_in_elems], 1024]
+            sQe: cute.struct.MemRange[Int32, self.tile_m]
+            sAmax: cute.struct.MemRange[Float32, 4 * self.num_wg]
 
         self.kernel(
             tma_q, tma_k, tma_v, tma_f, atom_q, atom_k, atom_v, atom_f, mQexp, mCu, mCuK,
             mVtStart,
-            mItemDoc, mItemTile, mCount, mTicket, mO, mM, mLSE, qk_scale, sQ_layout, sK_layout,
-            sV_layout, sF_layout, tiled_mma_qk, tiled_mma_pv, Storage,
+            mItemDoc, mItemTile, mCount, mTicket, mO, mM, mLSE, qk_scale, sQ_layout, sQin_layout,
+            sK_layout, sV_layout, sF_layout, tiled_mma_qk, tiled_mma_pv, Storage,
         ).launch(
             grid=[n_programs, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
@@ -243,6 +272,7 @@ class FlamiaFwdSm90:
         mLSE: cute.Tensor,
         qk_scale: Float32,
         sQ_layout: cute.ComposedLayout,
+        sQin_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sF_layout: cute.Layout,
@@ -284,6 +314,13 @@ class FlamiaFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sF = storage.sF.get_tensor(sF_layout)
+        sQin = sQ
+        if const_expr(self.q_block > 0):
+            sQin = storage.sQin.get_tensor(sQin_layout.outer, swizzle=sQin_layout.inner)
+        q_scratch = SimpleNamespace(
+            sQin=sQin, sQe=storage.sQe.get_tensor(cute.make_layout(self.tile_m)),
+            sAmax=storage.sAmax.get_tensor(cute.make_layout(4 * self.num_wg)),
+        )  # fmt: skip
 
         # work items w = item * Hq + head (items longest first): CTA b takes item b first,
         # then grid + (ticket drawn); sWork carries them from the producer warp
@@ -298,13 +335,13 @@ class FlamiaFwdSm90:
             if warp_idx == 0:
                 self.produce(
                     sched, (tma_q, tma_k, tma_v, tma_f), (atom_q, atom_k, atom_v, atom_f),
-                    (sQ, sK, sV, sF), pipe_q, pipe_k, pipe_v,
+                    (sQin, sK, sV, sF), pipe_q, pipe_k, pipe_v,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(
                 sched, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sF, pipe_q, pipe_k, pipe_v, mQexp,
-                mO, mM, mLSE, qk_scale,
+                mO, mM, mLSE, qk_scale, q_scratch,
             )  # fmt: skip
 
     @cute.jit
@@ -337,8 +374,9 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def produce(self, sched, tma, atoms, smem, pipe_q, pipe_k, pipe_v):
-        """TMA loads per work item: Q (once its buffer is free), then per key tile (from the
-        last down) K with its exponent factors on one barrier, and V^T."""
+        """TMA loads per work item: Q (once its buffer is free; with ``q_block`` its
+        BF16/FP16 input), then per key tile (from the last down) K with its exponent factors
+        on one barrier, and V^T."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, _WORK_STAGES)
         q_phase = Int32(1)
@@ -430,10 +468,11 @@ class FlamiaFwdSm90:
     @cute.jit
     def consume(
         self, sched, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sF, pipe_q, pipe_k, pipe_v, mQexp,
-        mO, mM, mLSE, qk_scale,
+        mO, mM, mLSE, qk_scale, q_scratch,
     ):  # fmt: skip
-        """Consumer warpgroups: every work item of this CTA, key tiles from the last (masked:
-        document end, causal diagonal) down to the first, then the epilogue."""
+        """Consumer warpgroups: every work item of this CTA (with ``q_block``, first its Q
+        rows quantized), key tiles from the last (masked: document end, causal diagonal) down
+        to the first, then the epilogue."""
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
@@ -481,6 +520,8 @@ class FlamiaFwdSm90:
             m_run=cute.make_rmem_tensor(n_rows, Float32),
             l_run=cute.make_rmem_tensor(n_rows, Float32),
             alpha=cute.make_rmem_tensor(n_rows, Float32),
+            sQ=sQ, sQe=q_scratch.sQe, sAmax=q_scratch.sAmax, sQin=q_scratch.sQin,
+            tid_wg=tidx - wg * 128,
         )  # fmt: skip
         if const_expr(self.num_wg > 1):
             if wg == 0:  # the first warpgroup takes the first turn
@@ -491,6 +532,10 @@ class FlamiaFwdSm90:
         work, work_state = self.receive_work(sched, work_state)
         while work < sched.n_work:
             w = self.work_item(sched, work)
+            if const_expr(self.q_block > 0):
+                pipe_q.consumer_wait_w_index_phase(0, q_phase)
+                self.quantize_q_rows(ctx, w)
+                pipe_q.consumer_release_w_index(0)  # the next item's Q may load now
             item_ctx = self.start_item(ctx, w, mQexp, qk_scale)
             state = self.key_tiles(item_ctx, state, pipe_q, q_phase, w)
             q_phase ^= 1
@@ -505,7 +550,10 @@ class FlamiaFwdSm90:
             ctx.row[r] = w.q_offset + w.tile * self.tile_m + ctx.tScS[r, 0][0]
             qe = Int32(0)
             if ctx.row[r] < w.seqlen:
-                qe = Int32(mQexp[w.head, w.q_base + ctx.row[r]])
+                if const_expr(self.q_block > 0):
+                    qe = ctx.sQe[ctx.tScS[r, 0][0]]
+                else:
+                    qe = Int32(mQexp[w.head, w.q_base + ctx.row[r]])
             ctx.qfac[r] = pow2(qe) * qk_scale
         ctx.m_run.fill(-Float32.inf)
         ctx.l_run.fill(0.0)
@@ -521,7 +569,8 @@ class FlamiaFwdSm90:
         if const_expr(self.causal):
             first_row = w.q_offset + w.tile * self.tile_m
             n_masked_end = cutlass.min(first_row // self.tile_n, n_blocks - 1)
-        pipe_q.consumer_wait_w_index_phase(0, q_phase)
+        if const_expr(self.q_block == 0):  # (else waited for by quantize_q_rows)
+            pipe_q.consumer_wait_w_index_phase(0, q_phase)
         if const_expr(not self.promote_pv):
             state = self.key_tiles_into_o(ctx, state, pipe_q, n_blocks, n_masked_end)
         elif const_expr(self.overlap):
@@ -537,7 +586,7 @@ class FlamiaFwdSm90:
                 state = self.key_tile_overlapped(ctx, state, n_blocks - 2 - i, True)
             for i in cutlass.range(n_masked_end, unroll=1):
                 state = self.key_tile_overlapped(ctx, state, n_masked_end - 1 - i, False)
-            pipe_q.consumer_release_w_index(0)
+            self.release_q(pipe_q)
             ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
             acc_T = ctx.mma_pv(state.index, 0)
             ctx.pipe_v.consumer_release(state)
@@ -550,7 +599,7 @@ class FlamiaFwdSm90:
                 state = self.key_tile_serial(ctx, state, n_blocks - 1 - i, True)
             for i in cutlass.range(n_masked_end, unroll=1):
                 state = self.key_tile_serial(ctx, state, n_masked_end - 1 - i, False)
-            pipe_q.consumer_release_w_index(0)
+            self.release_q(pipe_q)
             self.turn_pass(ctx.wg)
         return state
 
@@ -582,11 +631,65 @@ class FlamiaFwdSm90:
             self.turn_wait(ctx.wg)
             self.issue_pv_into_o(ctx, state)
         self.turn_pass(ctx.wg)
-        pipe_q.consumer_release_w_index(0)
+        self.release_q(pipe_q)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(state)
         state.advance()
         return state
+
+    @cute.jit
+    def release_q(self, pipe_q):
+        """Q's buffer is free after the item's last Q̂·K̂ᵀ (with ``q_block`` the input buffer
+        was freed once quantized, and the E4M3 rows are this warpgroup's own)."""
+        if const_expr(self.q_block == 0):
+            pipe_q.consumer_release_w_index(0)
+
+    @cute.jit
+    def quantize_q_rows(self, ctx, w):
+        """This warpgroup's 64 rows of the Q tile, BF16/FP16 in ``sQin``, as E4M3 codes into
+        ``sQ`` and their exponents into ``sQe`` (twin: ``numerics.scales.quantize_fp8``, as
+        the quantization kernel computes it): ``e = ceil(log2(amax / 448))`` over ``q_block``
+        rows of the document (NaN-ignoring max, as the quantizer's), codes ``RNE(x·2^−e)``.
+        Thread ``t`` takes half of row ``t // 2``: a 32-row block is two warps (their maxima
+        meet in ``sAmax``). Rows past the document quantize as zeros (they are masked)."""
+        half_d = self.d // 2
+        s_amax, s_qe = ctx.sAmax, ctx.sQe  # (stores inside a dynamic if: not through ctx)
+        row = ctx.tid_wg // 2
+        tile_row = ctx.wg * 64 + row
+        src = cute.local_tile(ctx.sQin, (1, half_d), (tile_row, ctx.tid_wg % 2))
+        x_in = cute.make_rmem_tensor((1, half_d), ctx.sQin.element_type)
+        cute.autovec_copy(src, x_in)
+        x = cute.make_rmem_tensor((1, half_d), Float32)
+        x.store(x_in.load().to(Float32))
+        if w.tile * self.tile_m + tile_row >= w.seqlen:
+            x.fill(0.0)
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(half_d):
+            amax = fa_utils.fmax(amax, cute.math.absf(x[i]))
+        if const_expr(self.q_block == 1):
+            amax = fa_utils.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+        else:
+            amax = fa_utils.warp_reduce(amax, fa_utils.fmax)
+            warp = ctx.tid_wg // 32
+            if cute.arch.lane_idx() == 0:
+                s_amax[ctx.wg * 4 + warp] = amax
+            self.wg_sync(ctx.wg)
+            amax = fa_utils.fmax(amax, s_amax[ctx.wg * 4 + (warp ^ 1)])
+        e = e4m3_exponent(amax)
+        scale = pow2(-e)
+        codes = cute.make_rmem_tensor((1, half_d), FP8)
+        codes.store((x.load() * scale).to(FP8))
+        dst = cute.local_tile(ctx.sQ, (1, half_d), (tile_row, ctx.tid_wg % 2))
+        cute.autovec_copy(codes, dst)
+        if ctx.tid_wg % 2 == 0:
+            s_qe[tile_row] = e
+        cute.arch.fence_view_async_shared()  # the codes, for this warpgroup's wgmma
+        self.wg_sync(ctx.wg)
+
+    @cute.jit
+    def wg_sync(self, wg):
+        """Barrier of one consumer warpgroup's 128 threads."""
+        cute.arch.barrier(barrier_id=_BAR_WG + wg, number_of_threads=128)
 
     @cute.jit
     def issue_pv_into_o(self, ctx, state):
@@ -862,8 +965,10 @@ def attn_fwd_sm90(
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     # NVFP4 Q/K: widened values, one K exponent per key (their second level)
-    q_in, k_in, q_exp = qkv.score_operands("CuTe forward")
+    q_in, k_in, q_exp = qkv.score_operands("CuTe forward", quantizes_q=True)
     wide = qkv.q4 is not None
+    # Q as given (defer_q): quantized by the consumers, per token or per 32-token block
+    q_block = qkv.k_exp_block if qkv.q_input is not None else 0
     k_exp_block = 1 if wide else qkv.k_exp_block
     # (tensor, byte alignment the kernel may assume): TMA-loaded and paired-store tensors 16
     extend = cu_seqlens_k is not None
@@ -877,11 +982,11 @@ def attn_fwd_sm90(
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]
     key = (d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
-           ticket, out.dtype, extend, exp_mode, wide, promote_pv)  # fmt: skip
+           ticket, out.dtype, extend, exp_mode, wide, promote_pv, q_block, q_in.dtype)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
-            ticket, extend, exp_mode, wide, promote_pv,
+            ticket, extend, exp_mode, wide, promote_pv, q_block,
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     sms = sm_count(out.device)

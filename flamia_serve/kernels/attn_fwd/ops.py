@@ -43,7 +43,9 @@ class FwdConfig:
     keys, ``num_stages`` K/V stages, ``overlap`` issues each key tile's Q̂·K̂ᵀ before the
     previous tile's P̂·V̂ finishes, ``promote_pv`` adds each key tile's P̂·V̂ to O in FP32
     (False: it accumulates into O inside the FP8 ``wgmma``, whose additions keep fewer
-    bits). ``num_warps``/``maxnreg``/``programs_per_sm`` do not apply.
+    bits). ``quantize_q``: the kernel quantizes Q itself as it loads its BF16/FP16 tile (E4M3
+    Q/K, d <= 128: see :func:`quantizes_q`), so the quantization launch skips Q.
+    ``num_warps``/``maxnreg``/``programs_per_sm`` do not apply.
     """
 
     block_m: int = 64
@@ -57,6 +59,7 @@ class FwdConfig:
     kernel: str = "triton"  # "triton" | "cute"
     overlap: bool = True  # cute: overlap Q̂·K̂ᵀ of one key tile with P̂·V̂ of the previous
     promote_pv: bool = True  # cute: each key tile's P̂·V̂ added to O in FP32
+    quantize_q: bool = True  # cute: Q quantized inside the forward kernel (quantizes_q)
 
     @property
     def column_align(self) -> int:
@@ -72,14 +75,15 @@ class FwdConfig:
             self.block_m, self.block_n, self.num_warps, self.num_stages, int(self.persistent),
             int(self.two_pass), self.maxnreg or 0, self.programs_per_sm,
             int(self.kernel == "cute"), int(self.overlap), int(self.promote_pv),
+            int(self.quantize_q),
         ]  # fmt: skip
 
     @classmethod
     def from_ints(cls, xs: list[int]) -> FwdConfig:
-        bm, bn, warps, stages, persistent, two_pass, maxnreg, per_sm, cute, overlap, promote = xs
+        bm, bn, warps, stages, persistent, two_pass, maxnreg, per_sm, cute, overlap, promote, q = xs
         return cls(
             bm, bn, warps, stages, bool(persistent), bool(two_pass), maxnreg or None, per_sm,
-            "cute" if cute else "triton", bool(overlap), bool(promote),
+            "cute" if cute else "triton", bool(overlap), bool(promote), bool(q),
         )  # fmt: skip
 
 
@@ -164,6 +168,19 @@ def default_config(
     if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
         return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig(128, 64, 8, 3, maxnreg=None)
     return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig()
+
+
+def quantizes_q(cfg: FwdConfig, qk_format: str, q: torch.Tensor) -> bool:
+    """Whether the forward of ``cfg`` quantizes Q itself (``quantize_qkv(defer_q=True)``):
+    the CuTe kernel with ``quantize_q``, E4M3 Q/K, d <= 128 (the BF16/FP16 tile's shared
+    memory), and a ``q`` its TMA can load (16-byte aligned start and token/head strides)."""
+    if cfg.kernel != "cute" or not cfg.quantize_q or qk_format != "e4m3" or q.shape[-1] > 128:
+        return False
+    row_elems = 16 // q.element_size()
+    return (
+        q.stride(-1) == 1 and q.data_ptr() % 16 == 0
+        and q.stride(0) % row_elems == 0 and q.stride(1) % row_elems == 0
+    )  # fmt: skip
 
 
 def _persistent_programs(device: torch.device, cfg: FwdConfig) -> int:

@@ -115,6 +115,7 @@ def quantize_qkv(
     workspace: PackWorkspace | None = None,
     widen: bool = False,
     scores_only: bool = False,
+    defer_q: bool = False,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
@@ -137,6 +138,9 @@ def quantize_qkv(
     ``scores_only`` (NVFP4 Q/K with ``widen``, no ``with_transposed``): write only what the
     CuTe forward reads (``KernelQKV.scores_only``); the E4M3 Q/K codes and exponents and
     the packed NVFP4 codes and block scales are left unwritten.
+    ``defer_q`` (E4M3 Q/K, no ``with_transposed``): Q is left to the CuTe forward, which
+    quantizes it as it loads it with the same rule (``KernelQKV.q_input`` = ``q``; the E4M3 Q
+    codes and exponents are left unwritten).
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -149,6 +153,12 @@ def quantize_qkv(
             "scores_only writes the CuTe forward's operands only: it needs a recipe with NVFP4 "
             f"Q/K and widen=True, and no with_transposed (got recipe {rec.name}, widen={widen}, "
             f"with_transposed={with_transposed})"
+        )
+    if defer_q and (rec.qk_format != "e4m3" or with_transposed or scores_only):
+        raise ValueError(
+            "defer_q leaves Q to the CuTe forward: it needs a recipe with E4M3 Q/K and no "
+            f"with_transposed or scores_only (got recipe {rec.name}, with_transposed="
+            f"{with_transposed}, scores_only={scores_only})"
         )
     total, heads_q, d = q.shape
     heads_kv = k.shape[1]
@@ -177,7 +187,8 @@ def quantize_qkv(
     q_wide = buf.empty("q_wide", (total, heads_q, d), bf16) if widen else None
     k_wide = buf.empty("k_wide", (total, heads_kv, d), bf16) if widen else None
     if total > 0:
-        grid = (_num_programs(dev, blocks.num_slots * (heads_q + 2 * heads_kv), programs_per_sm),)
+        heads = (0 if defer_q else heads_q) + 2 * heads_kv
+        grid = (_num_programs(dev, blocks.num_slots * heads, programs_per_sm),)
         _LAUNCH_QKV(
             grid, q, k, v, blocks.start, blocks.length, blocks.v_t_start,
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
@@ -188,7 +199,7 @@ def quantize_qkv(
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, WIDE=widen, SCORES_ONLY=bool(scores_only),
-            INTERPRET=interpreted(),
+            SKIP_Q=bool(defer_q), INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
@@ -203,6 +214,7 @@ def quantize_qkv(
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
         q_t, k_t, column_align, columns, q_wide, k_wide, bool(scores_only),
+        q if defer_q else None,
     )  # fmt: skip
 
 

@@ -128,10 +128,12 @@ def quantize_qkv_kernel(
     LOG2_D: tl.constexpr,
     WIDE: tl.constexpr,
     SCORES_ONLY: tl.constexpr,
+    SKIP_Q: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
     item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
+    ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it).
 
     Not software-pipelined (``num_stages=1``): staging the next items' tiles through shared
     memory measured 2-3x slower on the H200 than many resident programs each streaming its
@@ -140,7 +142,7 @@ def quantize_qkv_kernel(
     n_prog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
-    for item in tl.range(pid, HQ * n_slots, n_prog, num_stages=1):
+    for item in tl.range(pid, 0 if SKIP_Q else HQ * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
