@@ -3,7 +3,7 @@
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
 #                                                   # host-baseline, mixed, quant, fwd-pv,
-#                                                   # fused-q
+#                                                   # fused-q, fused-q-bench
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -63,10 +63,12 @@ if [[ $steps == *,fwd-pv,* ]]; then  # the CuTe forward's P̂·V̂ accumulated i
     --name "${FLAMIA_BENCH_NAME:-train_attention_pv}"
 fi
 if [[ $steps == *,fused-q,* ]]; then  # Q quantized inside the CuTe forward: its bits against the
-  # quantization launch's codes, the default path, then forward speed with and without it
+  # quantization launch's codes, the default path
   run pytest_gpu_cute_fused_q "${FLAMIA_TEST_SECS:-300}" python -m pytest -q -m gpu -W ignore::DeprecationWarning \
     tests/kernels/test_gpu_cute.py tests/kernels/test_gpu.py \
     -k "${FLAMIA_TEST_K:-quantizing_q or default_here or leakage or fp16_output or ticket}"
+fi
+if [[ $steps == *,fused-q-bench,* ]]; then  # forward speed with Q quantized inside or not, FA4
   run train_attention_fused_q 420 python benchmarks/train_attention.py --quick --passes fwd \
     --workloads "${FLAMIA_FUSED_Q_WORKLOADS:-W1,W2,W3,W4,W5,W6,W7,W8,W9,P1,P2,P3,P4,P5}" \
     --impls "${FLAMIA_IMPLS:-flamia-mxfp8,flamia-mxfp8-separate-q,flamia-mxfp8-quant,fa4}" \
