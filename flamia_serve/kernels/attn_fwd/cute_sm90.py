@@ -535,7 +535,6 @@ class FlamiaFwdSm90:
             if const_expr(self.q_block > 0):
                 pipe_q.consumer_wait_w_index_phase(0, q_phase)
                 self.quantize_q_rows(ctx, w)
-                pipe_q.consumer_release_w_index(0)  # the next item's Q may load now
             item_ctx = self.start_item(ctx, w, mQexp, qk_scale)
             state = self.key_tiles(item_ctx, state, pipe_q, q_phase, w)
             q_phase ^= 1
@@ -569,7 +568,7 @@ class FlamiaFwdSm90:
         if const_expr(self.causal):
             first_row = w.q_offset + w.tile * self.tile_m
             n_masked_end = cutlass.min(first_row // self.tile_n, n_blocks - 1)
-        if const_expr(self.q_block == 0):  # (else waited for by quantize_q_rows)
+        if const_expr(self.q_block == 0):  # (else waited for before quantize_q_rows)
             pipe_q.consumer_wait_w_index_phase(0, q_phase)
         if const_expr(not self.promote_pv):
             state = self.key_tiles_into_o(ctx, state, pipe_q, n_blocks, n_masked_end)
@@ -639,10 +638,12 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def release_q(self, pipe_q):
-        """Q's buffer is free after the item's last Q̂·K̂ᵀ (with ``q_block`` the input buffer
-        was freed once quantized, and the E4M3 rows are this warpgroup's own)."""
-        if const_expr(self.q_block == 0):
-            pipe_q.consumer_release_w_index(0)
+        """Q's buffer (with ``q_block``: its BF16/FP16 input) is free after the item's last
+        Q̂·K̂ᵀ. The input is not read after the warpgroups quantized it, but releasing it then
+        (the next item's Q loading during this item's key tiles) made outputs on packs of
+        short documents vary from run to run in the second warpgroup's rows (H200,
+        ``benchmarks/NOTES.md``), so the producer stays gated as without ``q_block``."""
+        pipe_q.consumer_release_w_index(0)
 
     @cute.jit
     def quantize_q_rows(self, ctx, w):
