@@ -41,13 +41,18 @@ from flamia_serve.reference import attention_forward
 
 def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None:
     """Where the CuTe kernel runs, packs of very short documents still get the Triton
-    kernel (its 64-row tiles and 16-column alignment waste less on them)."""
+    kernel (its 64-row tiles and 16-column alignment waste less on them), and packs of
+    documents shorter than a tile leave Q to the quantization launch."""
     monkeypatch.setattr(fwd_ops, "_cute_available", lambda device: True)
     for var in ("FLAMIA_FWD_KERNEL", "FLAMIA_FWD_CONFIG"):
         monkeypatch.delenv(var, raising=False)
     gpu = torch.device("cuda")
     assert default_config(64, gpu) == CUTE_CONFIG
-    assert default_config(128, gpu, mean_doc_len=float(SHORT_DOCUMENTS)) == CUTE_CONFIG
+    # documents shorter than a tile on average: Q quantized by the launch, not the kernel
+    short = dataclasses.replace(CUTE_CONFIG, quantize_q=False)
+    assert default_config(128, gpu, mean_doc_len=float(SHORT_DOCUMENTS)) == short
+    assert default_config(128, gpu, mean_doc_len=fwd_ops.FUSED_Q_MIN_DOCUMENT - 0.5) == short
+    assert default_config(128, gpu, mean_doc_len=float(fwd_ops.FUSED_Q_MIN_DOCUMENT)) == CUTE_CONFIG
     assert default_config(64, gpu, mean_doc_len=13.7).kernel == "triton"
     assert default_config(64, gpu, mean_doc_len=13.7, kernel="cute") == CUTE_CONFIG
     assert default_config(256, gpu, mean_doc_len=4096.0) == fwd_ops.CUTE_CONFIG_D256

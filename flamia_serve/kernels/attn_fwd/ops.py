@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -133,6 +134,13 @@ def _cute_available(device: torch.device) -> bool:
 #: Triton 0.83 ms, CuTe 1.36 ms; 521 documents of 63 on average, T=32k: CuTe 1.10x faster)
 SHORT_DOCUMENTS = 32
 
+#: mean document length (tokens) below which the CuTe forward leaves Q to the quantization
+#: launch (``FwdConfig.quantize_q=False``): an item is then mostly one masked tile, and
+#: loading the BF16 Q tile and quantizing it at the item's start costs more than the launch
+#: saves (H200, ``train_attention_fused_q*.json``, GPU time: P4, 63 tokens on average,
+#: -3.7% in two runs; W7-W9, ~350, +2.1 to +2.7%; W1-W6 +0.6 to +4.5%)
+FUSED_Q_MIN_DOCUMENT = 128
+
 
 def default_config(
     head_dim: int,
@@ -147,7 +155,8 @@ def default_config(
     ``kernel=None`` picks the CuTe kernel where it runs (sm_90, d in {64, 128, 256},
     packages installed, documents of at least ``SHORT_DOCUMENTS``
     tokens on average when ``mean_doc_len`` is given; ``FLAMIA_FWD_KERNEL=triton`` opts
-    out), else Triton; ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
+    out), quantizing Q itself unless documents are under ``FUSED_Q_MIN_DOCUMENT`` tokens on
+    average, else Triton; ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
     "block_m,block_n,num_warps,num_stages"`` overrides the Triton tiles (tuning runs).
     """
     if kernel not in (None, "triton", "cute"):
@@ -164,7 +173,10 @@ def default_config(
     short = mean_doc_len is not None and mean_doc_len < SHORT_DOCUMENTS
     if kernel is None and not (prefer_triton or short) and head_dim in (64, 128, 256):
         if _cute_available(device):
-            return _cute_config(head_dim, qk_nvfp4)
+            cfg = _cute_config(head_dim, qk_nvfp4)
+            if mean_doc_len is not None and mean_doc_len < FUSED_Q_MIN_DOCUMENT:
+                cfg = dataclasses.replace(cfg, quantize_q=False)
+            return cfg
     if qk_nvfp4:  # NVFP4 Q/K dequantized in registers: two warpgroups, no cap (tune_fwd.py)
         return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig(128, 64, 8, 3, maxnreg=None)
     return TRITON_CONFIG_D256 if head_dim >= 256 else FwdConfig()
