@@ -67,6 +67,7 @@ if [[ $steps == *,fused-q,* ]]; then  # Q quantized inside the CuTe forward: its
   run pytest_gpu_cute_fused_q "${FLAMIA_TEST_SECS:-300}" python -m pytest -q -m gpu -W ignore::DeprecationWarning \
     tests/kernels/test_gpu_cute.py tests/kernels/test_gpu.py \
     -k "${FLAMIA_TEST_K:-quantizing_q or default_here or leakage or fp16_output or ticket}"
+  run fwd_repeatability 240 python benchmarks/check_fwd_repeatability.py
 fi
 if [[ $steps == *,fused-q-bench,* ]]; then  # forward speed with Q quantized inside or not, FA4
   run train_attention_fused_q 420 python benchmarks/train_attention.py --quick --passes fwd \
