@@ -201,12 +201,11 @@ def _flamia_quant_loader(recipe: str, scores_only: bool = False) -> Callable[[],
         def build(wl: Workload, cu: Tensor, sample: QKV) -> tuple[Prep, Run]:
             m = wl.max_seqlen
             mean = wl.total_tokens / wl.num_docs
-            nvfp4 = resolve_recipe(recipe).qk_format == "nvfp4"
-            cfg = default_config(wl.head_dim, cu.device, qk_nvfp4=nvfp4, mean_doc_len=mean)
+            qk_format = resolve_recipe(recipe).qk_format
+            cfg = default_config(wl.head_dim, cu.device, qk_nvfp4=qk_format == "nvfp4",
+                                 mean_doc_len=mean)  # fmt: skip
             align = cfg.column_align
             blocks = flamia_serve.plan_varlen(cu, wl.total_tokens, m).token_blocks(align)
-
-            qk_format = resolve_recipe(recipe).qk_format
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
                 return quantize_qkv(
