@@ -33,20 +33,30 @@ from flamia_serve.numerics.kv_pages import KVPageFormat
 def main() -> None:
     parser = compile_parser(__doc__)
     parser.add_argument("--ctas", type=int, default=0, help="min_blocks_per_mp (0: none)")
+    parser.add_argument("--stages", default="0",
+                        help="NVFP4 shared-memory ring stages to compile, e.g. 0,4,6 (0: none)")
     args = parser.parse_args()
     keep, ctas = args.keep, args.ctas
+    stage_counts = [int(x) for x in args.stages.split(",")]
     if ctas > 1:  # the launch asks the device for its shared memory: the H200's
         import cutlass.cutlass_dsl.cutlass as cutlass_dsl
 
         cutlass_dsl.cuda_helpers.get_device_attribute = lambda attribute: 228 * 1024
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        for dtype, d, group, partial, depth in (
+        register_ring = [
             ("nvfp4", 128, 4, True, 1), ("nvfp4", 128, 4, False, 1), ("nvfp4", 128, 4, True, 2),
             ("nvfp4", 64, 8, True, 1), ("nvfp4", 128, 16, True, 1), ("fp8", 128, 4, True, 1),
             ("fp8", 128, 4, False, 1), ("fp8", 64, 8, True, 1), ("fp8", 128, 16, True, 1),
             ("fp8_static", 128, 4, True, 1), ("fp8", 128, 4, True, 2),
-        ):  # fmt: skip
+        ]  # fmt: skip
+        shared_ring = [
+            ("nvfp4", d, group, partial, 1, stages) for stages in stage_counts if stages
+            for d, group, partial in ((128, 4, True), (128, 4, False), (64, 8, True),
+                                      (128, 16, True), (256, 4, False))
+        ]  # fmt: skip
+        for dtype, d, group, partial, depth, stages in [(*c, 0) for c in register_ring] + \
+                shared_ring:  # fmt: skip
             heads_kv, page, batch, pages = 8, 16, 4, 64
             fmt = KVPageFormat(dtype, d)
             tensors = [
@@ -61,14 +71,16 @@ def main() -> None:
             ]
             args = (d, heads_kv, group, page, partial, depth, ctas)
             if dtype == "nvfp4":
-                kernel = NvFP4DecodeSm90(*args)
+                kernel = NvFP4DecodeSm90(*args, stages=stages)
             else:
                 kernel = Fp8DecodeSm90(*args, static=dtype == "fp8_static")
-            name = f"decode_{dtype}_d{d}_g{group}_p{int(partial)}_depth{depth}_ctas{ctas}.cubin"
+            ring = f"_stages{stages}" if stages else ""
+            name = (f"decode_{dtype}_d{d}_g{group}_p{int(partial)}_depth{depth}_ctas{ctas}"
+                    f"{ring}.cubin")
             compile_and_keep(kernel, tensors, Float32(0.1), Float32(1.0), Int32(1), Int32(1),
                              Int32(1), keep=keep, name=name)  # fmt: skip
             print(f"cute {dtype} decode d={d} group={group} partial={partial} depth={depth} "
-                  f"ctas={ctas}: compiled")
+                  f"ctas={ctas} stages={stages}: compiled")
 
 
 if __name__ == "__main__":

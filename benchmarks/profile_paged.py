@@ -5,7 +5,8 @@
 
 ``--case prefill`` (default; S3: 4×2048 new tokens on 8192 cached) or ``decode``
 (B64-L8192); ``--config block_m,block_n,num_warps,num_stages[,keys_on_m]`` (default: the
-launcher's); ``--splits`` decode split-K.
+launcher's); ``--splits`` decode split-K; ``--ring`` / ``--ctas`` the CuTe NVFP4
+decode's shared-memory ring stages and CTAs-per-SM cap.
 """
 
 from __future__ import annotations
@@ -32,10 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp8")
     ap.add_argument("--config", default="", help="block_m,block_n,num_warps,num_stages[,1]")
     ap.add_argument("--splits", type=int, default=None)
+    ap.add_argument("--ring", type=int, default=None,
+                    help="CuTe NVFP4 decode: shared-memory ring stages (0: register ring)")
+    ap.add_argument("--ctas", type=int, default=None, help="CuTe decode: CTAs per SM cap")
     args = ap.parse_args(argv)
     new, lens = CASES[args.case]
     batch = make_serving_batch(new, lens, torch.device("cuda"))
     fmt = KVPageFormat(args.dtype, HEAD_DIM)
+    if args.ring is not None or args.ctas is not None:
+        from flamia_serve.kernels.paged import cute_decode_sm90
+
+        if args.ring is not None:
+            cute_decode_sm90.STAGES = args.ring
+        if args.ctas is not None:
+            cute_decode_sm90.CTAS_PER_SM = args.ctas
     extra = {}
     if args.config:
         bm, bn, warps, stages, *swap = (int(x) for x in args.config.split(","))

@@ -8,6 +8,7 @@
 # cutlass-dsl in /tmp/site_fa4 (its two parts, two calls; FlashInfer's tvm-ffi differs, so
 # FlashInfer runs in a process of its own):
 #   bash benchmarks/run_serving_gpu.sh cute-tests,cute-tune,cute-decode   # ~8 min
+#   bash benchmarks/run_serving_gpu.sh cute-ring-tests,cute-ring-tune     # NVFP4 ring stages
 # The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
 #   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
 set -uo pipefail
@@ -37,6 +38,29 @@ if [[ $steps == *,cute-nvfp4-ctas,* ]]; then  # NVFP4 decode register cap: 2 vs 
   PYTHONPATH=$CUTE_SITE run tune_decode_cute_nvfp4_ctas 200 python \
     benchmarks/tune_decode_cute.py --quick --formats nvfp4 --depths 1 --ctas 0,3 \
     --name tune_decode_cute_nvfp4_ctas
+fi
+if [[ $steps == *,cute-ring-tests,* ]]; then  # the NVFP4 decode's shared-memory ring
+  PYTHONPATH=$CUTE_SITE run pytest_gpu_cute_decode_ring 300 python -m pytest -q -m gpu \
+    tests/kernels/test_gpu_cute_decode.py
+fi
+if [[ $steps == *,cute-ring-tune,* ]]; then  # ring stages x split counts, register ring too
+  PYTHONPATH=$CUTE_SITE run tune_decode_cute_ring 300 python benchmarks/tune_decode_cute.py \
+    --quick --formats nvfp4 --depths 1 --stages "${FLAMIA_STAGES:-0,3,4,6,8}" \
+    --splits 1,2,3,4,6 --name tune_decode_cute_ring
+fi
+if [[ $steps == *,cute-ring-knobs,* ]]; then  # the ring's edge split (and a register cap)
+  PYTHONPATH=$CUTE_SITE run tune_decode_cute_ring_knobs 200 python \
+    benchmarks/tune_decode_cute.py --quick --formats nvfp4 --depths 1 --stages 0,3 --edge 0,1 \
+    --ctas "${FLAMIA_CTAS:-0}" --splits 1,3 --name tune_decode_cute_ring_knobs
+fi
+if [[ $steps == *,cute-ring-ncu,* ]]; then  # B64-L8192 NVFP4 decode: register ring vs ring
+  for ring in 0 3; do
+    PYTHONPATH=$CUTE_SITE run "ncu_decode_nvfp4_B64_ring$ring" 100 ncu -k regex:Decode \
+      --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats \
+      --section Occupancy --section MemoryWorkloadAnalysis python benchmarks/profile_paged.py \
+      --case decode --dtype nvfp4 --splits 1 --ring $ring
+  done
 fi
 if [[ $steps == *,flashinfer-warm,* ]]; then  # FlashInfer's prefill JIT, in the background
   FLAMIA_RESULTS_DIR=/tmp python benchmarks/prefill.py --workloads S5-8x1024+0 \

@@ -1,11 +1,16 @@
-"""The CuTe decodes' knobs on the GPU (H200): prefetch depth, register cap (CTAs per SM)
-and split-K count, against the Triton decode, at B16-L8192, B64-L8192 and B64-L32768
-(Hq 32 / Hkv 8, d 128, page 16), NVFP4 and FP8 caches. Prints and writes
+"""The CuTe decodes' knobs on the GPU (H200): prefetch depth, register cap (CTAs per SM),
+the NVFP4 decode's shared-memory ring (stages; 0: the register ring) and split-K count,
+against the Triton decode, at B16-L8192, B64-L8192 and B64-L32768 (Hq 32 / Hkv 8, d 128,
+page 16), NVFP4 and FP8 caches. Prints and writes
 ``<name>.json`` (rate over the K/V bytes of the cache read once, and its fraction of the
 copy bandwidth of the same run).
 
     python benchmarks/tune_decode_cute.py [--quick] [--formats nvfp4,fp8] [--depths 1,2]
-        [--ctas 0,4] [--splits 2,3,4] [--workloads B16-L8192] [--name tune_decode_cute]
+        [--ctas 0,4] [--stages 0,4] [--edge 0,1] [--splits 2,3,4] [--workloads B16-L8192]
+        [--name tune_decode_cute]
+
+A variant with stages ≥ 2 takes its tiles through the shared-memory ring (``depth`` then
+does not apply: it runs once, as ``depth1``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ WORKLOADS = {"B16-L8192": (16, 8192), "B16-L32768": (16, 32768), "B64-L8192": (6
 
 def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
           ctas_options: list[int], copy_row: dict, quick: bool,
-          split_counts: list[int] | None = None) -> list[dict]:
+          split_counts: list[int] | None = None, stage_counts: tuple[int, ...] = (0,),
+          edge_options: tuple[int, ...] = (0,)) -> list[dict]:  # fmt: skip
     """Rows of the Triton decode and the CuTe variants on one workload and cache format."""
     dev = batch.q.device
     rows = []
@@ -52,17 +58,22 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
             decode_config=decode_config,
         )  # fmt: skip
 
-    variants = {f"{dtype}-triton-splits{triton_splits}":
-                (None, None, triton_splits, triton_decode)}  # fmt: skip
+    variants = {f"{dtype}-triton-splits{triton_splits}": (None, triton_splits, triton_decode)}
     counts = split_counts or sorted({max(1, min(64, int(cute_splits * m))) for m in (0.5, 1, 2)})
-    for depth, ctas, splits in itertools.product(depths, ctas_options, counts):
-        variants[f"{dtype}-cute-depth{depth}-ctas{ctas}-splits{splits}"] = (
-            depth, ctas, splits, None)
+    rings = stage_counts if dtype == "nvfp4" else (0,)
+    for stages, edge, depth, ctas, splits in itertools.product(
+            rings, edge_options, depths, ctas_options, counts):  # fmt: skip
+        if (stages and depth != depths[0]) or (edge and not stages):
+            continue  # the shared-memory ring has no register depth, the registers no split
+        ring = f"-stages{stages}" + ("-edge" if edge else "") if stages else ""
+        label = f"{dtype}-cute-depth{1 if stages else depth}-ctas{ctas}{ring}-splits{splits}"
+        variants[label] = ((depth, ctas, stages, edge), splits, None)
     reference = call(triton_splits, triton_decode).float()
-    defaults = cute_decode.DEPTH, cute_decode.CTAS_PER_SM
-    for impl, (depth, ctas, splits, cfg) in variants.items():
-        if depth is not None:
-            cute_decode.DEPTH, cute_decode.CTAS_PER_SM = depth, ctas
+    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE")
+    defaults = tuple(getattr(cute_decode, k) for k in knobs)
+    for impl, (values, splits, cfg) in variants.items():
+        for k, value in zip(knobs, values or defaults, strict=True):
+            setattr(cute_decode, k, value)
         try:
             out = call(splits, cfg).float()
             t = graph_time(lambda splits=splits, cfg=cfg: call(splits, cfg),
@@ -79,7 +90,8 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
         pct = 100 * gbps / copy_row["gbps"]
         print(f"{name:10s} {impl:40s} {t['ms'] * 1e3:8.1f} us {pct:5.1f}% copy  "
               f"rel diff vs triton {rel:.2e}")  # fmt: skip
-    cute_decode.DEPTH, cute_decode.CTAS_PER_SM = defaults
+    for k, value in zip(knobs, defaults, strict=True):
+        setattr(cute_decode, k, value)
     return rows
 
 
@@ -89,6 +101,8 @@ def main() -> int:
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--depths", default="1,2")
     ap.add_argument("--ctas", default="0")
+    ap.add_argument("--stages", default="0", help="NVFP4 ring stages (0: register ring)")
+    ap.add_argument("--edge", default="0", help="NVFP4 ring: split off the edge tile (0,1)")
     ap.add_argument("--splits", default="",
                     help="split-K counts to time (default: half, once and twice the default's)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -97,6 +111,8 @@ def main() -> int:
     dev = torch.device("cuda")
     depths = [int(x) for x in args.depths.split(",")]
     ctas_options = [int(x) for x in args.ctas.split(",")]
+    stage_counts = tuple(int(x) for x in args.stages.split(","))
+    edge_options = tuple(int(x) for x in args.edge.split(","))
     copy_row = copy_bandwidth(dev)
     rows: list[dict] = [copy_row]
     split_counts = [int(x) for x in args.splits.split(",") if x]
@@ -105,7 +121,7 @@ def main() -> int:
         batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
         for dtype in args.formats.split(","):
             rows += _tune(batch, name, b, length, dtype, depths, ctas_options, copy_row,
-                          args.quick, split_counts)  # fmt: skip
+                          args.quick, split_counts, stage_counts, edge_options)  # fmt: skip
         del batch
         torch.cuda.empty_cache()
     write_results(args.name, rows, {"copy_gbps": copy_row["gbps"]})

@@ -140,3 +140,45 @@ def test_cute_decode_in_a_mixed_batch_and_under_cuda_graphs(dtype: str) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize(("stages", "split_edge"), [(2, False), (3, True), (4, False), (6, True)])
+@pytest.mark.parametrize(
+    ("heads_q", "heads_kv", "head_dim", "page_size", "cached", "splits"),
+    [
+        (32, 8, 128, 16, [8191, 5000, 17, 1, 0, 15, 16, 300], None),
+        (32, 8, 128, 32, [1000, 31, 32, 2047], 3),  # two tiles per page
+        (16, 2, 64, 16, [777, 128, 5], 8),  # d = 64: chunk counts below a warp
+        (32, 2, 128, 16, [2000, 19], 2),  # group 16
+        (32, 8, 128, 64, [3000, 70, 1], 2),  # four tiles per page
+    ],
+)
+def test_cute_nvfp4_decode_shared_ring_gives_the_register_rings_bits(
+    monkeypatch: pytest.MonkeyPatch, stages: int, split_edge: bool, heads_q: int,
+    heads_kv: int, head_dim: int, page_size: int, cached: list[int], splits: int | None,
+) -> None:  # fmt: skip
+    """The NVFP4 decode with its tiles copied through a shared-memory ring (``STAGES``) reads
+    the same fragments in the same order as with the register ring: the same bits, over a
+    clean cache and over one with NaN bytes in every unwritten slot and spare page; also
+    with the interior tiles' unmasked copy of the step (``SPLIT_EDGE``)."""
+    from flamia_serve.kernels.paged import cute_decode_sm90
+
+    b = make_batch([1] * len(cached), cached, heads_q=heads_q, heads_kv=heads_kv,
+                   head_dim=head_dim, page_size=page_size, dtype="nvfp4", device="cuda",
+                   seed=len(cached) + head_dim + stages)  # fmt: skip
+    assert cute_decode_runs(b.fmt, heads_q, heads_kv, b.q.device)
+    clean, poisoned, table, _ = poisoned_cache(b)
+    outs = {}
+    monkeypatch.setattr(cute_decode_sm90, "SPLIT_EDGE", split_edge)
+    for ring in (0, stages):
+        monkeypatch.setattr(cute_decode_sm90, "STAGES", ring)
+        for name, cache in (("clean", clean), ("poisoned", poisoned)):
+            outs[ring, name] = kernels.paged_attention(
+                b.q, cache, b.fmt, table, b.seq_lens, b.query_start_loc, num_splits=splits)
+    assert torch.isfinite(outs[stages, "poisoned"].float()).all()
+    for name in ("clean", "poisoned"):
+        assert torch.equal(outs[stages, name], outs[0, name]), name
+    assert torch.equal(outs[stages, "poisoned"], outs[stages, "clean"])
+    expected = ref.paged_attention(b.q, clean, b.fmt, table, b.seq_lens, b.query_start_loc,
+                                   softmax_scale=head_dim**-0.5)  # fmt: skip
+    _assert_close(outs[stages, "clean"], expected, b.fmt)

@@ -57,6 +57,14 @@ from flamia_serve.numerics.kv_pages import KVCacheFormat
 #: 1 (which needs fewer registers), depth 3 and a cap of four CTAs (128 registers) are slower
 DEPTH = 1
 CTAS_PER_SM = 0
+#: NVFP4: stages of each warp's shared-memory ring of key tiles (``cp.async``, STAGES − 1
+#: tiles in flight, no registers held for them); 0: the register ring of DEPTH tiles. H200,
+#: ``tune_decode_cute_ring.json``: 3 stages 4–13% faster than the register ring at B16/B64 ×
+#: L8192/L32768, 4–8 stages no faster
+STAGES = 3
+#: NVFP4 ring: tiles wholly inside the sequence skip the masks of its last (a second copy of
+#: the tile step)
+SPLIT_EDGE = True
 #: warps per CTA, keys per warp step (one k-block of P̂·V), MMA rows (the GQA group)
 WARPS = 4
 TILE = 16
@@ -119,6 +127,48 @@ def load_words(addr: Int64, n: int, *, loc=None, ip=None) -> list[Int32]:
 
 
 @dsl_user_op
+def load_shared_words(addr: Int32, n: int, *, loc=None, ip=None) -> list[Int32]:
+    """``n`` (1, 2 or 4) 32-bit words at shared-memory address ``addr`` (aligned to ``4n``);
+    ordered after the ``cp.async`` wait and warp barrier that precede it."""
+    a = Int32(addr).ir_value(loc=loc, ip=ip)
+    vec = "" if n == 1 else f".v{n}"
+    regs = ", ".join(f"${i}" for i in range(n))
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * n) if n > 1 else T.i32(), [a],
+        f"ld.shared{vec}.u32 {{{regs}}}, [${n}];" if n > 1 else "ld.shared.u32 $0, [$1];",
+        ",".join(["=r"] * n) + ",r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+    return _fields(res, Int32, n, loc, ip) if n > 1 else [Int32(res)]
+
+
+@dsl_user_op
+def load_shared_bytes(addr: Int32, n: int, *, loc=None, ip=None) -> Int32:
+    """``n`` (1, 2 or 4) bytes at shared-memory address ``addr`` (aligned to ``n``),
+    zero-extended."""
+    if n == 4:
+        return load_shared_words(addr, 1, loc=loc, ip=ip)[0]
+    ty = "u8" if n == 1 else "u16"
+    res = llvm.inline_asm(
+        T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 t; ld.shared.{ty} t, [$1]; cvt.u32.u16 $0, t; }}", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+    return Int32(res)
+
+
+@dsl_user_op
+def copy_async_16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
+    """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst`` (both 16-aligned),
+    in the thread's current ``cp.async`` group."""
+    llvm.inline_asm(
+        None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", has_side_effects=True,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def load_bytes(addr: Int64, n: int, *, loc=None, ip=None) -> Int32:
     """``n`` (1, 2 or 4) bytes at global address ``addr`` (aligned to ``n``), zero-extended."""
     if n == 4:
@@ -136,13 +186,15 @@ def mma_f16(a: list, b: list, c: list, *, loc=None, ip=None) -> list[Float32]:
 
 
 # an E2M1 nibble s e1 e0 m -> the E4M3 byte s 0 0 e1 e0 m 0 0 (value · 2^-6), four bytes at
-# once: "lo" from the low (even-element) nibbles, "hi" from the high ones
+# once: "lo" from the low (even-element) nibbles, "hi" from the high ones. With the signs
+# s = w & 0x88888888 and the mask m = 0x1C1C1C1C (each byte's e1 e0 m bits), lo = (w << 2
+# & m) | (s << 4 & ~m) and hi = (w >> 2 & m) | (s & ~m): one lop3 each (0xE4: a & c | b & ~c;
+# the other nibble's sign lands inside m and is dropped); needs .b32 s, t0, t1, m = m
 _REENCODE = (
-    "shl.b32 t0, {w}, 2; and.b32 t0, t0, 0x1C1C1C1C; shl.b32 t1, {w}, 4; "
-    "and.b32 t1, t1, 0x80808080; or.b32 {lo}, t0, t1; "
-    "shr.b32 t0, {w}, 2; and.b32 t0, t0, 0x1C1C1C1C; and.b32 t1, {w}, 0x80808080; "
-    "or.b32 {hi}, t0, t1; "
+    "and.b32 s, {w}, 0x88888888; shl.b32 t0, {w}, 2; shl.b32 t1, s, 4; "
+    "lop3.b32 {lo}, t0, t1, m, 0xE4; shr.b32 t0, {w}, 2; lop3.b32 {hi}, t0, s, m, 0xE4; "
 )
+_REENCODE_REGS = ".reg .b32 s, t0, t1, m; mov.b32 m, 0x1C1C1C1C; "
 
 
 @dsl_user_op
@@ -151,7 +203,7 @@ def e2m1_word(w: Int32, *, loc=None, ip=None) -> list[Int32]:
     values · 2^-6: elements (0, 2), (4, 6), (1, 3), (5, 7)."""
     res = _asm(
         llvm.StructType.get_literal([T.i32()] * 4), [Int32(w).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 t0, t1, lo, hi; .reg .b16 a, b, c, d; "
+        "{ .reg .b32 lo, hi; .reg .b16 a, b, c, d; " + _REENCODE_REGS
         + _REENCODE.format(w="$4", lo="lo", hi="hi")
         + "mov.b32 {a, b}, lo; cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; "
         "mov.b32 {c, d}, hi; cvt.rn.f16x2.e4m3x2 $2, c; cvt.rn.f16x2.e4m3x2 $3, d; }",
@@ -163,21 +215,20 @@ def e2m1_word(w: Int32, *, loc=None, ip=None) -> list[Int32]:
 @dsl_user_op
 def e2m1_word_pair(wa: Int32, wb: Int32, *, loc=None, ip=None) -> list[Int32]:
     """The same element of two keys' words as one f16x2 (key ``a`` low): eight registers,
-    element 0..7 in order, values · 2^-6."""
+    element 0..7 in order, values · 2^-6. The two words' bytes are interleaved first (``a``
+    byte, ``b`` byte, ...), so that each re-encoded 16 bits already pair the keys."""
     res = _asm(
         llvm.StructType.get_literal([T.i32()] * 8),
         [Int32(w).ir_value(loc=loc, ip=ip) for w in (wa, wb)],
-        "{ .reg .b32 t0, t1, la, ha, lb, hb, x; .reg .b16 p, q; "
-        + _REENCODE.format(w="$8", lo="la", hi="ha")
-        + _REENCODE.format(w="$9", lo="lb", hi="hb")
-        + "prmt.b32 x, la, lb, 0x5140; mov.b32 {p, q}, x; "
-        "cvt.rn.f16x2.e4m3x2 $0, p; cvt.rn.f16x2.e4m3x2 $2, q; "
-        "prmt.b32 x, la, lb, 0x7362; mov.b32 {p, q}, x; "
-        "cvt.rn.f16x2.e4m3x2 $4, p; cvt.rn.f16x2.e4m3x2 $6, q; "
-        "prmt.b32 x, ha, hb, 0x5140; mov.b32 {p, q}, x; "
-        "cvt.rn.f16x2.e4m3x2 $1, p; cvt.rn.f16x2.e4m3x2 $3, q; "
-        "prmt.b32 x, ha, hb, 0x7362; mov.b32 {p, q}, x; "
-        "cvt.rn.f16x2.e4m3x2 $5, p; cvt.rn.f16x2.e4m3x2 $7, q; }",
+        "{ .reg .b32 x, l0, h0, l1, h1; .reg .b16 p, q; " + _REENCODE_REGS
+        + "prmt.b32 x, $8, $9, 0x5140; "  # bytes a0 b0 a1 b1: elements 0-3 of both keys
+        + _REENCODE.format(w="x", lo="l0", hi="h0")
+        + "prmt.b32 x, $8, $9, 0x7362; "  # a2 b2 a3 b3: elements 4-7
+        + _REENCODE.format(w="x", lo="l1", hi="h1")
+        + "mov.b32 {p, q}, l0; cvt.rn.f16x2.e4m3x2 $0, p; cvt.rn.f16x2.e4m3x2 $2, q; "
+        "mov.b32 {p, q}, h0; cvt.rn.f16x2.e4m3x2 $1, p; cvt.rn.f16x2.e4m3x2 $3, q; "
+        "mov.b32 {p, q}, l1; cvt.rn.f16x2.e4m3x2 $4, p; cvt.rn.f16x2.e4m3x2 $6, q; "
+        "mov.b32 {p, q}, h1; cvt.rn.f16x2.e4m3x2 $5, p; cvt.rn.f16x2.e4m3x2 $7, q; }",
         ",".join(["=r"] * 8) + ",r,r",
     )  # fmt: skip
     return _fields(res, Int32, 8, loc, ip)
@@ -278,12 +329,17 @@ class _PagedDecodeSm90:
     ``attend`` and ``o_column``.
 
     Compiled once per (format, head dim, KV heads, GQA group, page size, partial output,
-    prefetch depth, CTAs per SM, dtypes). ``depth``: key tiles each warp's loads run ahead;
-    ``ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM."""
+    prefetch depth, CTAs per SM, stages, dtypes). ``depth``: key tiles each warp's loads run
+    ahead into registers; ``ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM;
+    ``stages`` ≥ 2 (subclasses with ``copy_tile``/``read_tile``): each warp copies its tiles
+    whole into a ring of that many shared-memory stages with ``cp.async`` instead (``stages
+    − 1`` tiles in flight, ``depth`` unused), then reads its fragments from there;
+    ``split_edge`` (with the ring): tiles wholly inside the sequence run a copy of the tile
+    step without masks."""
 
     def __init__(self, head_dim: int, heads_kv: int, group: int, page_size: int,
                  partial: bool, depth: int = DEPTH, ctas_per_sm: int = CTAS_PER_SM,
-                 ) -> None:  # fmt: skip
+                 stages: int = 0, split_edge: bool = SPLIT_EDGE) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe decode supports 64, 128 and 256")
         if not 1 <= group <= ROWS:
@@ -295,7 +351,11 @@ class _PagedDecodeSm90:
         self.group = group
         self.page = page_size
         self.partial = partial
-        self.depth = depth
+        if stages == 1 or stages < 0:
+            raise ValueError(f"stages {stages}: 0 (register ring) or at least 2")
+        self.depth = stages - 1 if stages else depth
+        self.stages = stages
+        self.split_edge = split_edge and stages > 0
         self.ctas_per_sm = ctas_per_sm
         self.q_tiles = 2 if group > 8 else 1  # n-tiles of 8 queries in O's products
 
@@ -317,9 +377,14 @@ class _PagedDecodeSm90:
         num_decodes: Int32,
         stream: cuda.CUstream,
     ):
+        # the warps' rings (if any) and, after the key loop, their outputs share one region
+        ring_words = WARPS * self.stages * self.stage_bytes // 4 if self.stages else 0
+
         @cute.struct
         class Storage:
-            sO: cute.struct.MemRange[Float32, WARPS * self.group * self.d]
+            sO: cute.struct.Align[
+                cute.struct.MemRange[Float32, max(WARPS * self.group * self.d, ring_words)], 128
+            ]
             sM: cute.struct.MemRange[Float32, WARPS * self.group]
             sL: cute.struct.MemRange[Float32, WARPS * self.group]
 
@@ -357,6 +422,10 @@ class _PagedDecodeSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(Storage)
         sO = storage.sO.get_tensor(cute.make_layout((WARPS, group, d), stride=(group * d, d, 1)))
+        smem_ring = const_expr(self.stages > 0)
+        ring = Int32(0)
+        if const_expr(smem_ring):
+            ring = storage.sO.data_ptr().toint() + warp * (self.stages * self.stage_bytes)
         sM = storage.sM.get_tensor(cute.make_layout((WARPS, group), stride=(group, 1)))
         sL = storage.sL.get_tensor(cute.make_layout((WARPS, group), stride=(group, 1)))
 
@@ -410,27 +479,64 @@ class _PagedDecodeSm90:
                     tile = first + k * WARPS
                     for h in cutlass.range_constexpr(halves):
                         blk_ahead[h] = self.page_entry(mBT, seq, tile, h, last_page)
-                    self.load_tile(raw, k, base, tile, blk_ahead, kvh, g, t)
+                    if const_expr(smem_ring):
+                        self.copy_tile(ring + k * self.stage_bytes, base, tile, blk_ahead, kvh,
+                                       lane)  # fmt: skip
+                    else:
+                        self.load_tile(raw, k, base, tile, blk_ahead, kvh, g, t)
+                if const_expr(smem_ring):
+                    cute.arch.cp_async_commit_group()  # empty groups keep the count per tile
             if depth < n_it:
                 for h in cutlass.range_constexpr(halves):
                     blk_ahead[h] = self.page_entry(mBT, seq, first + depth * WARPS, h, last_page)
-            for it0 in cutlass.range(0, n_it, depth, unroll=1):
-                for k in cutlass.range_constexpr(depth):
-                    it = it0 + k
-                    if it < n_it:
-                        tile = first + it * WARPS
-                        cur = []
-                        for i in cutlass.range_constexpr(n_raw):
-                            cur.append(raw[k, i])
-                        if it + depth < n_it:
-                            self.load_tile(raw, k, base, tile + depth * WARPS, blk_ahead, kvh,
-                                           g, t)  # fmt: skip
-                        if it + depth + 1 < n_it:
-                            ahead = tile + (depth + 1) * WARPS
-                            for h in cutlass.range_constexpr(halves):
-                                blk_ahead[h] = self.page_entry(mBT, seq, ahead, h, last_page)
+            if const_expr(smem_ring):
+                stages, stage_bytes = self.stages, self.stage_bytes
+                for it in cutlass.range(0, n_it, 1, unroll=1):
+                    tile = first + it * WARPS
+                    # tile it's group is complete once at most stages − 2 newer are pending;
+                    # the warp barrier also orders last step's reads of the stage refilled now
+                    cute.arch.cp_async_wait_group(stages - 2)
+                    cute.arch.sync_warp()
+                    cur = self.read_tile(ring + it % stages * stage_bytes, g, t)
+                    if it + depth < n_it:
+                        self.copy_tile(ring + (it + depth) % stages * stage_bytes, base,
+                                       tile + depth * WARPS, blk_ahead, kvh, lane)  # fmt: skip
+                    cute.arch.cp_async_commit_group()
+                    if it + depth + 1 < n_it:
+                        ahead = tile + (depth + 1) * WARPS
+                        for h in cutlass.range_constexpr(halves):
+                            blk_ahead[h] = self.page_entry(mBT, seq, ahead, h, last_page)
+                    if const_expr(self.split_edge):
+                        if (tile + 1) * tile_keys <= kv_hi:  # all keys exist: no masks
+                            self.attend(cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t,
+                                        two_halves, edge=False)  # fmt: skip
+                        else:
+                            self.attend(cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t,
+                                        two_halves)  # fmt: skip
+                    else:
                         self.attend(cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t,
                                     two_halves)  # fmt: skip
+                # the outputs below overwrite the rings: every warp must be done with its own
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+            else:
+                for it0 in cutlass.range(0, n_it, depth, unroll=1):
+                    for k in cutlass.range_constexpr(depth):
+                        it = it0 + k
+                        if it < n_it:
+                            tile = first + it * WARPS
+                            cur = []
+                            for i in cutlass.range_constexpr(n_raw):
+                                cur.append(raw[k, i])
+                            if it + depth < n_it:
+                                self.load_tile(raw, k, base, tile + depth * WARPS, blk_ahead, kvh,
+                                               g, t)  # fmt: skip
+                            if it + depth + 1 < n_it:
+                                ahead = tile + (depth + 1) * WARPS
+                                for h in cutlass.range_constexpr(halves):
+                                    blk_ahead[h] = self.page_entry(mBT, seq, ahead, h, last_page)
+                            self.attend(cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t,
+                                        two_halves)  # fmt: skip
 
             # merge the warps' partials through shared memory
             for rh in cutlass.range_constexpr(2 if two_halves else 1):
@@ -561,6 +667,10 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
         self.region_bytes = self.page * (self.code_bytes + self.scale_bytes)
         self.scale_base = self.page * self.code_bytes
         self.n_raw = 2 * self.k_words + 2 + 4 * self.v_words + 4
+        # a stage of the shared-memory ring: the tile's K codes, K scales, V codes, V scales,
+        # each the bytes of its page region's 16 keys as they are stored
+        self.stage_half = TILE * (self.code_bytes + self.scale_bytes)
+        self.stage_bytes = 2 * self.stage_half
 
     def o_column(self, i: int, half: int, g):
         """Head column of m-tile ``i`` row ``g + 8·half``."""
@@ -581,37 +691,84 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
 
     @cute.jit
     def load_tile(self, raw, slot: int, base: Int64, tile, blks, kvh, g, t):
-        """This thread's code words and scale bytes of ``tile`` (in page ``blks[0]``) into ring
-        ``slot``: K (keys g, g + 8), K scales, V (keys 2t, 2t+1, 2t+8, 2t+9), V scales."""
-        d = self.d
+        """This thread's words of ``tile`` (in page ``blks[0]``) from global memory into ring
+        ``slot`` (``gather``'s order)."""
         off0 = tile * TILE % self.page
-        k_region = self.region(base, blks[0], 0, kvh)
-        v_region = self.region(base, blks[0], 1, kvh)
-        kw, vw = self.k_words, self.v_words
-        for j in cutlass.range_constexpr(2):
-            off = off0 + 8 * j + g
-            at = k_region + off * self.code_bytes + t * (d // 8)
-            for p in cutlass.range_constexpr((kw + 3) // 4):
-                words = load_words(at + 16 * p, min(4, kw))
-                for i in cutlass.range_constexpr(min(4, kw)):
-                    raw[slot, j * kw + 4 * p + i] = words[i]
-            raw[slot, 2 * kw + j] = load_bytes(
-                k_region + self.scale_base + off * self.scale_bytes + t * self.k_scale_bytes,
-                self.k_scale_bytes,
-            )
-        for k in cutlass.range_constexpr(4):
-            off = off0 + 2 * t + k % 2 + 8 * (k // 2)
-            words = load_words(v_region + off * self.code_bytes + g * (d // 16), vw)
-            for i in cutlass.range_constexpr(vw):
-                raw[slot, 2 * kw + 2 + k * vw + i] = words[i]
-            raw[slot, 2 * kw + 2 + 4 * vw + k] = load_bytes(
-                v_region + self.scale_base + off * self.scale_bytes + g * d // 128,
-                self.v_scale_bytes,
-            )
+        words = self.gather(
+            self.region(base, blks[0], 0, kvh), self.region(base, blks[0], 1, kvh),
+            off0 * self.code_bytes, self.scale_base + off0 * self.scale_bytes, g, t,
+            load_words, load_bytes,
+        )  # fmt: skip
+        for i in cutlass.range_constexpr(self.n_raw):
+            raw[slot, i] = words[i]
 
     @cute.jit
-    def attend(self, cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t, two_halves):
-        """One 16-key tile of the warp's online softmax from its loaded ``cur`` words."""
+    def read_tile(self, stage: Int32, g, t) -> list:
+        """This thread's words of the tile in the shared-memory ``stage`` (``gather``'s
+        order)."""
+        return self.gather(stage, stage + self.stage_half, 0, TILE * self.code_bytes, g, t,
+                           load_shared_words, load_shared_bytes)  # fmt: skip
+
+    @cute.jit
+    def copy_tile(self, stage: Int32, base: Int64, tile, blks, kvh, lane):
+        """Issue the warp's ``cp.async`` copies of ``tile`` (in page ``blks[0]``) into the
+        shared-memory ``stage``: per half (K, V) its 16 keys' codes, then their scales."""
+        off0 = tile * TILE % self.page
+        for half in cutlass.range_constexpr(2):
+            region = self.region(base, blks[0], half, kvh)
+            dst = stage + half * self.stage_half
+            for src, at, n_bytes in (
+                (region + off0 * self.code_bytes, 0, TILE * self.code_bytes),
+                (region + self.scale_base + off0 * self.scale_bytes, TILE * self.code_bytes,
+                 TILE * self.scale_bytes),
+            ):  # fmt: skip
+                chunks = n_bytes // 16
+                for c in cutlass.range_constexpr((chunks + 31) // 32):
+                    idx = lane + 32 * c
+                    if const_expr(chunks % 32 == 0):
+                        copy_async_16(dst + at + 16 * idx, src + 16 * idx)
+                    elif idx < chunks:
+                        copy_async_16(dst + at + 16 * idx, src + 16 * idx)
+
+    @cute.jit
+    def gather(self, k_at, v_at, codes, scales, g, t, read_words, read_bytes) -> list:
+        """This thread's code words and scale bytes of a 16-key tile whose K and V regions
+        start at ``k_at`` / ``v_at`` (global or shared addresses, read with ``read_words`` /
+        ``read_bytes``; key ``k``'s codes at ``codes + k·d/2``, its scales at ``scales +
+        k·d/16`` within a region): K (keys g, g + 8), K scales, V (keys 2t, 2t+1, 2t+8,
+        2t+9), V scales."""
+        d = self.d
+        kw, vw = self.k_words, self.v_words
+        k_codes = [Int32(0)] * (2 * kw)
+        k_scales = [Int32(0)] * 2
+        for j in cutlass.range_constexpr(2):
+            key = 8 * j + g
+            at = k_at + codes + key * self.code_bytes + t * (d // 8)
+            for p in cutlass.range_constexpr((kw + 3) // 4):
+                words = read_words(at + 16 * p, min(4, kw))
+                for i in cutlass.range_constexpr(min(4, kw)):
+                    k_codes[j * kw + 4 * p + i] = words[i]
+            k_scales[j] = read_bytes(
+                k_at + scales + key * self.scale_bytes + t * self.k_scale_bytes,
+                self.k_scale_bytes,
+            )
+        v_codes = [Int32(0)] * (4 * vw)
+        v_scales = [Int32(0)] * 4
+        for k in cutlass.range_constexpr(4):
+            key = 2 * t + k % 2 + 8 * (k // 2)
+            words = read_words(v_at + codes + key * self.code_bytes + g * (d // 16), vw)
+            for i in cutlass.range_constexpr(vw):
+                v_codes[k * vw + i] = words[i]
+            v_scales[k] = read_bytes(
+                v_at + scales + key * self.scale_bytes + g * d // 128, self.v_scale_bytes
+            )
+        return k_codes + k_scales + v_codes + v_scales
+
+    @cute.jit
+    def attend(self, cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t, two_halves,
+               edge: cutlass.Constexpr = True):  # fmt: skip
+        """One 16-key tile of the warp's online softmax from its loaded ``cur`` words
+        (``edge``: keys past ``kv_hi`` may be in it and are masked)."""
         kw, vw = self.k_words, self.v_words
         key0 = tile * TILE
         # S = Q·Kᵀ: n-tile j holds keys 8j .. 8j+7 of the tile
@@ -633,7 +790,9 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
             for j in cutlass.range_constexpr(2):
                 for u in cutlass.range_constexpr(2):
                     v = s[j][2 * rh + u] * row_scale[rh]
-                    x[rh, 2 * j + u] = v if key0 + 8 * j + 2 * t + u < kv_hi else -Float32.inf
+                    if const_expr(edge):
+                        v = v if key0 + 8 * j + 2 * t + u < kv_hi else -Float32.inf
+                    x[rh, 2 * j + u] = v
         self.online_update(x, 4, rows, m_run, l_run, acc, t)
         # P̂ᵀ as the B operand: (keys 2t, 2t+1) from score n-tile 0, (2t+8, 2t+9) from 1
         p_b = []
@@ -652,10 +811,14 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
         w = cute.make_rmem_tensor((4, vw), Int32)
         sv = cute.make_rmem_tensor(4, Int32)
         for k in cutlass.range_constexpr(4):
-            ok = key0 + 2 * t + k % 2 + 8 * (k // 2) < kv_hi
-            sv[k] = cur[vs0 + k] if ok else Int32(0)
+            sv[k] = cur[vs0 + k]
             for i in cutlass.range_constexpr(vw):
-                w[k, i] = cur[v0 + k * vw + i] if ok else Int32(0)
+                w[k, i] = cur[v0 + k * vw + i]
+            if const_expr(edge):
+                ok = key0 + 2 * t + k % 2 + 8 * (k // 2) < kv_hi
+                sv[k] = sv[k] if ok else Int32(0)
+                for i in cutlass.range_constexpr(vw):
+                    w[k, i] = w[k, i] if ok else Int32(0)
         for i in cutlass.range_constexpr(vw):
             sc01 = scale_pair(sv[0], sv[1], i // 2)
             sc23 = scale_pair(sv[2], sv[3], i // 2)
@@ -693,6 +856,8 @@ class Fp8DecodeSm90(_PagedDecodeSm90):
         d = self.d
         if d > 128:
             raise ValueError(f"head_dim {d}: the CuTe FP8 decode supports 64 and 128")
+        if self.stages:
+            raise ValueError("stages: the shared-memory ring is built for the NVFP4 decode only")
         self.static = static
         self.k_words = d // 16  # K words per thread and key
         self.region_bytes = self.page * (d + (0 if static else 4))
@@ -845,13 +1010,14 @@ def paged_decode_sm90(
     v_scale: float = 1.0,
     depth: int | None = None,
     ctas_per_sm: int | None = None,
+    stages: int | None = None,
 ) -> None:
     """Decode the first ``num_decodes`` sequences (one new token each) over an NVFP4, FP8 or
     static-FP8 cache (``ops.run_paged_attention``'s contract; ``v_scale`` multiplies O):
     into ``out`` when ``num_splits`` is 1, else into the split-K partials ``part_o`` /
     ``part_ml`` (``part_tokens`` rows per split) for ``combine_splits_kernel``. ``depth`` /
-    ``ctas_per_sm``: see :class:`_PagedDecodeSm90` (default: the module's ``DEPTH`` /
-    ``CTAS_PER_SM``)."""
+    ``ctas_per_sm`` / ``stages``: see :class:`_PagedDecodeSm90` (default: the module's
+    ``DEPTH`` / ``CTAS_PER_SM`` / ``STAGES``, the last for the NVFP4 cache only)."""
     heads_q, d = q.shape[1], q.shape[2]
     heads_kv = cache.shape[2]
     group = heads_q // heads_kv
@@ -864,11 +1030,16 @@ def paged_decode_sm90(
     )  # fmt: skip
     depth = DEPTH if depth is None else depth
     ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
-    key = (fmt, d, heads_kv, group, page_size, partial, depth, ctas, q.dtype, out.dtype)
+    if fmt is not KVCacheFormat.NVFP4:
+        stages = 0
+    elif stages is None:
+        stages = STAGES
+    key = (fmt, d, heads_kv, group, page_size, partial, depth, ctas, stages, SPLIT_EDGE,
+           q.dtype, out.dtype)  # fmt: skip
     if key not in _COMPILED:
         args = (d, heads_kv, group, page_size, partial, depth, ctas)
         if fmt is KVCacheFormat.NVFP4:
-            kernel = NvFP4DecodeSm90(*args)
+            kernel = NvFP4DecodeSm90(*args, stages=stages, split_edge=SPLIT_EDGE)
         else:
             kernel = Fp8DecodeSm90(*args, static=fmt is KVCacheFormat.FP8_STATIC)
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Float32(v_scale),
