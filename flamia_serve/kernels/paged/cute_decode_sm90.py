@@ -26,7 +26,12 @@ registers and widens them into MMA fragments (thread ``(g, t)`` = lane ``(4g + t
   times 2^-6), two of which ``cvt.rn.f16x2.e4m3x2`` widens at once; times the block scale
   ·2^6 in FP16 (exact: at most 7 significant bits within [2^-10, 2688]).
 
-Loads run ``depth`` tiles ahead (a ring of registers) and block-table entries one more.
+NVFP4 (``STAGES`` ≥ 2, the default): each warp copies its tiles whole, as stored in their
+page regions, into a ring of shared-memory stages with ``cp.async`` (``STAGES − 1`` tiles in
+flight, no registers held for them) and reads its fragments from there; tiles wholly inside
+the sequence run a copy of the step without masks (``SPLIT_EDGE``). FP8 (and NVFP4 with
+``STAGES = 0``): loads run ``depth`` tiles ahead in a ring of registers. Block-table entries
+run one tile further.
 Requires ``nvidia-cutlass-dsl`` only (not ``flash-attn-4``, unlike the training kernels: a
 vLLM install brings it); imported lazily by ``ops`` on sm_90 only.
 """
