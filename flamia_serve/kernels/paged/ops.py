@@ -211,7 +211,7 @@ def cute_decode_splits(fmt: KVPageFormat, pairs: int, max_seq_len: int, block_n:
     NVFP4 three splits 75.6 µs at L8192 (eight 91.2, four 98.5), 243 at L32768 (eight 265);
     FP8 two 85.0 (four 90.7, three 100.8), 279 (four 283); at 64 sequences one split. The
     NVFP4 shared-memory ring fits four CTAs per SM, yet three splits stay the best at 16
-    sequences (``tune_decode_cute_ring.json``: 65.6 vs 66.0 µs for four, 72.1 for two)."""
+    sequences (``tune_decode_cute_ring.json``: 65.6 vs 66.0 µs for four, 71.8 for two)."""
     if pairs == 0:
         return 1
     one_wave = CUTE_DECODE_CTAS_PER_SM[fmt.dtype] * _num_sms(device) // pairs
