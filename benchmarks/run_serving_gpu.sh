@@ -9,6 +9,7 @@
 # FlashInfer runs in a process of its own):
 #   bash benchmarks/run_serving_gpu.sh cute-tests,cute-tune,cute-decode   # ~8 min
 #   bash benchmarks/run_serving_gpu.sh cute-ring-tests,cute-ring-tune     # NVFP4 ring stages
+#   bash benchmarks/run_serving_gpu.sh cute-fused-combine   # applies an experiment patch first
 # The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
 #   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
 set -uo pipefail
@@ -61,6 +62,15 @@ if [[ $steps == *,cute-ring-ncu,* ]]; then  # B64-L8192 NVFP4 decode: register r
       --section Occupancy --section MemoryWorkloadAnalysis python benchmarks/profile_paged.py \
       --case decode --dtype nvfp4 --splits 1 --ring $ring
   done
+fi
+if [[ $steps == *,cute-fused-combine,* ]]; then  # experiment: the last split merges (NVFP4)
+  p=benchmarks/experiments/decode-nvfp4-fused-combine.patch
+  git apply "$p" 2>/dev/null || patch -p1 < "$p" || exit 1
+  PYTHONPATH=$CUTE_SITE RUN_TAIL="-n 5" run pytest_gpu_cute_decode_fused_combine 240 python -m \
+    pytest -q -s -m gpu tests/kernels/test_gpu_cute_decode.py -k "fused_combine or matches"
+  PYTHONPATH=$CUTE_SITE run tune_decode_cute_fused_combine 200 python \
+    benchmarks/tune_decode_cute.py --quick --formats nvfp4 --depths 1 --stages 3 --edge 1 \
+    --fused 0,1 --splits 1,2,3,4,6 --name tune_decode_cute_fused_combine
 fi
 if [[ $steps == *,flashinfer-warm,* ]]; then  # FlashInfer's prefill JIT, in the background
   FLAMIA_RESULTS_DIR=/tmp python benchmarks/prefill.py --workloads S5-8x1024+0 \
