@@ -65,7 +65,7 @@ CTAS_PER_SM = 0
 #: NVFP4: stages of each warp's shared-memory ring of key tiles (``cp.async``, STAGES − 1
 #: tiles in flight, no registers held for them); 0: the register ring of DEPTH tiles. H200,
 #: ``tune_decode_cute_ring.json``: 3 stages 4–13% faster than the register ring at B16/B64 ×
-#: L8192/L32768, 4–8 stages no faster
+#: L8192/L32768; 4 and 8 stages slower, 6 within ±4%
 STAGES = 3
 #: NVFP4 ring: tiles wholly inside the sequence skip the masks of its last (a second copy of
 #: the tile step)
