@@ -81,9 +81,10 @@ P_SCALE = float(2**P_HAT_EXP)
 
 
 # ---------------------------------------------------------------- PTX helpers
-def _asm(result, args, text: str, constraints: str):
+def _asm(result, args, text: str, constraints: str, side_effects: bool = False):
+    """Inline PTX; ``side_effects``: kept, and in order with the other such statements."""
     return llvm.inline_asm(
-        result, args, text, constraints, has_side_effects=False, is_align_stack=False,
+        result, args, text, constraints, has_side_effects=side_effects, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )  # fmt: skip
 
@@ -116,35 +117,50 @@ def _mma(shape_types: str, a: list, b: list, c: list, loc, ip) -> list[Float32]:
     return _fields(res, Float32, 4, loc, ip)
 
 
+def _load_words(op: str, addr, addr_c: str, n: int, side_effects: bool, loc,
+                ip) -> list[Int32]:  # fmt: skip
+    """``n`` (1, 2 or 4) 32-bit words by the load ``op`` (``ld.global.nc``, ``ld.shared``) at
+    the address value ``addr`` (constraint ``addr_c``)."""
+    if n == 1:
+        return [Int32(_asm(T.i32(), [addr], f"{op}.u32 $0, [$1];", f"=r,{addr_c}",
+                           side_effects))]  # fmt: skip
+    regs = ", ".join(f"${i}" for i in range(n))
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * n), [addr],
+        f"{op}.v{n}.u32 {{{regs}}}, [${n}];", ",".join(["=r"] * n) + f",{addr_c}", side_effects,
+    )  # fmt: skip
+    return _fields(res, Int32, n, loc, ip)
+
+
+def _load_bytes(op: str, addr, addr_c: str, n: int, side_effects: bool) -> Int32:
+    """``n`` (1 or 2) bytes by the load ``op`` at the address value ``addr``, zero-extended."""
+    ty = "u8" if n == 1 else "u16"
+    return Int32(_asm(T.i32(), [addr], f"{{ .reg .b16 t; {op}.{ty} t, [$1]; cvt.u32.u16 $0, t; }}",
+                      f"=r,{addr_c}", side_effects))  # fmt: skip
+
+
 @dsl_user_op
 def load_words(addr: Int64, n: int, *, loc=None, ip=None) -> list[Int32]:
     """``n`` (1, 2 or 4) 32-bit words at global byte address ``addr`` (aligned to ``4n``),
     through the read-only path."""
-    if n == 1:
-        return [_asm1(Int32, [Int64(addr)], "ld.global.nc.u32 $0, [$1];", "=r,l", loc, ip)]
-    a = Int64(addr).ir_value(loc=loc, ip=ip)
-    regs = ", ".join(f"${i}" for i in range(n))
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * n), [a],
-        f"ld.global.nc.v{n}.u32 {{{regs}}}, [${n}];", ",".join(["=r"] * n) + ",l",
-    )  # fmt: skip
-    return _fields(res, Int32, n, loc, ip)
+    return _load_words("ld.global.nc", Int64(addr).ir_value(loc=loc, ip=ip), "l", n, False,
+                       loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def load_bytes(addr: Int64, n: int, *, loc=None, ip=None) -> Int32:
+    """``n`` (1, 2 or 4) bytes at global address ``addr`` (aligned to ``n``), zero-extended."""
+    if n == 4:
+        return load_words(addr, 1, loc=loc, ip=ip)[0]
+    return _load_bytes("ld.global.nc", Int64(addr).ir_value(loc=loc, ip=ip), "l", n, False)
 
 
 @dsl_user_op
 def load_shared_words(addr: Int32, n: int, *, loc=None, ip=None) -> list[Int32]:
     """``n`` (1, 2 or 4) 32-bit words at shared-memory address ``addr`` (aligned to ``4n``);
     ordered after the ``cp.async`` wait and warp barrier that precede it."""
-    a = Int32(addr).ir_value(loc=loc, ip=ip)
-    vec = "" if n == 1 else f".v{n}"
-    regs = ", ".join(f"${i}" for i in range(n))
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * n) if n > 1 else T.i32(), [a],
-        f"ld.shared{vec}.u32 {{{regs}}}, [${n}];" if n > 1 else "ld.shared.u32 $0, [$1];",
-        ",".join(["=r"] * n) + ",r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )  # fmt: skip
-    return _fields(res, Int32, n, loc, ip) if n > 1 else [Int32(res)]
+    return _load_words("ld.shared", Int32(addr).ir_value(loc=loc, ip=ip), "r", n, True,
+                       loc, ip)  # fmt: skip
 
 
 @dsl_user_op
@@ -153,35 +169,15 @@ def load_shared_bytes(addr: Int32, n: int, *, loc=None, ip=None) -> Int32:
     zero-extended."""
     if n == 4:
         return load_shared_words(addr, 1, loc=loc, ip=ip)[0]
-    ty = "u8" if n == 1 else "u16"
-    res = llvm.inline_asm(
-        T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        f"{{ .reg .b16 t; ld.shared.{ty} t, [$1]; cvt.u32.u16 $0, t; }}", "=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )  # fmt: skip
-    return Int32(res)
+    return _load_bytes("ld.shared", Int32(addr).ir_value(loc=loc, ip=ip), "r", n, True)
 
 
 @dsl_user_op
 def copy_async_16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
     """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst`` (both 16-aligned),
     in the thread's current ``cp.async`` group."""
-    llvm.inline_asm(
-        None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
-        "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", has_side_effects=True,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )  # fmt: skip
-
-
-@dsl_user_op
-def load_bytes(addr: Int64, n: int, *, loc=None, ip=None) -> Int32:
-    """``n`` (1, 2 or 4) bytes at global address ``addr`` (aligned to ``n``), zero-extended."""
-    if n == 4:
-        return load_words(addr, 1, loc=loc, ip=ip)[0]
-    ty = "u8" if n == 1 else "u16"
-    return _asm1(Int32, [Int64(addr)],
-                 f"{{ .reg .b16 t; ld.global.nc.{ty} t, [$1]; cvt.u32.u16 $0, t; }}", "=r,l",
-                 loc, ip)  # fmt: skip
+    _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
+         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", side_effects=True)
 
 
 @dsl_user_op
@@ -1022,7 +1018,8 @@ def paged_decode_sm90(
     into ``out`` when ``num_splits`` is 1, else into the split-K partials ``part_o`` /
     ``part_ml`` (``part_tokens`` rows per split) for ``combine_splits_kernel``. ``depth`` /
     ``ctas_per_sm`` / ``stages``: see :class:`_PagedDecodeSm90` (default: the module's
-    ``DEPTH`` / ``CTAS_PER_SM`` / ``STAGES``, the last for the NVFP4 cache only)."""
+    ``DEPTH`` / ``CTAS_PER_SM`` / ``STAGES``; the ring is NVFP4's only: FP8 defaults to 0
+    and refuses others)."""
     heads_q, d = q.shape[1], q.shape[2]
     heads_kv = cache.shape[2]
     group = heads_q // heads_kv
@@ -1035,10 +1032,8 @@ def paged_decode_sm90(
     )  # fmt: skip
     depth = DEPTH if depth is None else depth
     ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
-    if fmt is not KVCacheFormat.NVFP4:
-        stages = 0
-    elif stages is None:
-        stages = STAGES
+    if stages is None:
+        stages = STAGES if fmt is KVCacheFormat.NVFP4 else 0
     key = (fmt, d, heads_kv, group, page_size, partial, depth, ctas, stages, SPLIT_EDGE,
            q.dtype, out.dtype)  # fmt: skip
     if key not in _COMPILED:
@@ -1046,7 +1041,7 @@ def paged_decode_sm90(
         if fmt is KVCacheFormat.NVFP4:
             kernel = NvFP4DecodeSm90(*args, stages=stages, split_edge=SPLIT_EDGE)
         else:
-            kernel = Fp8DecodeSm90(*args, static=fmt is KVCacheFormat.FP8_STATIC)
+            kernel = Fp8DecodeSm90(*args, static=fmt is KVCacheFormat.FP8_STATIC, stages=stages)
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Float32(v_scale),
                                         Int32(1), Int32(1), Int32(1))  # fmt: skip
     _COMPILED[key](*kernel_tensors(aligned), qk_scale, v_scale, num_splits, part_tokens,
