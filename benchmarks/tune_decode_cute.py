@@ -10,7 +10,8 @@ copy bandwidth of the same run).
         [--name tune_decode_cute]
 
 A variant with stages ≥ 2 takes its tiles through the shared-memory ring (``depth`` then
-does not apply: it runs once, as ``depth1``).
+does not apply: it runs once, labelled ``depth1``), with or without the edge split
+(``--edge``; the register ring has none).
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
 
     variants = {f"{dtype}-triton-splits{triton_splits}": (None, triton_splits, triton_decode)}
     counts = split_counts or sorted({max(1, min(64, int(cute_splits * m))) for m in (0.5, 1, 2)})
-    rings = stage_counts if dtype == "nvfp4" else (0,)
-    for stages, edge, depth, ctas, splits in itertools.product(
-            rings, edge_options, depths, ctas_options, counts):  # fmt: skip
-        if (stages and depth != depths[0]) or (edge and not stages):
-            continue  # the shared-memory ring has no register depth, the registers no split
-        ring = f"-stages{stages}" + ("-edge" if edge else "") if stages else ""
-        label = f"{dtype}-cute-depth{1 if stages else depth}-ctas{ctas}{ring}-splits{splits}"
-        variants[label] = ((depth, ctas, stages, edge), splits, None)
+    for stages in stage_counts if dtype == "nvfp4" else (0,):
+        # the shared-memory ring has no register depth (labelled 1), the register ring no edge
+        # split
+        ring = ((e, 1) for e in edge_options) if stages else ((0, d) for d in depths)
+        for (edge, depth), ctas, splits in itertools.product(ring, ctas_options, counts):
+            tag = f"-stages{stages}" + ("-edge" if edge else "") if stages else ""
+            label = f"{dtype}-cute-depth{depth}-ctas{ctas}{tag}-splits{splits}"
+            variants[label] = ((depth, ctas, stages, edge), splits, None)
     reference = call(triton_splits, triton_decode).float()
     knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE")
     defaults = tuple(getattr(cute_decode, k) for k in knobs)
@@ -102,7 +103,8 @@ def main() -> int:
     ap.add_argument("--depths", default="1,2")
     ap.add_argument("--ctas", default="0")
     ap.add_argument("--stages", default="0", help="NVFP4 ring stages (0: register ring)")
-    ap.add_argument("--edge", default="0", help="NVFP4 ring: split off the edge tile (0,1)")
+    ap.add_argument("--edge", default="1",
+                    help="NVFP4 ring: interior tiles without masks (0,1; default 1, as the kernel)")
     ap.add_argument("--splits", default="",
                     help="split-K counts to time (default: half, once and twice the default's)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
