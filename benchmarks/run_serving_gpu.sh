@@ -10,6 +10,8 @@
 #   bash benchmarks/run_serving_gpu.sh cute-tests,cute-tune,cute-decode   # ~8 min
 #   bash benchmarks/run_serving_gpu.sh cute-ring-tests,cute-ring-tune     # NVFP4 ring stages
 #   bash benchmarks/run_serving_gpu.sh cute-fused-combine   # applies an experiment patch first
+#   bash benchmarks/run_serving_gpu.sh l2-decode   # decode after a dirty / a clean L2 flush
+#     (the fa4 bundle in /tmp/site_fa4, the flashinfer bundle in /tmp/site)
 # The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
 #   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
 set -uo pipefail
@@ -102,6 +104,18 @@ if [[ $steps == *,cute-decode,* ]]; then  # four workloads; FlashInfer's JIT tak
   PYTHONPATH=$CUTE_SITE run decode 240 python benchmarks/decode.py --workloads $W --quick
   run decode_flashinfer 300 python benchmarks/decode.py --workloads $W --impls flashinfer \
     --quick --name decode_flashinfer
+fi
+if [[ $steps == *,l2-decode,* ]]; then  # dirty vs clean L2 before each call, FlashInfer too
+  W=B16-L8192,B64-L8192,B16-L32768,B64-L32768
+  python benchmarks/decode.py --workloads B1-L1024 --impls flashinfer --quick \
+    --name flashinfer_warm > /tmp/flashinfer_warm.log 2>&1 &  # its JIT, meanwhile ours
+  warm_pid=$!
+  PYTHONPATH=$CUTE_SITE run decode_l2 300 python benchmarks/decode.py --workloads $W --quick \
+    --clean-l2 --impls flamia-fp8-exact,flamia-nvfp4-exact,flamia-bf16-exact --name decode_l2
+  PYTHONPATH=$CUTE_SITE run decode_overhead 300 python benchmarks/decode_overhead.py
+  wait "$warm_pid"; tail -n 3 /tmp/flashinfer_warm.log; rm -f "$OUT"/flashinfer_warm.*
+  run decode_l2_flashinfer 300 python benchmarks/decode.py --workloads $W --quick --clean-l2 \
+    --impls flashinfer-fp8,flashinfer-bf16 --name decode_l2_flashinfer
 fi
 if [[ $steps == *,decode,* ]]; then
   run decode 420 python benchmarks/decode.py --quick

@@ -180,9 +180,10 @@ def import_flashinfer() -> Any:
 
 def measure(workload: str, pass_name: str, batch: ServingBatch,
             impls: dict[str, tuple[str, Callable[[], torch.Tensor]]], *, impl_filter: str = "",
-            quick: bool = False) -> list[dict]:  # fmt: skip
+            quick: bool = False, clean_l2: bool = False) -> list[dict]:  # fmt: skip
     """Time every impl (``impl_filter``: comma-separated substrings, one must match) on
-    ``batch`` and compare its output with
+    ``batch`` (``clean_l2``: also with L2 flushed by reads, ``ms_clean_l2``; see
+    ``common.time_ms``) and compare its output with
     FP32 attention (``cos_vs_exact``) and, for flamia impls, with the same cache's exact-exp
     output (``cos_vs_exact_exp``). One row per impl; the caller adds its rates."""
     exact = exact_attention(batch)
@@ -195,6 +196,8 @@ def measure(workload: str, pass_name: str, batch: ServingBatch,
         if impl.endswith("-exact"):
             exact_exp[fmt] = out
         t = graph_time(call, rep_ms=50 if quick else 200)
+        if clean_l2:
+            t["ms_clean_l2"] = graph_time(call, rep_ms=50 if quick else 200, l2="clean")["ms"]
         own = impl.startswith("flamia") and fmt in exact_exp
         rows.append({"workload": workload, "pass": pass_name, "impl": impl, **t,
                      "kv_format": fmt, "cos_vs_exact": cos_sim(out, exact),
