@@ -132,10 +132,10 @@ def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200
     """Median / p20 / p80 milliseconds of ``fn()`` with L2 flushed before every timed call.
 
     ``l2="dirty"``: ``triton.testing.do_bench``, whose flush writes zeros over 256 MB, so the
-    timed call starts with L2 full of dirty lines and pays their write-back (~50 MB: ~12 µs
-    on an H200, visible in short memory-bound kernels). ``l2="clean"``: the flush reads
-    256 MB instead (L2 holds clean lines, as after a GEMM reading its weights). Keys match
-    result rows.
+    timed call starts with L2 full of dirty lines and pays their write-back (H200: the FP8
+    decode at B16-L8192 84.8 vs 76.5 µs, ``benchmarks/NOTES.md``). ``l2="clean"``: the flush
+    reads 256 MB instead (L2 holds clean lines, as after a GEMM reading its weights). Keys
+    match result rows.
     """
     if l2 == "dirty":
         from triton.testing import do_bench
@@ -153,7 +153,7 @@ def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(n)]  # fmt: skip
         for start, end in events:
-            torch.sum(flush, out=sink)
+            torch.sum(flush, dim=0, out=sink)
             start.record()
             fn()
             end.record()

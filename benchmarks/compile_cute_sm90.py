@@ -97,6 +97,9 @@ def main() -> None:
             (128, True, 128, False, 1, True, "exact", False, True),
             (128, True, 128, True, 1, True, "exact", False, False),
             (128, True, 128, False, 1, True, "mitchell", False, True),
+            (128, True, 128, False, 1, True, "mitchell", False, False),
+            (64, True, 128, False, 32, False, "mitchell", False, False),
+            (128, True, 128, False, 32, False, "mitchell", False, False),
             (128, True, 128, False, 1, False, "exact", True, True),
             (128, True, 128, True, 1, False, "exact", True, False),
             (64, False, 128, False, 1, False, "exact", True, True),
@@ -109,6 +112,7 @@ def main() -> None:
             name = f"fwd_d{d}_causal{int(causal)}_n{tile_n}_overlap{int(overlap)}"
             name += "" if promote else "_into_o"
             name += f"_extend_{exp_mode}" if extend else ""
+            name += "_mitchell" if exp_mode == "mitchell" and not extend else ""
             name += "_wide.cubin" if wide else ".cubin"
             compile_and_keep(
                 kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Int32(1), keep=keep,
