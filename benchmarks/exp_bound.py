@@ -22,7 +22,6 @@ import torch
 
 from benchmarks.common import graph_time, write_results
 from benchmarks.workloads import causal_flops
-from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90
 from flamia_serve.kernels.attn_fwd.ops import default_config
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.kernels.schedule import build_work_list
@@ -39,6 +38,9 @@ def parse_pack(text: str) -> list[int]:
 
 
 def measure(pack: str, d: int, quick: bool) -> list[dict]:
+    """Rows of both modes on one pack at head dim ``d``."""
+    from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90  # needs the cute extra
+
     dev = torch.device("cuda")
     lens = parse_pack(pack)
     q, k, v, cu, _ = make_pack(lens, HQ, HKV, d, seed=d, device=dev)
