@@ -4,7 +4,8 @@ several cache lengths per batch size and cache format, after the benchmarks' usu
 fixed + per_key · L`` fitted to each (``fixed``: what does not shrink with the cache:
 launches, the CTAs' start, the warps' merge, the split-K combine, the last wave's tail, the
 write-back of a dirty L2), and the kernels of one call at ``--profile`` (B·L) with their GPU
-times (``torch.profiler``, no graph, no flush).
+times (``torch.profiler``, no graph, no flush). The first rows time one tiny kernel the same
+way: what a graph replay costs the harness whatever it holds.
 
     python benchmarks/decode_overhead.py [--formats fp8,nvfp4] [--batches 16,64]
         [--lengths 512,2048,8192,32768] [--profile 16x8192] [--name decode_overhead]
@@ -64,6 +65,12 @@ def main() -> int:
     copy_row = copy_bandwidth(dev)
     copy_clean = copy_bandwidth(dev, l2="clean")
     rows: list[dict] = [copy_row, {**copy_clean, "impl": "torch-copy-clean-l2"}]
+    tiny = torch.zeros(32, device=dev)
+    for l2 in ("dirty", "clean"):
+        t = graph_time(tiny.zero_, rep_ms=50, l2=l2)
+        rows.append({"workload": "floor", "pass": "harness", "impl": f"one tiny kernel, {l2} L2",
+                     **t, "tflops": None})  # fmt: skip
+        print(f"harness floor ({l2} L2): {t['ms'] * 1e3:.1f} us per graph replay")
     formats = args.formats.split(",")
     lengths = [int(x) for x in args.lengths.split(",")]
     fits = {}
