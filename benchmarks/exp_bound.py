@@ -1,8 +1,9 @@
 """Exact ``exp2`` against Mitchell-P in the CuTe forward where the exponential unit could
-limit it (H200): causal packs at head dim 64 and 128 (Hq 32 / Hkv 8, E4M3 operands quantized
-beforehand, the default tiles). At d = 64 a 128×128 tile's MMAs take half the tensor-core
-time of d = 128 while its 16k exponentials stay, so ``MUFU.EX2`` (16 per clock and SM)
-needs about twice the tile's FP8 MMA time there. Times each mode (CUDA graph, median) and
+limit it (H200): causal packs at head dim 64 and 128 (Hq 32 / Hkv 8, the default tiles), in
+the FP8-cache prefill's configuration (per-token Q and per-key K/V exponents, the extend
+mode, each document's queries its own keys). At d = 64 a 128×128 tile's MMAs take half the
+tensor-core time of d = 128 while its 16k exponentials stay, so ``MUFU.EX2`` (16 per clock
+and SM) needs about twice the tile's FP8 MMA time there. Times each mode (CUDA graph, median) and
 compares Mitchell-P's output with exact's (cos-sim; the issue's bar is 0.999). Writes
 ``exp_bound.json``.
 
@@ -45,9 +46,10 @@ def measure(pack: str, d: int, quick: bool) -> list[dict]:
     lens = parse_pack(pack)
     q, k, v, cu, _ = make_pack(lens, HQ, HKV, d, seed=d, device=dev)
     cfg = default_config(d, dev)
-    qkv = quantize_qkv(q, k, v, cu, column_align=cfg.column_align)
+    qkv = quantize_qkv(q, k, v, cu, exact_causal=True, column_align=cfg.column_align)
     total = q.shape[0]
-    work = build_work_list(cu, total, block_m=cfg.block_m, block_n=cfg.block_n, causal=True)
+    work = build_work_list(cu, total, block_m=cfg.block_m, block_n=cfg.block_n, causal=True,
+                           cu_seqlens_k=cu)  # fmt: skip
     outs, rows = {}, []
     for mode in EXP_MODES:
         out = torch.empty(total, HQ, d, dtype=torch.bfloat16, device=dev)
@@ -58,8 +60,8 @@ def measure(pack: str, d: int, quick: bool) -> list[dict]:
             attn_fwd_sm90(qkv, cu, work, out, m_rows, lse_rows, heads_q=HQ, causal=True,
                           qk_scale=d**-0.5 * 1.4426950408889634 * qkv.qk_rescale,
                           tile_m=cfg.block_m, tile_n=cfg.block_n, num_stages=cfg.num_stages,
-                          overlap=cfg.overlap, ticket=cfg.persistent, exp_mode=mode,
-                          promote_pv=cfg.promote_pv)  # fmt: skip
+                          overlap=cfg.overlap, ticket=cfg.persistent, cu_seqlens_k=cu,
+                          exp_mode=mode, promote_pv=cfg.promote_pv)  # fmt: skip
 
         call()
         outs[mode] = out.clone()
