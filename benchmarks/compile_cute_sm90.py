@@ -99,6 +99,8 @@ def main() -> None:
             (128, True, 128, False, 1, True, "mitchell", False, True),
             (128, True, 128, False, 1, True, "mitchell", False, False),
             (64, True, 128, False, 32, False, "mitchell", False, False),
+            (64, True, 128, False, 1, True, "exact", False, False),
+            (64, True, 128, False, 1, True, "mitchell", False, False),
             (128, True, 128, False, 32, False, "mitchell", False, False),
             (128, True, 128, False, 1, False, "exact", True, True),
             (128, True, 128, True, 1, False, "exact", True, False),
