@@ -8,6 +8,8 @@ compares Mitchell-P's output with exact's (cos-sim; the issue's bar is 0.999). W
 ``exp_bound.json``.
 
     python benchmarks/exp_bound.py [--dims 64,128] [--packs 8192,4x2048] [--quick]
+    ncu -k regex:FlamiaFwd --launch-count 1 ... python benchmarks/exp_bound.py --dims 64 \
+        --packs 8192 --modes mitchell --once      # one launch per mode, nothing timed
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def parse_pack(text: str) -> list[int]:
     return [int(length)] * (int(count) if count else 1)
 
 
-def measure(pack: str, d: int, quick: bool) -> list[dict]:
-    """Rows of both modes on one pack at head dim ``d``."""
+def measure(pack: str, d: int, quick: bool, modes: tuple[str, ...] = EXP_MODES,
+            once: bool = False) -> list[dict]:  # fmt: skip
+    """Rows of ``modes`` on one pack at head dim ``d`` (``once``: one launch each, no rows)."""
     from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90  # needs the cute extra
 
     dev = torch.device("cuda")
@@ -51,7 +54,7 @@ def measure(pack: str, d: int, quick: bool) -> list[dict]:
     work = build_work_list(cu, total, block_m=cfg.block_m, block_n=cfg.block_n, causal=True,
                            cu_seqlens_k=cu)  # fmt: skip
     outs, rows = {}, []
-    for mode in EXP_MODES:
+    for mode in modes:
         out = torch.empty(total, HQ, d, dtype=torch.bfloat16, device=dev)
         m_rows = torch.empty(total, HQ, dtype=torch.float32, device=dev)
         lse_rows = torch.empty_like(m_rows)
@@ -64,16 +67,21 @@ def measure(pack: str, d: int, quick: bool) -> list[dict]:
                           exp_mode=mode, promote_pv=cfg.promote_pv)  # fmt: skip
 
         call()
+        if once:
+            continue
         outs[mode] = out.clone()
         t = graph_time(call, rep_ms=50 if quick else 200)
         tflops = causal_flops(lens, HQ, d) / (t["ms"] * 1e-3) / 1e12
         rows.append({"workload": f"{pack}-d{d}", "pass": "forward", "impl": f"cute-{mode}", **t,
                      "tflops": tflops, "head_dim": d})  # fmt: skip
+    if once or "exact" not in outs:
+        return rows
     exact = outs["exact"].double().flatten()
-    for row, mode in zip(rows, EXP_MODES, strict=True):
+    exact_ms = rows[modes.index("exact")]["ms"]
+    for row, mode in zip(rows, modes, strict=True):
         cos = torch.nn.functional.cosine_similarity(outs[mode].double().flatten(), exact, dim=0)
         row["cos_vs_exact_exp"] = float(cos)
-        row["speedup_vs_exact"] = rows[0]["ms"] / row["ms"]
+        row["speedup_vs_exact"] = exact_ms / row["ms"]
         print(f"{row['workload']:14s} {row['impl']:14s} {row['ms']:8.3f} ms "
               f"{row['tflops']:7.1f} TFLOP/s  x{row['speedup_vs_exact']:.3f}  "
               f"cos vs exact {row['cos_vs_exact_exp']:.6f}")  # fmt: skip
@@ -85,12 +93,16 @@ def main() -> int:
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--packs", default="8192,4x2048,16x512")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--modes", default=",".join(EXP_MODES))
+    ap.add_argument("--once", action="store_true", help="one launch per mode (for ncu)")
     ap.add_argument("--name", default="exp_bound")
     args = ap.parse_args()
     rows: list[dict] = []
     for d in (int(x) for x in args.dims.split(",")):
         for pack in args.packs.split(","):
-            rows += measure(pack, d, args.quick)
+            rows += measure(pack, d, args.quick, tuple(args.modes.split(",")), args.once)
+    if args.once:
+        return 0
     write_results(args.name, rows, {"shape": {"hq": HQ, "hkv": HKV}})
     return 0
 
