@@ -143,6 +143,15 @@ def main() -> None:
             compile_and_keep(kernel, args, Float32(0.1), Int32(1), keep=keep, name=name)
             print(f"cute forward d={d} {tile_m}x{tile_n} overlap={overlap} promote_pv={promote} "
                   f"Q quantized in the kernel: q_block={q_block} {dtype}")  # fmt: skip
+        # three consumer warpgroups (192 rows) at d = 64, training and prefill (extend): more
+        # warps per scheduler for a forward that ncu finds latency-bound there
+        for tile_n, extend, k_exp_block in ((128, False, 32), (128, True, 1), (64, True, 1)):
+            kernel = FlamiaFwdSm90(64, 8, 2, True, k_exp_block, 192, tile_n, 2, False, True,
+                                   extend, "exact", False, False)  # fmt: skip
+            name = f"fwd_d64_192x{tile_n}_into_o" + ("_extend.cubin" if extend else ".cubin")
+            compile_and_keep(kernel, _fake_args(1024, 8, 2, 64), Float32(0.1), Int32(1),
+                             keep=keep, name=name)  # fmt: skip
+            print(f"cute forward d=64 192x{tile_n} promote_pv=False extend={extend}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ and SM) needs about twice the tile's FP8 MMA time there. Times each mode (CUDA g
 compares Mitchell-P's output with exact's (cos-sim; the issue's bar is 0.999). Writes
 ``exp_bound.json``.
 
-    python benchmarks/exp_bound.py [--dims 64,128] [--packs 8192,4x2048] [--quick]
+    python benchmarks/exp_bound.py [--dims 64,128] [--packs 8192,4x2048] [--quick] [--tile-m 192]
     ncu -k regex:FlamiaFwd --launch-count 1 ... python benchmarks/exp_bound.py --dims 64 \
         --packs 8192 --modes mitchell --once      # one launch per mode, nothing timed
 """
@@ -15,6 +15,7 @@ compares Mitchell-P's output with exact's (cos-sim; the issue's bar is 0.999). W
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -41,14 +42,18 @@ def parse_pack(text: str) -> list[int]:
 
 
 def measure(pack: str, d: int, quick: bool, modes: tuple[str, ...] = EXP_MODES,
-            once: bool = False) -> list[dict]:  # fmt: skip
-    """Rows of ``modes`` on one pack at head dim ``d`` (``once``: one launch each, no rows)."""
+            once: bool = False, tile_m: int = 0) -> list[dict]:  # fmt: skip
+    """Rows of ``modes`` on one pack at head dim ``d`` (``once``: one launch each, no rows;
+    ``tile_m``: query rows per tile instead of the default config's, e.g. 192 for three
+    consumer warpgroups)."""
     from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90  # needs the cute extra
 
     dev = torch.device("cuda")
     lens = parse_pack(pack)
     q, k, v, cu, _ = make_pack(lens, HQ, HKV, d, seed=d, device=dev)
     cfg = default_config(d, dev)
+    if tile_m:
+        cfg = dataclasses.replace(cfg, block_m=tile_m)
     qkv = quantize_qkv(q, k, v, cu, exact_causal=True, column_align=cfg.column_align)
     total = q.shape[0]
     work = build_work_list(cu, total, block_m=cfg.block_m, block_n=cfg.block_n, causal=True,
@@ -72,8 +77,9 @@ def measure(pack: str, d: int, quick: bool, modes: tuple[str, ...] = EXP_MODES,
         outs[mode] = out.clone()
         t = graph_time(call, rep_ms=50 if quick else 200)
         tflops = causal_flops(lens, HQ, d) / (t["ms"] * 1e-3) / 1e12
-        rows.append({"workload": f"{pack}-d{d}", "pass": "forward", "impl": f"cute-{mode}", **t,
-                     "tflops": tflops, "head_dim": d})  # fmt: skip
+        rows.append({"workload": f"{pack}-d{d}", "pass": "forward",
+                     "impl": f"cute-{cfg.block_m}x{cfg.block_n}-{mode}", **t, "tflops": tflops,
+                     "head_dim": d})  # fmt: skip
     if once or "exact" not in outs:
         return rows
     exact = outs["exact"].double().flatten()
@@ -95,12 +101,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--modes", default=",".join(EXP_MODES))
     ap.add_argument("--once", action="store_true", help="one launch per mode (for ncu)")
+    ap.add_argument("--tile-m", type=int, default=0, help="query rows per tile (default: config's)")
     ap.add_argument("--name", default="exp_bound")
     args = ap.parse_args()
     rows: list[dict] = []
     for d in (int(x) for x in args.dims.split(",")):
         for pack in args.packs.split(","):
-            rows += measure(pack, d, args.quick, tuple(args.modes.split(",")), args.once)
+            rows += measure(pack, d, args.quick, tuple(args.modes.split(",")), args.once,
+                            args.tile_m)  # fmt: skip
     if args.once:
         return 0
     write_results(args.name, rows, {"shape": {"hq": HQ, "hkv": HKV}})
