@@ -11,6 +11,7 @@
 #   bash benchmarks/run_serving_gpu.sh cute-ring-tests,cute-ring-tune     # NVFP4 ring stages
 #   bash benchmarks/run_serving_gpu.sh cute-fused-combine   # applies an experiment patch first
 #   bash benchmarks/run_serving_gpu.sh l2-decode   # decode after a dirty / a clean L2 flush
+#   bash benchmarks/run_serving_gpu.sh cute-warps  # CTAs of 8 warps (tests, then the tune)
 #     (the fa4 bundle in /tmp/site_fa4, the flashinfer bundle in /tmp/site)
 # The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
 #   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
@@ -64,6 +65,13 @@ if [[ $steps == *,cute-ring-ncu,* ]]; then  # B64-L8192 NVFP4 decode: register r
       --section Occupancy --section MemoryWorkloadAnalysis python benchmarks/profile_paged.py \
       --case decode --dtype nvfp4 --splits 1 --ring $ring
   done
+fi
+if [[ $steps == *,cute-warps,* ]]; then  # CTAs of 8 warps: fewer splits, no combine at B16
+  PYTHONPATH=$CUTE_SITE RUN_TAIL="-n 5" run pytest_gpu_cute_decode_warps 200 python -m pytest \
+    -q -m gpu tests/kernels/test_gpu_cute_decode.py -k "warp_counts"
+  PYTHONPATH=$CUTE_SITE run tune_decode_cute_warps 240 python benchmarks/tune_decode_cute.py \
+    --quick --depths 1 --stages 3 --warps 4,8 --splits 1,2,3 \
+    --workloads B16-L8192,B16-L32768 --name tune_decode_cute_warps
 fi
 if [[ $steps == *,cute-fused-combine,* ]]; then  # experiment: the last split merges (NVFP4)
   p=benchmarks/experiments/decode-nvfp4-fused-combine.patch

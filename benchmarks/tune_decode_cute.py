@@ -6,12 +6,13 @@ page 16), NVFP4 and FP8 caches. Prints and writes
 copy bandwidth of the same run).
 
     python benchmarks/tune_decode_cute.py [--quick] [--formats nvfp4,fp8] [--depths 1,2]
-        [--ctas 0,4] [--stages 0,4] [--edge 0,1] [--splits 2,3,4] [--workloads B16-L8192]
-        [--name tune_decode_cute]
+        [--ctas 0,4] [--stages 0,4] [--edge 0,1] [--warps 4,8] [--splits 2,3,4]
+        [--workloads B16-L8192] [--name tune_decode_cute]
 
 A variant with stages ≥ 2 takes its tiles through the shared-memory ring (``depth`` then
 does not apply: it runs once, labelled ``depth1``), with or without the edge split
-(``--edge``; the register ring has none).
+(``--edge``; the register ring has none). ``--warps``: warps per CTA (labelled ``-warps8``
+when not the kernel's default).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ WORKLOADS = {"B16-L8192": (16, 8192), "B16-L32768": (16, 32768), "B64-L8192": (6
 def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
           ctas_options: list[int], copy_row: dict, quick: bool,
           split_counts: list[int] | None = None, stage_counts: tuple[int, ...] = (0,),
-          edge_options: tuple[int, ...] = (0,)) -> list[dict]:  # fmt: skip
+          edge_options: tuple[int, ...] = (0,),
+          warp_counts: tuple[int, ...] = (cute_decode.WARPS,)) -> list[dict]:  # fmt: skip
     """Rows of the Triton decode and the CuTe variants on one workload and cache format."""
     dev = batch.q.device
     rows = []
@@ -65,12 +67,14 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
         # the shared-memory ring has no register depth (labelled 1), the register ring no edge
         # split
         ring = ((e, 1) for e in edge_options) if stages else ((0, d) for d in depths)
-        for (edge, depth), ctas, splits in itertools.product(ring, ctas_options, counts):
+        for (edge, depth), ctas, warps, splits in itertools.product(ring, ctas_options,
+                                                                     warp_counts, counts):
             tag = f"-stages{stages}" + ("-edge" if edge else "") if stages else ""
+            tag += f"-warps{warps}" if warps != cute_decode.WARPS else ""
             label = f"{dtype}-cute-depth{depth}-ctas{ctas}{tag}-splits{splits}"
-            variants[label] = ((depth, ctas, stages, edge), splits, None)
+            variants[label] = ((depth, ctas, stages, edge, warps), splits, None)
     reference = call(triton_splits, triton_decode).float()
-    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE")
+    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE", "WARPS")
     defaults = tuple(getattr(cute_decode, k) for k in knobs)
     for impl, (values, splits, cfg) in variants.items():
         for k, value in zip(knobs, values or defaults, strict=True):
@@ -105,6 +109,7 @@ def main() -> int:
     ap.add_argument("--stages", default="0", help="NVFP4 ring stages (0: register ring)")
     ap.add_argument("--edge", default="1",
                     help="NVFP4 ring: interior tiles without masks (0,1; default 1, as the kernel)")
+    ap.add_argument("--warps", default=str(cute_decode.WARPS), help="warps per CTA, e.g. 4,8")
     ap.add_argument("--splits", default="",
                     help="split-K counts to time (default: half, once and twice the default's)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -115,6 +120,7 @@ def main() -> int:
     ctas_options = [int(x) for x in args.ctas.split(",")]
     stage_counts = tuple(int(x) for x in args.stages.split(","))
     edge_options = tuple(int(x) for x in args.edge.split(","))
+    warp_counts = tuple(int(x) for x in args.warps.split(","))
     copy_row = copy_bandwidth(dev)
     rows: list[dict] = [copy_row]
     split_counts = [int(x) for x in args.splits.split(",") if x]
@@ -123,7 +129,8 @@ def main() -> int:
         batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
         for dtype in args.formats.split(","):
             rows += _tune(batch, name, b, length, dtype, depths, ctas_options, copy_row,
-                          args.quick, split_counts, stage_counts, edge_options)  # fmt: skip
+                          args.quick, split_counts, stage_counts, edge_options,
+                          warp_counts)  # fmt: skip
         del batch
         torch.cuda.empty_cache()
     write_results(args.name, rows, {"copy_gbps": copy_row["gbps"]})

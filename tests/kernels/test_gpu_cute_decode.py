@@ -76,6 +76,35 @@ def test_cute_decode_matches_reference_and_triton(
     _assert_close(out, triton, b.fmt)
 
 
+@pytest.mark.parametrize("dtype", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("warps", [2, 8])
+@pytest.mark.parametrize(
+    ("heads_q", "heads_kv", "head_dim", "cached", "splits"),
+    [(32, 8, 128, [8191, 5000, 17, 1, 0, 300], 2), (16, 2, 64, [777, 128, 5], 1)],
+)
+def test_cute_decode_other_warp_counts_match_reference(
+    dtype: str, warps: int, heads_q: int, heads_kv: int, head_dim: int, cached: list[int],
+    splits: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """CTAs of 2 or 8 warps (``WARPS``, a compile knob) take every 2nd / 8th key tile and
+    merge as many partials: the same attention as the reference twin and the Triton kernel."""
+    from flamia_serve.kernels.paged import cute_decode_sm90
+
+    monkeypatch.setattr(cute_decode_sm90, "WARPS", warps)
+    b = make_batch([1] * len(cached), cached, heads_q=heads_q, heads_kv=heads_kv,
+                   head_dim=head_dim, page_size=16, dtype=dtype, device="cuda",
+                   seed=warps + head_dim)  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    out = kernels.paged_attention(*args, num_splits=splits)
+    assert any(key[10] == warps for key in cute_decode_sm90._COMPILED)  # this kernel ran
+    _assert_close(out, ref.paged_attention(*args, softmax_scale=head_dim**-0.5), b.fmt)
+    triton_cfg = kernels.triton_decode_config(b.fmt, heads_q, heads_kv)
+    _assert_close(out, kernels.paged_attention(*args, num_splits=splits,
+                                               decode_config=triton_cfg), b.fmt)  # fmt: skip
+
+
 def test_cute_decode_static_fp8_scales() -> None:
     """``fp8_static``: per-layer K and V scales outside the cache (K's in the logit scale,
     V's on O), split and unsplit."""

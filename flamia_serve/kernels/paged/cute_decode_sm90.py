@@ -70,7 +70,8 @@ STAGES = 3
 #: NVFP4 ring: tiles wholly inside the sequence skip the masks of its last (a second copy of
 #: the tile step)
 SPLIT_EDGE = True
-#: warps per CTA, keys per warp step (one k-block of P̂·V), MMA rows (the GQA group)
+#: warps per CTA (a compile knob like DEPTH: 2, 4 or 8), keys per warp step (one k-block of
+#: P̂·V), MMA rows (the GQA group)
 WARPS = 4
 TILE = 16
 ROWS = 16
@@ -336,11 +337,12 @@ class _PagedDecodeSm90:
     whole into a ring of that many shared-memory stages with ``cp.async`` instead (``stages
     − 1`` tiles in flight, ``depth`` unused), then reads its fragments from there;
     ``split_edge`` (with the ring): tiles wholly inside the sequence run a copy of the tile
-    step without masks."""
+    step without masks; ``warps`` per CTA take every ``warps``-th key tile of the split."""
 
     def __init__(self, head_dim: int, heads_kv: int, group: int, page_size: int,
                  partial: bool, depth: int = DEPTH, ctas_per_sm: int = CTAS_PER_SM,
-                 stages: int = 0, split_edge: bool = SPLIT_EDGE) -> None:  # fmt: skip
+                 stages: int = 0, split_edge: bool = SPLIT_EDGE,
+                 warps: int = WARPS) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe decode supports 64, 128 and 256")
         if not 1 <= group <= ROWS:
@@ -352,6 +354,9 @@ class _PagedDecodeSm90:
         self.group = group
         self.page = page_size
         self.partial = partial
+        if warps not in (2, 4, 8):
+            raise ValueError(f"warps {warps}: the CuTe decode runs 2, 4 or 8 warps per CTA")
+        self.warps = warps
         if stages == 1 or stages < 0:
             raise ValueError(f"stages {stages}: 0 (register ring) or at least 2")
         self.depth = stages - 1 if stages else depth
@@ -379,21 +384,22 @@ class _PagedDecodeSm90:
         stream: cuda.CUstream,
     ):
         # the warps' rings (if any) and, after the key loop, their outputs share one region
-        ring_words = WARPS * self.stages * self.stage_bytes // 4 if self.stages else 0
+        warps = self.warps
+        ring_words = warps * self.stages * self.stage_bytes // 4 if self.stages else 0
 
         @cute.struct
         class Storage:
             sO: cute.struct.Align[
-                cute.struct.MemRange[Float32, max(WARPS * self.group * self.d, ring_words)], 128
+                cute.struct.MemRange[Float32, max(warps * self.group * self.d, ring_words)], 128
             ]
-            sM: cute.struct.MemRange[Float32, WARPS * self.group]
-            sL: cute.struct.MemRange[Float32, WARPS * self.group]
+            sM: cute.struct.MemRange[Float32, warps * self.group]
+            sL: cute.struct.MemRange[Float32, warps * self.group]
 
         self.kernel(
             mQ, mCache, mBT, mSeqLens, mQsl, mOut, mPartO, mPartML, qk_scale, out_scale,
             num_splits, part_tokens, Storage,
         ).launch(
-            grid=[num_decodes, self.heads_kv, num_splits], block=[32 * WARPS, 1, 1],
+            grid=[num_decodes, self.heads_kv, num_splits], block=[32 * warps, 1, 1],
             stream=stream, min_blocks_per_mp=self.ctas_per_sm,
         )  # fmt: skip
 
@@ -414,7 +420,7 @@ class _PagedDecodeSm90:
         part_tokens: Int32,
         Storage: cutlass.Constexpr,
     ):
-        d, group, tile_keys = self.d, self.group, self.tile
+        d, group, tile_keys, warps = self.d, self.group, self.tile, self.warps
         seq, kvh, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -422,13 +428,13 @@ class _PagedDecodeSm90:
         t = lane % 4
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(Storage)
-        sO = storage.sO.get_tensor(cute.make_layout((WARPS, group, d), stride=(group * d, d, 1)))
+        sO = storage.sO.get_tensor(cute.make_layout((warps, group, d), stride=(group * d, d, 1)))
         smem_ring = const_expr(self.stages > 0)
         ring = Int32(0)
         if const_expr(smem_ring):
             ring = storage.sO.data_ptr().toint() + warp * (self.stages * self.stage_bytes)
-        sM = storage.sM.get_tensor(cute.make_layout((WARPS, group), stride=(group, 1)))
-        sL = storage.sL.get_tensor(cute.make_layout((WARPS, group), stride=(group, 1)))
+        sM = storage.sM.get_tensor(cute.make_layout((warps, group), stride=(group, 1)))
+        sL = storage.sL.get_tensor(cute.make_layout((warps, group), stride=(group, 1)))
 
         q_start = mQsl[seq]
         q_len = mQsl[seq + 1] - q_start
@@ -441,7 +447,7 @@ class _PagedDecodeSm90:
             first = t_begin + warp
             n_it = Int32(0)
             if first < t_end:
-                n_it = (t_end - first + WARPS - 1) // WARPS
+                n_it = (t_end - first + warps - 1) // warps
             # Q: rows g and g + 8 (heads of the group), this thread's head columns
             # [t·d/4, (t+1)·d/4) as float32 with their row maximum
             two_halves = const_expr(group > 8)
@@ -477,7 +483,7 @@ class _PagedDecodeSm90:
             last_page = (kv_hi - 1) // self.page
             for k in cutlass.range_constexpr(depth):
                 if k < n_it:
-                    tile = first + k * WARPS
+                    tile = first + k * warps
                     for h in cutlass.range_constexpr(halves):
                         blk_ahead[h] = self.page_entry(mBT, seq, tile, h, last_page)
                     if const_expr(smem_ring):
@@ -489,11 +495,11 @@ class _PagedDecodeSm90:
                     cute.arch.cp_async_commit_group()  # empty groups keep the count per tile
             if depth < n_it:
                 for h in cutlass.range_constexpr(halves):
-                    blk_ahead[h] = self.page_entry(mBT, seq, first + depth * WARPS, h, last_page)
+                    blk_ahead[h] = self.page_entry(mBT, seq, first + depth * warps, h, last_page)
             if const_expr(smem_ring):
                 stages, stage_bytes = self.stages, self.stage_bytes
                 for it in cutlass.range(0, n_it, 1, unroll=1):
-                    tile = first + it * WARPS
+                    tile = first + it * warps
                     # tile it's group is complete once at most stages − 2 newer are pending;
                     # the warp barrier also orders last step's reads of the stage refilled now
                     cute.arch.cp_async_wait_group(stages - 2)
@@ -501,10 +507,10 @@ class _PagedDecodeSm90:
                     cur = self.read_tile(ring + it % stages * stage_bytes, g, t)
                     if it + depth < n_it:
                         self.copy_tile(ring + (it + depth) % stages * stage_bytes, base,
-                                       tile + depth * WARPS, blk_ahead, kvh, lane)  # fmt: skip
+                                       tile + depth * warps, blk_ahead, kvh, lane)  # fmt: skip
                     cute.arch.cp_async_commit_group()
                     if it + depth + 1 < n_it:
-                        ahead = tile + (depth + 1) * WARPS
+                        ahead = tile + (depth + 1) * warps
                         for h in cutlass.range_constexpr(halves):
                             blk_ahead[h] = self.page_entry(mBT, seq, ahead, h, last_page)
                     if const_expr(self.split_edge):
@@ -525,15 +531,15 @@ class _PagedDecodeSm90:
                     for k in cutlass.range_constexpr(depth):
                         it = it0 + k
                         if it < n_it:
-                            tile = first + it * WARPS
+                            tile = first + it * warps
                             cur = []
                             for i in cutlass.range_constexpr(n_raw):
                                 cur.append(raw[k, i])
                             if it + depth < n_it:
-                                self.load_tile(raw, k, base, tile + depth * WARPS, blk_ahead, kvh,
+                                self.load_tile(raw, k, base, tile + depth * warps, blk_ahead, kvh,
                                                g, t)  # fmt: skip
                             if it + depth + 1 < n_it:
-                                ahead = tile + (depth + 1) * WARPS
+                                ahead = tile + (depth + 1) * warps
                                 for h in cutlass.range_constexpr(halves):
                                     blk_ahead[h] = self.page_entry(mBT, seq, ahead, h, last_page)
                             self.attend(cur, tile, kv_hi, qa, row_scale, acc, m_run, l_run, t,
@@ -557,8 +563,8 @@ class _PagedDecodeSm90:
                             sO[warp, q, self.o_column(i, u // 2, g)] = acc[qi, i, u]
             cute.arch.barrier()
             tid = warp * 32 + lane
-            for k in cutlass.range_constexpr((group * d + 32 * WARPS - 1) // (32 * WARPS)):
-                idx = tid + k * 32 * WARPS
+            for k in cutlass.range_constexpr((group * d + 32 * warps - 1) // (32 * warps)):
+                idx = tid + k * 32 * warps
                 if idx < group * d:
                     self.store_value(sO, sM, sL, idx, q_start, kvh, split, part_tokens,
                                      out_scale, mOut, mPartO, mPartML)  # fmt: skip
@@ -630,11 +636,11 @@ class _PagedDecodeSm90:
         row = idx // d
         col = idx - row * d
         m_max = sM[0, row]
-        for w in cutlass.range_constexpr(1, WARPS):
+        for w in cutlass.range_constexpr(1, self.warps):
             m_max = cute.arch.fmax(m_max, sM[w, row])
         l_sum = Float32(0.0)
         o_sum = Float32(0.0)
-        for w in cutlass.range_constexpr(WARPS):
+        for w in cutlass.range_constexpr(self.warps):
             wt = pow2(Int32(cute.arch.fmax(sM[w, row] - m_max, Float32(-127.0))))
             l_sum = l_sum + sL[w, row] * wt
             o_sum = o_sum + sO[w, row, col] * wt
@@ -1012,14 +1018,15 @@ def paged_decode_sm90(
     depth: int | None = None,
     ctas_per_sm: int | None = None,
     stages: int | None = None,
+    warps: int | None = None,
 ) -> None:
     """Decode the first ``num_decodes`` sequences (one new token each) over an NVFP4, FP8 or
     static-FP8 cache (``ops.run_paged_attention``'s contract; ``v_scale`` multiplies O):
     into ``out`` when ``num_splits`` is 1, else into the split-K partials ``part_o`` /
     ``part_ml`` (``part_tokens`` rows per split) for ``combine_splits_kernel``. ``depth`` /
-    ``ctas_per_sm`` / ``stages``: see :class:`_PagedDecodeSm90` (default: the module's
-    ``DEPTH`` / ``CTAS_PER_SM`` / ``STAGES``; the ring is NVFP4's only: FP8 defaults to 0
-    and refuses others)."""
+    ``ctas_per_sm`` / ``stages`` / ``warps``: see :class:`_PagedDecodeSm90` (default: the
+    module's ``DEPTH`` / ``CTAS_PER_SM`` / ``STAGES`` / ``WARPS``; the ring is NVFP4's only:
+    FP8 defaults to 0 and refuses others)."""
     heads_q, d = q.shape[1], q.shape[2]
     heads_kv = cache.shape[2]
     group = heads_q // heads_kv
@@ -1034,14 +1041,16 @@ def paged_decode_sm90(
     ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
     if stages is None:
         stages = STAGES if fmt is KVCacheFormat.NVFP4 else 0
-    key = (fmt, d, heads_kv, group, page_size, partial, depth, ctas, stages, SPLIT_EDGE,
+    warps = WARPS if warps is None else warps
+    key = (fmt, d, heads_kv, group, page_size, partial, depth, ctas, stages, SPLIT_EDGE, warps,
            q.dtype, out.dtype)  # fmt: skip
     if key not in _COMPILED:
         args = (d, heads_kv, group, page_size, partial, depth, ctas)
         if fmt is KVCacheFormat.NVFP4:
-            kernel = NvFP4DecodeSm90(*args, stages=stages, split_edge=SPLIT_EDGE)
+            kernel = NvFP4DecodeSm90(*args, stages=stages, split_edge=SPLIT_EDGE, warps=warps)
         else:
-            kernel = Fp8DecodeSm90(*args, static=fmt is KVCacheFormat.FP8_STATIC, stages=stages)
+            kernel = Fp8DecodeSm90(*args, static=fmt is KVCacheFormat.FP8_STATIC, stages=stages,
+                                   warps=warps)  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Float32(v_scale),
                                         Int32(1), Int32(1), Int32(1))  # fmt: skip
     _COMPILED[key](*kernel_tensors(aligned), qk_scale, v_scale, num_splits, part_tokens,
