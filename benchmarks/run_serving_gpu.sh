@@ -10,6 +10,7 @@
 #   bash benchmarks/run_serving_gpu.sh cute-tests,cute-tune,cute-decode   # ~8 min
 #   bash benchmarks/run_serving_gpu.sh cute-ring-tests,cute-ring-tune     # NVFP4 ring stages
 #   bash benchmarks/run_serving_gpu.sh cute-fused-combine   # applies an experiment patch first
+#     (it applies to e10c587, before the WARPS knob: check that tree out to rerun it)
 #   bash benchmarks/run_serving_gpu.sh l2-decode   # decode after a dirty / a clean L2 flush
 #   bash benchmarks/run_serving_gpu.sh cute-warps  # CTAs of 8 warps (tests, then the tune)
 #     (the fa4 bundle in /tmp/site_fa4, the flashinfer bundle in /tmp/site)
