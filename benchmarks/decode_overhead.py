@@ -14,6 +14,7 @@ way: what a graph replay costs the harness whatever it holds.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,11 +29,8 @@ from benchmarks.serving import make_serving_batch, planned_call
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares ``(intercept, slope)`` of ``ys`` over ``xs``."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    return my - slope * mx, slope
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
 
 
 def kernel_times(call, reps: int = 20) -> dict[str, float]:
@@ -84,8 +82,9 @@ def main() -> int:
                 clean = graph_time(call, rep_ms=50, l2="clean")["ms"]
                 times.setdefault((dtype, "dirty"), []).append(t["ms"] * 1e3)
                 times.setdefault((dtype, "clean"), []).append(clean * 1e3)
-                gbps = batch.kv_bytes(dtype) / (t["ms"] * 1e-3) / 1e9
-                gbps_clean = batch.kv_bytes(dtype) / (clean * 1e-3) / 1e9
+                kv_bytes = batch.kv_bytes(dtype)
+                gbps = kv_bytes / (t["ms"] * 1e-3) / 1e9
+                gbps_clean = kv_bytes / (clean * 1e-3) / 1e9
                 row = {"workload": f"B{b}-L{length}", "pass": "decode",
                        "impl": f"flamia-{dtype}", **t, "tflops": None, "kv_format": dtype,
                        "gbps": gbps, "pct_copy": gbps / copy_row["gbps"],

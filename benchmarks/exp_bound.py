@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import graph_time, write_results
 from benchmarks.workloads import causal_flops
-from flamia_serve.kernels.attn_fwd.ops import default_config
+from flamia_serve.kernels.attn_fwd.ops import LOG2E, default_config
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.kernels.schedule import build_work_list
 from flamia_serve.probes import make_pack
@@ -66,7 +66,7 @@ def measure(pack: str, d: int, quick: bool, modes: tuple[str, ...] = EXP_MODES,
 
         def call(mode=mode, out=out, m_rows=m_rows, lse_rows=lse_rows) -> None:
             attn_fwd_sm90(qkv, cu, work, out, m_rows, lse_rows, heads_q=HQ, causal=True,
-                          qk_scale=d**-0.5 * 1.4426950408889634 * qkv.qk_rescale,
+                          qk_scale=d**-0.5 * LOG2E * qkv.qk_rescale,
                           tile_m=cfg.block_m, tile_n=cfg.block_n, num_stages=cfg.num_stages,
                           overlap=cfg.overlap, ticket=cfg.persistent, cu_seqlens_k=cu,
                           exp_mode=mode, promote_pv=cfg.promote_pv)  # fmt: skip
