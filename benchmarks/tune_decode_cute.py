@@ -1,7 +1,7 @@
 """The CuTe decodes' knobs on the GPU (H200): prefetch depth, register cap (CTAs per SM),
 the NVFP4 decode's shared-memory ring (stages; 0: the register ring) and split-K count,
-against the Triton decode, at B16-L8192, B64-L8192 and B64-L32768 (Hq 32 / Hkv 8, d 128,
-page 16), NVFP4 and FP8 caches. Prints and writes
+against the Triton decode, at B16-L8192, B16-L32768, B64-L8192 and B64-L32768 or any
+``B<sequences>-L<keys>`` (Hq 32 / Hkv 8, d 128, page 16), NVFP4 and FP8 caches. Prints and writes
 ``<name>.json`` (rate over the K/V bytes of the cache read once, and its fraction of the
 copy bandwidth of the same run).
 
@@ -12,14 +12,16 @@ copy bandwidth of the same run).
 A variant with stages ≥ 2 takes its tiles through the shared-memory ring (``depth`` then
 does not apply: it runs once, labelled ``depth1``), with or without the edge split
 (``--edge``; the register ring has none). ``--warps``: warps per CTA (labelled ``-warps8``
-when not the kernel's default).
+when not four; the decode config's ``num_warps``).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -30,12 +32,19 @@ import torch
 from benchmarks.common import copy_bandwidth, graph_time, write_results
 from benchmarks.serving import HEAD_DIM, HKV, HQ, make_serving_batch
 from flamia_serve.kernels.paged import cute_decode_sm90 as cute_decode
-from flamia_serve.kernels.paged import paged_attention, triton_decode_config
+from flamia_serve.kernels.paged import paged_attention, plan_paged, triton_decode_config
 from flamia_serve.kernels.paged.ops import decode_splits
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
-WORKLOADS = {"B16-L8192": (16, 8192), "B16-L32768": (16, 32768), "B64-L8192": (64, 8192),
-             "B64-L32768": (64, 32768)}
+WORKLOADS = ("B16-L8192", "B16-L32768", "B64-L8192", "B64-L32768")
+
+
+def parse_workload(name: str) -> tuple[int, int]:
+    """``B16-L8192`` -> (16 sequences, 8192 keys each)."""
+    match = re.fullmatch(r"B(\d+)-L(\d+)", name)
+    if not match:
+        raise ValueError(f"workload {name!r}: expected B<sequences>-L<keys>, e.g. B16-L8192")
+    return int(match[1]), int(match[2])
 
 
 def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
@@ -62,6 +71,10 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
         )  # fmt: skip
 
     variants = {f"{dtype}-triton-splits{triton_splits}": (None, triton_splits, triton_decode)}
+    plan = plan_paged(fmt, HQ, HKV, batch.query_start_loc.cpu(), length, device=dev)
+    # what paged_attention runs when given nothing (the module's knobs, the plan's shape)
+    variants[f"{dtype}-default-{plan.decode.kernel}-warps{plan.decode.num_warps}"
+             f"-splits{plan.num_splits}"] = (None, None, None)
     counts = split_counts or sorted({max(1, min(64, int(cute_splits * m))) for m in (0.5, 1, 2)})
     for stages in stage_counts if dtype == "nvfp4" else (0,):
         # the shared-memory ring has no register depth (labelled 1), the register ring no edge
@@ -72,9 +85,10 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
             tag = f"-stages{stages}" + ("-edge" if edge else "") if stages else ""
             tag += f"-warps{warps}" if warps != cute_decode.WARPS else ""
             label = f"{dtype}-cute-depth{depth}-ctas{ctas}{tag}-splits{splits}"
-            variants[label] = ((depth, ctas, stages, edge, warps), splits, None)
+            cfg = replace(triton_decode, kernel="cute", num_warps=warps)
+            variants[label] = ((depth, ctas, stages, edge), splits, cfg)
     reference = call(triton_splits, triton_decode).float()
-    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE", "WARPS")
+    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE")
     defaults = tuple(getattr(cute_decode, k) for k in knobs)
     for impl, (values, splits, cfg) in variants.items():
         for k, value in zip(knobs, values or defaults, strict=True):
@@ -125,7 +139,7 @@ def main() -> int:
     rows: list[dict] = [copy_row]
     split_counts = [int(x) for x in args.splits.split(",") if x]
     for name in args.workloads.split(","):
-        b, length = WORKLOADS[name]
+        b, length = parse_workload(name)
         batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
         for dtype in args.formats.split(","):
             rows += _tune(batch, name, b, length, dtype, depths, ctas_options, copy_row,

@@ -5,6 +5,7 @@ installed; skipped elsewhere."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,30 +78,33 @@ def test_cute_decode_matches_reference_and_triton(
 
 
 @pytest.mark.parametrize("dtype", ["nvfp4", "fp8"])
-@pytest.mark.parametrize("warps", [2, 8])
+@pytest.mark.parametrize("warps", [2, 4, 8])
 @pytest.mark.parametrize(
     ("heads_q", "heads_kv", "head_dim", "cached", "splits"),
     [(32, 8, 128, [8191, 5000, 17, 1, 0, 300], 2), (16, 2, 64, [777, 128, 5], 1)],
 )
 def test_cute_decode_other_warp_counts_match_reference(
     dtype: str, warps: int, heads_q: int, heads_kv: int, head_dim: int, cached: list[int],
-    splits: int, monkeypatch: pytest.MonkeyPatch,
+    splits: int,
 ) -> None:  # fmt: skip
-    """CTAs of 2 or 8 warps (``WARPS``, a compile knob) take every 2nd / 8th key tile and
-    merge as many partials: the same attention as the reference twin and the Triton kernel."""
+    """CTAs of 2, 4 or 8 warps (the CuTe decode config's ``num_warps``; the plan picks 4 or
+    8 by batch size) take every 2nd / 4th / 8th key tile and merge as many partials: the
+    same attention as the reference twin and the Triton kernel."""
     from flamia_serve.kernels.paged import cute_decode_sm90
 
-    monkeypatch.setattr(cute_decode_sm90, "WARPS", warps)
     b = make_batch([1] * len(cached), cached, heads_q=heads_q, heads_kv=heads_kv,
                    head_dim=head_dim, page_size=16, dtype=dtype, device="cuda",
                    seed=warps + head_dim)  # fmt: skip
     cache = b.cache.clone()
     ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
     args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
-    out = kernels.paged_attention(*args, num_splits=splits)
-    assert any(key[10] == warps for key in cute_decode_sm90._COMPILED)  # this kernel ran
-    _assert_close(out, ref.paged_attention(*args, softmax_scale=head_dim**-0.5), b.fmt)
     triton_cfg = kernels.triton_decode_config(b.fmt, heads_q, heads_kv)
+    cute_decode_sm90._COMPILED.clear()
+    out = kernels.paged_attention(*args, num_splits=splits,
+                                  decode_config=replace(triton_cfg, kernel="cute",
+                                                        num_warps=warps))  # fmt: skip
+    assert [key[10] for key in cute_decode_sm90._COMPILED] == [warps]  # this kernel ran
+    _assert_close(out, ref.paged_attention(*args, softmax_scale=head_dim**-0.5), b.fmt)
     _assert_close(out, kernels.paged_attention(*args, num_splits=splits,
                                                decode_config=triton_cfg), b.fmt)  # fmt: skip
 

@@ -485,23 +485,42 @@ def test_cute_decode_plan_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None
         p = kernels.plan_paged(KVPageFormat(dtype, 128), 32, 8, qsl64, 8192, device=dev)
         assert p.decode.kernel == ("triton" if dtype == "bf16" else "cute"), dtype
         assert p.num_splits == splits, (dtype, p.num_splits)
+        if dtype != "bf16":  # 512 pairs: more than a wave of eight-warp CTAs
+            assert p.decode.num_warps == 4, (dtype, p.decode)
     qsl16 = torch.arange(17, dtype=torch.int32)  # 16 decodes x 8 heads: one wave of 132 SMs
-    assert kernels.plan_paged(KVPageFormat("nvfp4", 128), 32, 8, qsl16, 8192,
-                              device=dev).num_splits == 3  # 3 CTAs per SM  # fmt: skip
-    assert kernels.plan_paged(KVPageFormat("fp8", 128), 32, 8, qsl16, 8192,
-                              device=dev).num_splits == 2  # 2 CTAs per SM  # fmt: skip
-    # one sequence: splits of four 128-key tiles at least; none at 0 pairs
-    assert ops.cute_decode_splits(KVPageFormat("fp8", 128), 8, 1000, 128, dev) == 2
-    assert ops.cute_decode_splits(KVPageFormat("nvfp4", 128), 8, 10**6, 128, dev) == 49
-    assert ops.cute_decode_splits(KVPageFormat("nvfp4", 128), 0, 1000, 128, dev) == 1
+    nvfp4 = kernels.plan_paged(KVPageFormat("nvfp4", 128), 32, 8, qsl16, 8192, device=dev)
+    assert (nvfp4.decode.num_warps, nvfp4.num_splits) == (8, 2)  # 2 CTAs of 8 warps per SM
+    fp8 = kernels.plan_paged(KVPageFormat("fp8", 128), 32, 8, qsl16, 8192, device=dev)
+    assert (fp8.decode.num_warps, fp8.num_splits) == (8, 1)  # 1 CTA of 8 warps per SM
+    # 17 FP8 decodes: 136 pairs > 132 SMs, back to four warps and two CTAs per SM
+    qsl17 = torch.arange(18, dtype=torch.int32)
+    fp8 = kernels.plan_paged(KVPageFormat("fp8", 128), 32, 8, qsl17, 8192, device=dev)
+    assert (fp8.decode.num_warps, fp8.num_splits) == (4, 1)
+    assert ops.cute_decode_splits(KVPageFormat("nvfp4", 128), 17 * 8, 8192, dev, 8) == 1
+    # the warps of a caller's CuTe config are checked, named
+    with pytest.raises(ValueError, match="num_warps"):
+        kernels.plan_paged(KVPageFormat("fp8", 128), 32, 8, qsl16, 8192, device=dev,
+                           decode_config=ops.PagedConfig(16, 128, 16, kernel="cute"))  # fmt: skip
+    # splits fill a wave of CTAs, each at least as long as its occupancy level asks
+    fp8_fmt, nvfp4_fmt = KVPageFormat("fp8", 128), KVPageFormat("nvfp4", 128)
+    assert ops.cute_decode_splits(fp8_fmt, 8, 1000, dev) == 2  # 512 keys (4 warps)
+    assert ops.cute_decode_splits(fp8_fmt, 8, 1024, dev, 8) == 4  # 256 keys (8 warps)
+    assert ops.cute_decode_splits(fp8_fmt, 8, 10**6, dev, 8) == 16  # 132 SMs // 8 pairs
+    assert ops.cute_decode_splits(nvfp4_fmt, 8, 10**6, dev) == 49  # 3 · 132 // 8
+    assert ops.cute_decode_splits(nvfp4_fmt, 8, 1024, dev, 8) == 4  # one CTA per SM
+    assert ops.cute_decode_splits(nvfp4_fmt, 8, 10**6, dev, 8) == 33  # two CTAs per SM
+    assert ops.cute_decode_splits(nvfp4_fmt, 128, 8192, dev, 8) == 2  # 4096 keys >= 2048
+    assert ops.cute_decode_splits(nvfp4_fmt, 128, 1024, dev, 8) == 1
+    assert ops.cute_decode_splits(nvfp4_fmt, 0, 1000, dev) == 1
     triton_only = kernels.plan_paged(KVPageFormat("fp8", 128), 32, 2, qsl16, 8192, device=dev)
     assert triton_only.decode.kernel == "triton"  # FP8 with a GQA group of 16
     assert kernels.plan_paged(KVPageFormat("nvfp4", 256), 8, 2, qsl16, 100,
                               device=dev).decode.kernel == "triton"  # fmt: skip
     rows = ops.max_workspace_rows(KVPageFormat("nvfp4", 128), 32, 8, 64, 8192, dev)
-    splits = {n: ops._splits_for(KVPageFormat("nvfp4", 128), 8, n, 8192,
-                                 ops.PagedConfig(16, 128, kernel="cute"), dev)
-              for n in range(1, 65)}  # fmt: skip
+    nvfp4_fmt = KVPageFormat("nvfp4", 128)
+    configs = {n: ops._default_decode_config(nvfp4_fmt, 32, 8, n, dev) for n in range(1, 65)}
+    assert {c.num_warps for c in configs.values()} == {4, 8}  # both kinds of CTA in the range
+    splits = {n: ops._splits_for(nvfp4_fmt, 8, n, 8192, c, dev) for n, c in configs.items()}
     assert rows == max(s * n for n, s in splits.items() if s > 1)  # one split: no partials
 
     b = make_batch([1, 1, 1], [40, 17, 3], heads_q=4, heads_kv=2, dtype="nvfp4")

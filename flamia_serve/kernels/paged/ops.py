@@ -44,10 +44,17 @@ from flamia_serve.numerics.operands import EXPONENT_DTYPE, KernelQKV, v_t_length
 
 _INDEX_DTYPES = (torch.int32,)
 MAX_DECODE_SPLITS = 64
-#: CTAs per SM a CuTe decode's split-K count aims for (``cute_decode_splits``)
-CUTE_DECODE_CTAS_PER_SM = {
-    KVCacheFormat.FP8: 2, KVCacheFormat.FP8_STATIC: 2, KVCacheFormat.NVFP4: 3,
+#: How a CuTe decode's CTAs fill the GPU, by cache format and warps per CTA: per occupancy
+#: level, (CTAs per SM, fewest keys per split). ``cute_decode_splits`` fills one wave of a
+#: level's CTAs with splits at least that long, and takes the level giving the most splits
+#: (a second CTA per SM pays only with long splits: NVFP4 at eight warps). FP8 at eight warps
+#: takes 251 registers, the whole register file.
+_FP8_WAVES = {4: ((2, 512),), 8: ((1, 256),)}
+CUTE_DECODE_WAVES = {
+    KVCacheFormat.FP8: _FP8_WAVES, KVCacheFormat.FP8_STATIC: _FP8_WAVES,
+    KVCacheFormat.NVFP4: {4: ((3, 512),), 8: ((1, 256), (2, 2048))},
 }  # fmt: skip
+CUTE_DECODE_WARPS = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -158,12 +165,14 @@ def triton_decode_config(fmt: KVPageFormat, heads_q: int, heads_kv: int) -> Page
     return default_configs(group_p2, fmt.head_dim, fmt.dtype)[0]
 
 
-def _default_decode_config(fmt: KVPageFormat, heads_q: int, heads_kv: int,
+def _default_decode_config(fmt: KVPageFormat, heads_q: int, heads_kv: int, num_decodes: int,
                            device: torch.device) -> PagedConfig:  # fmt: skip
-    """The measured decode config, on the CuTe kernel where :func:`cute_decode_runs`."""
+    """The measured decode config for ``num_decodes`` decodes: on the CuTe kernel where
+    :func:`cute_decode_runs`, with ``num_warps`` from :func:`cute_decode_warps`."""
     cfg = triton_decode_config(fmt, heads_q, heads_kv)
     if cute_decode_runs(fmt, heads_q, heads_kv, device):
-        cfg = replace(cfg, kernel="cute")
+        warps = cute_decode_warps(fmt, num_decodes * heads_kv, device)
+        cfg = replace(cfg, kernel="cute", num_warps=warps)
     return cfg
 
 
@@ -199,24 +208,42 @@ def _splits_for(fmt: KVPageFormat, heads_kv: int, num_decodes: int, max_seq_len:
         return decode_splits(num_decodes, heads_kv, max_seq_len, cfg.block_n, device, 2)
     if cfg.kernel != "cute":
         return decode_splits(num_decodes, heads_kv, max_seq_len, cfg.block_n, device, 8)
-    return cute_decode_splits(fmt, num_decodes * heads_kv, max_seq_len, cfg.block_n, device)
+    return cute_decode_splits(fmt, num_decodes * heads_kv, max_seq_len, device, cfg.num_warps)
 
 
-def cute_decode_splits(fmt: KVPageFormat, pairs: int, max_seq_len: int, block_n: int,
-                       device: torch.device) -> int:  # fmt: skip
-    """Key-range splits of a CuTe decode over ``pairs`` (sequence, KV head) pairs: as many as
-    fill one wave of ``CUTE_DECODE_CTAS_PER_SM`` CTAs per SM without starting a second (a
-    partial second wave runs at a fraction of the bandwidth), at least one, each split at
-    least four key tiles long. H200, Hkv 8, 16 sequences (``tune_decode_splits.json``):
-    NVFP4 three splits 75.6 µs at L8192 (eight 91.2, four 98.5), 243 at L32768 (eight 265);
-    FP8 two 85.0 (four 90.7, three 100.8), 279 (four 283); at 64 sequences one split. The
-    NVFP4 shared-memory ring fits four CTAs per SM, yet three splits stay the best at 16
-    sequences (``tune_decode_cute_ring.json``: 65.6 vs 66.0 µs for four, 71.8 for two)."""
+def cute_decode_warps(fmt: KVPageFormat, pairs: int, device: torch.device) -> int:
+    """Warps per CTA of a CuTe decode over ``pairs`` (sequence, KV head) pairs: eight while
+    one wave of eight-warp CTAs (``CUTE_DECODE_WAVES``) holds every pair, so that a pair's
+    keys get more warps in fewer splits; four otherwise. H200, Hkv 8, 16 sequences
+    (``tune_decode_cute_warps.json``): FP8 one split of eight warps 81.9 µs at L8192 (two of
+    four 84.4), 269.5 at L32768 (273.7); NVFP4 two splits of eight 60.6 (three of four
+    62.0), 194.5 (203.1); 64 sequences (``tune_decode_cute_warps_b1_b64_2026-12-02.log``):
+    FP8 four warps 274.1 µs at L8192 (eight 287.2), NVFP4 a tie (196.1, 194.8)."""
+    most = max(ctas for ctas, _ in CUTE_DECODE_WAVES[fmt.dtype][8])
+    return 8 if pairs <= most * _num_sms(device) else 4
+
+
+def cute_decode_splits(fmt: KVPageFormat, pairs: int, max_seq_len: int, device: torch.device,
+                       warps: int = 4) -> int:  # fmt: skip
+    """Key-range splits of a CuTe decode of ``warps`` per CTA over ``pairs`` (sequence, KV
+    head) pairs: per level of ``CUTE_DECODE_WAVES``, as many as fill one wave of its CTAs
+    without starting a second (a partial second wave runs at a fraction of the bandwidth),
+    each at least its keys long; the most of any level, at least one. H200, Hkv 8, 16
+    sequences, four warps (``tune_decode_splits.json``): NVFP4 three splits 75.6 µs at L8192
+    (eight 91.2, four 98.5), FP8 two 85.0 (four 90.7, three 100.8); at 64 sequences one
+    split. Eight warps (``tune_decode_cute_warps_splits.json``, µs): one sequence, FP8 four
+    splits 13.4 at L1024 (one 15.7), sixteen 39.3 at L32768 (eight 45.2, 33 49.0); NVFP4 four
+    13.7 at L1024 (one 16.4), sixteen 20.4 at L8192 (four 26.1) and 31.6 at L32768 (33
+    35.8); 16 sequences, NVFP4 two 60.2 at L8192 (one 68.1), one 17.3 at L1024 (two 20.6)."""
     if pairs == 0:
         return 1
-    one_wave = CUTE_DECODE_CTAS_PER_SM[fmt.dtype] * _num_sms(device) // pairs
-    by_length = max(1, math.ceil(max_seq_len / (4 * block_n)))
-    return max(1, min(MAX_DECODE_SPLITS, one_wave, by_length))
+    waves = CUTE_DECODE_WAVES[fmt.dtype]
+    sms = _num_sms(device)
+    best = 1
+    # two warps: the four-warp levels (their CTAs are register-limited alike)
+    for ctas, keys in waves.get(warps, waves[4]):
+        best = max(best, min(ctas * sms // pairs, math.ceil(max_seq_len / keys)))
+    return min(MAX_DECODE_SPLITS, best)
 
 
 def max_workspace_rows(fmt: KVPageFormat, heads_q: int, heads_kv: int, max_decodes: int,
@@ -225,9 +252,9 @@ def max_workspace_rows(fmt: KVPageFormat, heads_q: int, heads_kv: int, max_decod
     decodes over at most ``max_seq_len`` keys needs: the size of a workspace that serves
     every batch (and every CUDA graph) of an engine."""
     dev = torch.device(device)
-    cfg = _default_decode_config(fmt, heads_q, heads_kv, dev)
     rows = 0
     for n in range(1, max_decodes + 1):
+        cfg = _default_decode_config(fmt, heads_q, heads_kv, n, dev)
         splits = _splits_for(fmt, heads_kv, n, max_seq_len, cfg, dev)
         if splits > 1:
             rows = max(rows, splits * n)
@@ -349,8 +376,11 @@ def plan_paged_counts(
         )
     group_p2 = triton.next_power_of_2(heads_q // heads_kv)
     default_prefill = default_configs(group_p2, fmt.head_dim, fmt.dtype)[1]
-    decode_cfg = decode_config or _default_decode_config(fmt, heads_q, heads_kv,
+    decode_cfg = decode_config or _default_decode_config(fmt, heads_q, heads_kv, num_decodes,
                                                          torch.device(device))  # fmt: skip
+    if decode_cfg.kernel == "cute" and decode_cfg.num_warps not in CUTE_DECODE_WARPS:
+        raise ValueError(f"decode_config.num_warps must be one of {CUTE_DECODE_WARPS} for the "
+                         f"CuTe decode, got {decode_cfg.num_warps}")  # fmt: skip
     prefill_cfg = prefill_config or default_prefill
     if prefill_config is None and cute_prefill_runs(fmt, torch.device(device)):
         prefill_cfg = replace(prefill_cfg, kernel="cute")
@@ -648,6 +678,7 @@ def run_paged_attention(
             query_start_loc=query_start_loc, out=out, part_o=part_o, part_ml=part_ml,
             fmt=fmt.dtype, num_decodes=num_decodes, num_splits=splits, part_tokens=rows,
             page_size=layout.page_size, qk_scale=qk_scale, v_scale=v_scale,
+            warps=cfg.num_warps,
         ))  # fmt: skip
         LAUNCHES["decode:cute" if cute else "decode:triton"] += 1
         if not cute:
