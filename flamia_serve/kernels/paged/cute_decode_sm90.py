@@ -70,8 +70,9 @@ STAGES = 3
 #: NVFP4 ring: tiles wholly inside the sequence skip the masks of its last (a second copy of
 #: the tile step)
 SPLIT_EDGE = True
-#: warps per CTA (a compile knob like DEPTH: 2, 4 or 8), keys per warp step (one k-block of
-#: P̂·V), MMA rows (the GQA group)
+#: warps per CTA when the caller names none (2, 4 or 8; the paged plan passes its own:
+#: ``ops.cute_decode_warps``), keys per warp step (one k-block of P̂·V), MMA rows (the GQA
+#: group)
 WARPS = 4
 TILE = 16
 ROWS = 16
