@@ -1,5 +1,5 @@
 """Does the CuTe forward give the same bits on every run, with Q quantized in the kernel and by
-the launch? (H200; the race of ``benchmarks/experiments/cute-fwd-q-early-release.patch``.)
+the launch? (H200; the early release of Q raced without its fix: ``benchmarks/NOTES.md``.)
 
 For each pack and config: the forward on the launch's Q codes once, then ``--runs`` times on
 operands whose Q the kernel quantizes (``defer_q``). Prints, per case, the row-heads that

@@ -67,6 +67,9 @@ from flamia_serve.numerics.operands import KernelQKV
 # then each warpgroup's own (its quantization of Q)
 _BAR_TURN = 1
 _BAR_WG = 4
+#: (with ``q_block``) the consumers' last Q̂·K̂ᵀ of an item -> the producer's first K/V load
+#: of the next item
+_BAR_KV_GATE = 8
 # Mitchell-P's E4M3 codes: code = RNE(8·t') + bias·8 for t' = t + P_HAT_EXP; adding
 # (127 − bias)·8 and shifting by 20 makes a code the top bits of its float32
 _MITCHELL_BIAS = float(P_E4M3.bias << P_E4M3.mant_bits)
@@ -144,6 +147,7 @@ class FlamiaFwdSm90:
         self.num_wg = self.tile_m // 64
         assert self.num_wg in (1, 2, 3)
         self.num_threads = 128 * (self.num_wg + 1)
+        self.gate_threads = 32 + 128 * self.num_wg  # _BAR_KV_GATE: producer warp, consumers
         self.mma_regs, self.producer_regs = {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.num_wg]
 
     # ---------------------------------------------------------------- host side
@@ -380,11 +384,14 @@ class FlamiaFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         work_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, _WORK_STAGES)
         q_phase = Int32(1)
+        after_first = Int32(0)  # the first item's K/V wait for no earlier item
         work = cute.arch.block_idx()[0]
         while work < sched.n_work:
             work_state = self.publish_work(sched, work_state, work)
             w = self.work_item(sched, work)
-            state = self.produce_item(w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase)
+            state = self.produce_item(w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase,
+                                      after_first)  # fmt: skip
+            after_first = Int32(1)
             q_phase ^= 1
             if const_expr(self.ticket):
                 ticket = Int32(0)
@@ -416,8 +423,13 @@ class FlamiaFwdSm90:
         return work, work_state
 
     @cute.jit
-    def produce_item(self, w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase):
-        """One item's loads: the last key tile's K first, then Q, then the rest in order."""
+    def produce_item(self, w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase,
+                     after_first):  # fmt: skip
+        """One item's loads: the last key tile's K first, then Q, then the rest in order.
+        With ``q_block``, Q first (its input buffer is free once the warpgroups quantized the
+        item before), then the K/V tiles once every consumer warpgroup has passed that item's
+        last Q̂·K̂ᵀ (``_BAR_KV_GATE``; ``after_first``: there was an item before), as they did
+        while Q's release came after that Q̂·K̂ᵀ (see ``release_k``)."""
         tma_q, tma_k, tma_v, tma_f = tma
         atom_q, atom_k, atom_v, atom_f = atoms
         sQ, sK, sV, sF = smem
@@ -449,10 +461,18 @@ class FlamiaFwdSm90:
         load_v, _, _ = copy_utils.tma_get_copy_fn(atom_v, 0, cute.make_layout(1), gV, sV)
         load_v = copy_utils.tma_producer_copy_fn(load_v, pipe_v)
         n = n_blocks - 1
-        pipe_k.producer_acquire(state)
-        load_k(src_idx=n, producer_state=state)
-        pipe_q.producer_acquire_w_index_phase(0, q_phase)
-        load_q(tma_bar_ptr=pipe_q.sync_object_full.get_barrier(0))
+        if const_expr(self.q_block > 0):
+            pipe_q.producer_acquire_w_index_phase(0, q_phase)
+            load_q(tma_bar_ptr=pipe_q.sync_object_full.get_barrier(0))
+            if after_first > 0:
+                cute.arch.barrier(barrier_id=_BAR_KV_GATE, number_of_threads=self.gate_threads)
+            pipe_k.producer_acquire(state)
+            load_k(src_idx=n, producer_state=state)
+        else:
+            pipe_k.producer_acquire(state)
+            load_k(src_idx=n, producer_state=state)
+            pipe_q.producer_acquire_w_index_phase(0, q_phase)
+            load_q(tma_bar_ptr=pipe_q.sync_object_full.get_barrier(0))
         pipe_v.producer_acquire(state)
         load_v(src_idx=n, producer_state=state)
         state.advance()
@@ -535,6 +555,7 @@ class FlamiaFwdSm90:
             if const_expr(self.q_block > 0):
                 pipe_q.consumer_wait_w_index_phase(0, q_phase)
                 self.quantize_q_rows(ctx, w)
+                pipe_q.consumer_release_w_index(0)  # the next item's Q may load now
             item_ctx = self.start_item(ctx, w, mQexp, qk_scale)
             state = self.key_tiles(item_ctx, state, pipe_q, q_phase, w)
             q_phase ^= 1
@@ -579,7 +600,7 @@ class FlamiaFwdSm90:
             ctx.pipe_k.consumer_wait(state, ctx.pipe_k.consumer_try_wait(state))
             acc_S = ctx.mma_qk(state.index, 0)
             self.softmax_step(ctx, acc_S, state, n, True)
-            ctx.pipe_k.consumer_release(state)
+            self.release_k(ctx, state)
             self.stage_p(ctx, acc_S)
             for i in cutlass.range(n_blocks - 1 - n_masked_end, unroll=1):
                 state = self.key_tile_overlapped(ctx, state, n_blocks - 2 - i, True)
@@ -617,7 +638,7 @@ class FlamiaFwdSm90:
         self.turn_pass(ctx.wg)
         warpgroup.wait_group(0)
         self.softmax_step(ctx, acc_S, state, n_blocks - 1, True)
-        ctx.pipe_k.consumer_release(state)
+        self.release_k(ctx, state)
         self.stage_p(ctx, acc_S)
         if const_expr(not self.overlap):
             self.turn_wait(ctx.wg)
@@ -637,13 +658,25 @@ class FlamiaFwdSm90:
         return state
 
     @cute.jit
+    def release_k(self, ctx, state):
+        """Free a K stage (with its exponent factors). With ``q_block``, after a shared-memory
+        fence: the SASS issues the factors' last ``LDS`` right before the release, still in
+        flight when it lands. With Q released early and neither this fence nor the K/V gate
+        (``produce_item``), the later warpgroups' outputs varied from run to run; either one
+        alone made them repeatable (H200, ``benchmarks/NOTES.md``): both are kept."""
+        if const_expr(self.q_block > 0):
+            cute.arch.fence_view_async_shared()
+        ctx.pipe_k.consumer_release(state)
+
+    @cute.jit
     def release_q(self, pipe_q):
-        """Q's buffer (with ``q_block``: its BF16/FP16 input) is free after the item's last
-        Q̂·K̂ᵀ. The input is not read after the warpgroups quantized it, but releasing it then
-        (the next item's Q loading during this item's key tiles) made outputs on packs of
-        short documents vary from run to run in the second warpgroup's rows (H200,
-        ``benchmarks/NOTES.md``), so the producer stays gated as without ``q_block``."""
-        pipe_q.consumer_release_w_index(0)
+        """After the item's last Q̂·K̂ᵀ: Q's buffer is free (without ``q_block``; with it, the
+        BF16/FP16 input was released once quantized), and the producer may start the next
+        item's K/V loads (``_BAR_KV_GATE``)."""
+        if const_expr(self.q_block > 0):
+            cute.arch.barrier_arrive(barrier_id=_BAR_KV_GATE, number_of_threads=self.gate_threads)
+        else:
+            pipe_q.consumer_release_w_index(0)
 
     @cute.jit
     def quantize_q_rows(self, ctx, w):
@@ -718,7 +751,7 @@ class FlamiaFwdSm90:
             warpgroup.wait_group(0)
             ctx.pipe_v.consumer_release(state_v)
         self.softmax_step(ctx, acc_S, state, n, mask)
-        ctx.pipe_k.consumer_release(state)
+        self.release_k(ctx, state)
         if const_expr(self.overlap):
             warpgroup.wait_group(0)
             ctx.pipe_v.consumer_release(state_v)
@@ -752,7 +785,7 @@ class FlamiaFwdSm90:
         self.turn_pass(ctx.wg)
         warpgroup.wait_group(1)
         self.softmax_step(ctx, acc_S, state, n, mask)
-        ctx.pipe_k.consumer_release(state)
+        self.release_k(ctx, state)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(state_v)
         self.update_o(ctx, acc_T, add_first=True)
@@ -768,7 +801,7 @@ class FlamiaFwdSm90:
         self.turn_pass(ctx.wg)
         warpgroup.wait_group(0)
         self.softmax_step(ctx, acc_S, state, n, mask)
-        ctx.pipe_k.consumer_release(state)
+        self.release_k(ctx, state)
         self.stage_p(ctx, acc_S)
         ctx.pipe_v.consumer_wait(state, ctx.pipe_v.consumer_try_wait(state))
         self.turn_wait(ctx.wg)
