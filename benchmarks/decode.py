@@ -19,6 +19,7 @@ sm90 NVFP4 path (``fa2``, lookup-table dequant) fed our NVFP4 bytes.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -48,8 +49,11 @@ WORKLOADS = [f"B{b}-L{n}" for b in (1, 16, 64) for n in (1024, 8192, 32768)]
 
 
 def parse(name: str) -> tuple[int, int]:
-    b, n = name.split("-")
-    return int(b[1:]), int(n[1:])
+    """``B16-L8192`` -> (16 sequences, 8192 keys each)."""
+    match = re.fullmatch(r"B(\d+)-L(\d+)", name)
+    if not match:
+        raise ValueError(f"workload {name!r}: expected B<sequences>-L<keys>, e.g. B16-L8192")
+    return int(match[1]), int(match[2])
 
 
 def flashinfer_impls(batch: ServingBatch) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +29,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.common import copy_bandwidth, graph_time, write_results
+from benchmarks.decode import parse
 from benchmarks.serving import HEAD_DIM, HKV, HQ, make_serving_batch
 from flamia_serve.kernels.paged import cute_decode_sm90 as cute_decode
 from flamia_serve.kernels.paged import paged_attention, plan_paged, triton_decode_config
@@ -37,14 +37,6 @@ from flamia_serve.kernels.paged.ops import decode_splits
 from flamia_serve.numerics.kv_pages import KVPageFormat
 
 WORKLOADS = ("B16-L8192", "B16-L32768", "B64-L8192", "B64-L32768")
-
-
-def parse_workload(name: str) -> tuple[int, int]:
-    """``B16-L8192`` -> (16 sequences, 8192 keys each)."""
-    match = re.fullmatch(r"B(\d+)-L(\d+)", name)
-    if not match:
-        raise ValueError(f"workload {name!r}: expected B<sequences>-L<keys>, e.g. B16-L8192")
-    return int(match[1]), int(match[2])
 
 
 def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
@@ -139,7 +131,7 @@ def main() -> int:
     rows: list[dict] = [copy_row]
     split_counts = [int(x) for x in args.splits.split(",") if x]
     for name in args.workloads.split(","):
-        b, length = parse_workload(name)
+        b, length = parse(name)
         batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
         for dtype in args.formats.split(","):
             rows += _tune(batch, name, b, length, dtype, depths, ctas_options, copy_row,

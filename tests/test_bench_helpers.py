@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.common import time_ms
+from benchmarks.decode import parse
 from benchmarks.decode_overhead import fit_line
 from benchmarks.exp_bound import parse_pack
 
@@ -19,6 +20,13 @@ def test_fit_line_recovers_fixed_cost_and_slope() -> None:
 def test_parse_pack_reads_counts_and_lengths() -> None:
     assert parse_pack("8192") == [8192]
     assert parse_pack("4x2048") == [2048] * 4
+
+
+def test_decode_workload_names_parse_or_fail_clearly() -> None:
+    assert parse("B16-L8192") == (16, 8192)
+    assert parse("B1-L1024") == (1, 1024)
+    with pytest.raises(ValueError, match="B<sequences>-L<keys>"):
+        parse("16x8192")
 
 
 def test_time_ms_names_a_bad_flush_mode() -> None:
