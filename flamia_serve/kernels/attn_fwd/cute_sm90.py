@@ -660,8 +660,8 @@ class FlamiaFwdSm90:
     @cute.jit
     def release_k(self, ctx, state):
         """Free a K stage (with its exponent factors). With ``q_block``, after a shared-memory
-        fence: the SASS issues the factors' last ``LDS`` right before the release, still in
-        flight when it lands. With Q released early and neither this fence nor the K/V gate
+        fence: the SASS issues the factors' last ``LDS`` right before the release and uses it
+        after. With Q released early and neither this fence nor the K/V gate
         (``produce_item``), the later warpgroups' outputs varied from run to run; either one
         alone made them repeatable (H200, ``benchmarks/NOTES.md``): both are kept."""
         if const_expr(self.q_block > 0):
