@@ -516,8 +516,7 @@ def test_cute_decode_plan_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None
     assert triton_only.decode.kernel == "triton"  # FP8 with a GQA group of 16
     assert kernels.plan_paged(KVPageFormat("nvfp4", 256), 8, 2, qsl16, 100,
                               device=dev).decode.kernel == "triton"  # fmt: skip
-    rows = ops.max_workspace_rows(KVPageFormat("nvfp4", 128), 32, 8, 64, 8192, dev)
-    nvfp4_fmt = KVPageFormat("nvfp4", 128)
+    rows = ops.max_workspace_rows(nvfp4_fmt, 32, 8, 64, 8192, dev)
     configs = {n: ops._default_decode_config(nvfp4_fmt, 32, 8, n, dev) for n in range(1, 65)}
     assert {c.num_warps for c in configs.values()} == {4, 8}  # both kinds of CTA in the range
     splits = {n: ops._splits_for(nvfp4_fmt, 8, n, 8192, c, dev) for n, c in configs.items()}
