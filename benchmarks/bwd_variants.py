@@ -38,7 +38,7 @@ MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
 KERNEL = Path(__file__).resolve().parents[1] / "flamia_serve/kernels/attn_bwd/cute_sm90.py"
 
 # the kernel's text that the ablations change (each must occur exactly once)
-_BULK_ADD = "        if lane < self.dq_rows_per_warp and i0 + q < seqlen:\n"
+_BULK_ADD = '        if ctx["t"] == 0:\n            copy_utils.cpasync_reduce_bulk_add_f32(\n'
 _DQ_ORDER = """\
         order = [
             item
@@ -58,7 +58,7 @@ _DS_BARRIER = """\
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
 """
 _SECOND_ISSUE = "        issue(0)\n        issue(1)\n"
-_NO_ADD = (_BULK_ADD, _BULK_ADD.replace(":\n", " and q < 0:\n"))
+_NO_ADD = (_BULK_ADD, _BULK_ADD.replace(" == 0:", " < 0:"))
 _K_ONLY = '        order = [("k", hb, hf) for hf in range(halves) for hb in range(n_halves)]\n'
 _NO_DQ = [
     (_DQ_ORDER, _K_ONLY),

@@ -21,9 +21,11 @@ warpgroups each own 64 keys (keys on the MMAs' M) and take every step:
   64-column pieces of the head dimension (registers);
 * ``dQᵀ = K̂ᵀ·dŜᵀ`` (N = the step; each half's dŜ carries its own exponent, undone per query
   column when staged): dŜ goes to shared memory transposed, the product to an FP32
-  staging tile (rows padded against bank conflicts) whose query rows inside the document
-  are added to ``dq_acc [Hq, T, d]`` by bulk reduce-adds, one lane per row (so dQ is summed
-  in no fixed order: not bitwise repeatable).
+  staging tile (rows padded against bank conflicts) that one bulk reduce-add per step
+  adds to ``dq_acc [Hq, t_pad, d + DQ_PAD]``: query rows in the column layout (the V̂ᵀ
+  columns' order, read back by ``key_columns``), with the staging tile's row pitch, so a step is one
+  contiguous span (rows past a document land in its own padding, never read back); dQ is
+  summed in no fixed order: not bitwise repeatable.
 
 Per-query statistics (Q/dÔ/Ĝ exponents, M, lse, D) are staged in shared memory per step by
 the producer warp's lanes and read by the consumers column by column. Interior steps (all
@@ -127,7 +129,6 @@ class FlamiaBwdSm90:
         self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
         self.step_q = STEP_FOR_D[head_dim]
-        self.dq_rows_per_warp = self.step_q // 4  # dQ rows a warp adds per step, one a lane
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -154,7 +155,7 @@ class FlamiaBwdSm90:
         mItemDoc: cute.Tensor,  # (N,) int32
         mItemTile: cute.Tensor,  # (N,) int32
         mCount: cute.Tensor,  # (1,) int32
-        mDQ: cute.Tensor,  # (Hq, T, d) f32, zeroed
+        mDQ: cute.Tensor,  # (Hq, t_pad, d + DQ_PAD) f32, zeroed: column layout, padded rows
         mDK: cute.Tensor,  # (T, Hkv, d) bf16/fp16
         mDV: cute.Tensor,  # (T, Hkv, d) bf16/fp16
         mDbg: cute.Tensor,  # (Hq, T, T) f32 (debug_p only)
@@ -580,7 +581,7 @@ class FlamiaBwdSm90:
                 pipe_stats.consumer_release(state)
                 pipe_step.consumer_release(state)
                 state.advance()
-        if t % 32 < self.dq_rows_per_warp:
+        if t == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(ctx, thr_kv, mDK, mDV, softmax_scale)
 
@@ -737,7 +738,7 @@ class FlamiaBwdSm90:
             for j in cutlass.range_constexpr(n_cols):
                 # K̂ᵀ holds the keys in the column layout's order: dŜ's columns follow it
                 sDS[tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
-        if ctx["t"] % 32 < self.dq_rows_per_warp:  # the previous dQ tile has left shared memory
+        if ctx["t"] == 0:  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
@@ -751,6 +752,11 @@ class FlamiaBwdSm90:
         tQcQ = layout_utils.reshape_acc_to_mn(
             thr_dq.partition_C(cute.make_identity_tensor((64, self.step_q)))
         )
+        # staged query rows in the column layout's order (``dq_acc`` is read back by
+        # ``key_columns``): this thread's query columns are col0 + column_offset(j), col0 =
+        # 2·(lane % 4) in bits 1-2, the offsets in bits 0, 3 and up, so the permutation
+        # splits into a per-thread base and a constant per j
+        dq_col0 = v_t_position(tQcQ[0, 0][1])
         order = [
             item
             for hf in range(halves)
@@ -777,9 +783,11 @@ class FlamiaBwdSm90:
                 q_cols = cute.size(acc_q_mn, mode=[1])
                 for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
                     for j in cutlass.range_constexpr(q_cols):
-                        row, col = tQcQ[r, j]
+                        row = tQcQ[r, j][0]
                         fac = dq_fac[j // (q_cols // n_halves)]
-                        sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
+                        sDQ[dq_col0 + _v_t_offset(column_offset(j)), hf * 64 + row, wg] = (
+                            acc_q_mn[r, j] * fac
+                        )
 
         issue(0)
         issue(1)
@@ -790,14 +798,14 @@ class FlamiaBwdSm90:
                 issue(n + 2)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
-        # each query row inside the document is added by one lane (rows past it are the
-        # next document's: never added, so 0·NaN from a bad key cannot carry over)
-        lane = ctx["t"] % 32
-        q = ctx["warp"] * self.dq_rows_per_warp + lane
-        if lane < self.dq_rows_per_warp and i0 + q < seqlen:
+        # the whole tile, padding included, by one bulk reduce-add: ``dq_acc`` holds each
+        # head's rows in the column layout with the staging tile's row pitch, so the step's
+        # queries are one contiguous span (rows past the document land in its own padding
+        # columns, never read back)
+        if ctx["t"] == 0:
             copy_utils.cpasync_reduce_bulk_add_f32(
-                sDQ[q, None, wg].iterator, mDQ[h, doc_start + i0 + q, None].iterator,
-                self.d * 4,
+                sDQ[0, None, wg].iterator, mDQ[h, w["vt_start"] + i0, None].iterator,
+                self.step_q * (self.d + DQ_PAD) * 4,
             )  # fmt: skip
             cute.arch.cp_async_bulk_commit_group()
 
@@ -850,6 +858,12 @@ class FlamiaBwdSm90:
                         )
 
 
+def _v_t_offset(c: int) -> int:
+    """``v_t_position`` of a trace-time column offset (bits 0, 3 and up: those it keeps)."""
+    k = c & 15
+    return (c - k) + (((k >> 1) & 3) << 2) + ((k >> 3) << 1) + (k & 1)
+
+
 def _rows_copy(atom, tma, head, box, smem, doc_start):
     """TMA copy of token-major tiles of a document (source index: tile of the document)."""
     g = cute.local_tile(cute.domain_offset((doc_start, 0), tma[None, None, head]), box, (None, 0))
@@ -900,7 +914,8 @@ def attn_bwd_sm90(
     dev = qkv.k_codes.device
     q_in, k_in, q_score_exp = qkv.score_operands("CuTe backward")  # Sᵀ's
     wide = qkv.q4 is not None
-    dq_acc = zeroed_accumulator(workspace, (heads_q, total, d), dev)
+    t_pad = qkv.v_t.shape[2]
+    dq_acc = zeroed_accumulator(workspace, (heads_q, t_pad, d + DQ_PAD), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
     v_shape = (total, heads_kv, d)  # token-major V codes, gathered from the column layout
@@ -931,5 +946,5 @@ def attn_bwd_sm90(
     if total:
         _COMPILED[key](*kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv)
     dq = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
-    dq.copy_(dq_acc.permute(1, 0, 2))
+    dq.copy_(torch.index_select(dq_acc, 1, qkv.key_columns())[..., :d].permute(1, 0, 2))
     return dq, dk, dv
