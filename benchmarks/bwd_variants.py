@@ -51,7 +51,10 @@ _DQ_BARRIER = """\
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
 """
 _DS_STORE = """\
-                sDS[tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
+                    ctx["sDS"][tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
+"""
+_DS_WORD_STORE = """\
+                sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, wg] = word
 """
 _DS_BARRIER = """\
         cute.arch.fence_view_async_shared()
@@ -76,8 +79,11 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
     # and no dŜ to shared memory (nor its barrier)
     "nodq_nods": [
         *_NO_DQ,
-        (_DS_STORE, _DS_STORE.replace("                sDS", "                if i0 < 0:\n"
-                                      "                    sDS")),
+        (_DS_STORE, _DS_STORE.replace("    ctx", "    if i0 < 0:\n" + " " * 24 + "ctx", 1)),
+        (
+            _DS_WORD_STORE,
+            _DS_WORD_STORE.replace("    sDS_w", "    if i0 < 0:\n" + " " * 20 + "sDS_w"),
+        ),
         (_DS_BARRIER, ""),
     ],
     # the warpgroup barrier of the dS exponent exchange (exponents then read early)

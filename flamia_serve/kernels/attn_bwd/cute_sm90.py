@@ -91,6 +91,9 @@ TILE_N = WG_KEYS * NUM_WG
 #: FP32 padding after each query row of the dQ staging tile: the accumulator's writes (4
 #: queries x 8 head columns per instruction) then fall in 32 different banks
 DQ_PAD = 4
+#: dŜ stored as 32-bit words (lane-pair shuffles) by head dim; byte stores at d = 128,
+#: where the words' registers make ptxas spill (local compile: 168 B of stack against 104)
+DS_WORDS = {64: True, 128: False}
 # named barriers (0 is __syncthreads), one of each per consumer warpgroup
 _BAR_AMAX = 1
 _BAR_DS = 3
@@ -331,6 +334,15 @@ class FlamiaBwdSm90:
                 ("sGt", step_t_layout), ("sDS", ds_layout),
             )
         ]  # fmt: skip
+        # dŜ's tile as 32-bit words: the same 64-byte swizzle in 4-byte units
+        ds_words_layout = sm90_utils.make_smem_layout(
+            Int32, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS // 4), NUM_WG
+        )
+        smem_tensors.append(
+            storage.sDS.get_tensor(
+                ds_words_layout.outer, swizzle=ds_words_layout.inner, dtype=Int32
+            )
+        )
         sDQ = storage.sDQ.get_tensor(dq_layout)
         sAmax = storage.sAmax.get_tensor(amax_layout)
         sStats = storage.sStats.get_tensor(stats_layout)
@@ -382,7 +394,7 @@ class FlamiaBwdSm90:
         pipe_kv, pipe_step, pipe_stats = pipes
         tma_k, tma_v, tma_kt, tma_q, tma_do, tma_qt, tma_gt = tmas
         atom_k, atom_v, atom_kt, atom_q, atom_do, atom_qt, atom_gt = atoms
-        sK, sV, sKt, sQ, sDO, sQt, sGt, _ = smem
+        sK, sV, sKt, sQ, sDO, sQt, sGt, _, _ = smem
         doc_start, vt_start, hk, key0 = w["doc_start"], w["vt_start"], w["hk"], w["key0"]
         halves = self.halves
 
@@ -479,7 +491,7 @@ class FlamiaBwdSm90:
     ):  # fmt: skip
         """The two key warpgroups: every step of every head of the group, then dK/dV."""
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq, tiled_mma_qk = mmas
-        sK, sV, sKt, sQ, sDO, sQt, sGt, sDS = smem
+        sK, sV, sKt, sQ, sDO, sQt, sGt, sDS, sDSw = smem
         pipe_kv, pipe_step, pipe_stats = pipes
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -557,7 +569,7 @@ class FlamiaBwdSm90:
             w=w, wg=wg, t=t, warp=warp, col0=col0, key=key, kfac=kfac, kdq=kdq, ev=ev, vinv=vinv,
             vfac=vfac, tScS=tScS, n_rows=n_rows, n_cols=n_cols, tSrK=tSrK, tSrQ=tSrQ,
             tPrV=tPrV, tPrDO=tPrDO, frag_p=frag_p, frag_ds=frag_ds, tVrG=tVrG, tKrQ=tKrQ,
-            tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS,
+            tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS, sDSw=sDSw,
             sDQ=sDQ, sAmax=sAmax, thr_dq=thr_dq, mmas=mmas, seqlen=seqlen, key0=key0,
         )  # fmt: skip
         for g in cutlass.range(self.group, unroll=1):
@@ -731,13 +743,29 @@ class FlamiaBwdSm90:
         accumulator_to_a(acc_s, ctx["frag_ds"])
         ds8 = cute.make_rmem_tensor(cute.size(acc_dp), FP8)
         ds8.store(acc_dp.load().to(FP8))
-        ds8_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds8.iterator, acc_dp.layout))
-        sDS = ctx["sDS"]
         tScS = ctx["tScS"]
-        for r in cutlass.range_constexpr(n_rows):
-            for j in cutlass.range_constexpr(n_cols):
-                # K̂ᵀ holds the keys in the column layout's order: dŜ's columns follow it
-                sDS[tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
+        if const_expr(DS_WORDS[self.d]):
+            # dŜ to shared memory as 32-bit words: K̂ᵀ holds the keys in the column layout order,
+            # where keys k, k+1, k+8, k+9 (k even) are four consecutive bytes of a query's row.
+            # Word n of this thread's codes holds keys k0, k0+8 x queries 2n, 2n+1 of its
+            # accumulator (k0 = its first key); the lane 4 apart holds k0 ± 1. The thread with the
+            # even key writes the pair's word of the first query, the other the second's.
+            sDS_w = ctx["sDSw"]
+            ds_words = cute.recast_tensor(ds8, Int32)
+            odd = Int32(tScS[0, 0][0]) & 1
+            sel = Int32(0x6240) if odd == 0 else Int32(0x3715)
+            for n in cutlass.range_constexpr(n_cols // 2):
+                mine = ds_words[n]
+                other = cute.arch.shuffle_sync_bfly(mine, offset=4)
+                word = Int32(cute.arch.prmt(mine, other, sel))
+                q = tScS[0, 2 * n][1] + odd
+                sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, wg] = word
+        else:
+            ds8_mn = layout_utils.reshape_acc_to_mn(cute.make_tensor(ds8.iterator, acc_dp.layout))
+            for r in cutlass.range_constexpr(n_rows):
+                for j in cutlass.range_constexpr(n_cols):
+                    # K̂ᵀ holds the keys in the column layout's order: dŜ's columns follow it
+                    ctx["sDS"][tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
         if ctx["t"] == 0:  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.fence_view_async_shared()
