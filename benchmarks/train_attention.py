@@ -7,6 +7,7 @@ Impls (each dropped with a printed reason when its package is missing):
                           the library's default kernel (CuTe on sm_90 when installed)
 * ``flamia-mxfp8-triton`` the same with the portable Triton forward kernel
 * ``flamia-mxfp8-2pass``  Triton, max-only first pass (DESIGN N5 option a)
+* ``flamia-mxfp8-no-windows`` the default without short-document windows (``FwdConfig.windows``)
 * ``flamia-mxfp8-separate-q`` the default with Q quantized by the quantization launch
                           (``FwdConfig.quantize_q=False``) instead of inside the CuTe forward
 * ``flamia-mixed_nvfp4``  mixed NVFP4 Q/K recipe, the library's default kernels (CuTe on
@@ -134,11 +135,13 @@ def _flamia_loader(
     two_pass: bool = False,
     kernel: str | None = None,
     cute_changes: dict[str, Any] | None = None,
+    changes: dict[str, Any] | None = None,
 ) -> Callable[[], Builder]:
     """``flamia_serve.flamia_attn_varlen`` (quantization included); the per-microbatch plan
     (one host sync + schedules) is built outside timing, as a training step reuses it for
     every layer. ``kernel``: the forward kernel (default: the library's choice);
-    ``cute_changes``: fields of the CuTe config to change where the CuTe kernel runs."""
+    ``cute_changes``: fields of the CuTe config to change where the CuTe kernel runs;
+    ``changes``: fields to change whichever kernel runs."""
 
     def load() -> Builder:
         import dataclasses
@@ -156,6 +159,8 @@ def _flamia_loader(
             cfg = dataclasses.replace(base, two_pass=two_pass) if two_pass else base
             if cute_changes and cfg.kernel == "cute":
                 cfg = dataclasses.replace(cfg, **cute_changes)
+            if changes:
+                cfg = dataclasses.replace(cfg, **changes)
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
                 return flamia_serve.flamia_attn_varlen(
@@ -358,6 +363,8 @@ IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     "flamia-mxfp8": ("fwd", _flamia_loader("mxfp8"), False),
     "flamia-mxfp8-triton": ("fwd", _flamia_loader("mxfp8", kernel="triton"), False),
     "flamia-mxfp8-2pass": ("fwd", _flamia_loader("mxfp8", two_pass=True, kernel="triton"), False),
+    # short documents with the long ones' kernel, one item each (no windows)
+    "flamia-mxfp8-no-windows": ("fwd", _flamia_loader("mxfp8", changes={"windows": False}), False),
     # Q quantized by the quantization launch, not inside the CuTe forward
     "flamia-mxfp8-separate-q": (
         "fwd", _flamia_loader("mxfp8", cute_changes={"quantize_q": False}), False

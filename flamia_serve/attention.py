@@ -21,7 +21,7 @@ from flamia_serve.kernels.attn_bwd.ops import (
     check_bwd_config,
     default_bwd_config,
 )
-from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, default_config
+from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, default_config, window_limit
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.numerics import RECIPES, Recipe, resolve_recipe
 from flamia_serve.numerics.checks import (
@@ -110,15 +110,18 @@ def _attn_call(
         shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4", column_align=cfg.column_align
     )
     causal = bool(causal)
-    bwd_work, columns = None, None
+    bwd_work = None
     if needs_grad:
         check_bwd_config(bcfg, rec)
         bwd_work = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, causal)
-        columns = None if compiling else plan.token_columns(cfg.column_align)
+    # the tokens' columns: the backward's copies and the forward's windows read them
+    columns = None if compiling or not (needs_grad or cfg.windows) else plan.token_columns(
+        cfg.column_align
+    )
     workspace = None if stream is _NO_REUSE else plan.workspace(q.device, stream)
     return AttnCall(
         plan.token_blocks(cfg.column_align), cfg.column_align,
-        plan.work_list(cfg.block_m, cfg.block_n, causal), bwd_work, causal, rec,
+        plan.work_list(cfg.block_m, cfg.block_n, causal, window_limit(cfg)), bwd_work, causal, rec,
         bool(exact_causal), scale, cfg, bcfg, columns, workspace,
     )  # fmt: skip
 

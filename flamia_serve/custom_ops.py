@@ -29,9 +29,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd
-from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, quantizes_q
+from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, quantizes_q, window_limit
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
-from flamia_serve.kernels.schedule import TokenBlocks, WorkList
+from flamia_serve.kernels.schedule import ShortWindows, TokenBlocks, WorkList
 from flamia_serve.kernels.workspace import PackWorkspace
 from flamia_serve.numerics import RECIPES, Recipe
 
@@ -46,9 +46,10 @@ class AttnCall:
     forward's ``FwdConfig.column_align``); ``blocks``: the token-block table of that layout;
     ``work``/``bwd_work``: the forward's query-tile and the backward's key-tile lists
     (``bwd_work`` None when no gradient is needed); ``config`` None in a backward-only call;
-    ``columns``: int64 ``[T]``, each token's column in the layout (the backward's;
-    ``VarlenPlan.token_columns``, built when None); ``workspace``: the plan's buffers for
-    the kernels (``VarlenPlan.workspace``; eager calls with a plan), None: new ones.
+    ``columns``: int64 ``[T]``, each token's column in the layout (the backward's and the
+    forward windows'; ``VarlenPlan.token_columns``, built when None); ``workspace``: the
+    plan's buffers for the kernels (``VarlenPlan.workspace``; eager calls with a plan),
+    None: new ones.
     """
 
     blocks: TokenBlocks
@@ -73,8 +74,8 @@ def attention_forward(
         raise ValueError("attention_forward needs the forward config of call.column_align")
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
-        blocks=call.blocks, column_align=call.column_align, workspace=call.workspace,
-        widen=call.config.kernel == "cute",
+        blocks=call.blocks, column_align=call.column_align, columns=call.columns,
+        workspace=call.workspace, widen=call.config.kernel == "cute",
         defer_q=quantizes_q(call.config, call.recipe.qk_format, q),
     )  # fmt: skip
     return attn_fwd(
@@ -143,7 +144,7 @@ def op_arguments(call: AttnCall) -> tuple:
         raise ValueError("op_arguments needs a forward call (work list and config)")
     return (
         [b.start, b.length, b.v_t_start, b.doc_v_t_start],
-        [w.doc, w.tile, w.count],
+        [w.doc, w.tile, w.count, *(w.windows.tensors() if w.windows is not None else [])],
         [bw.doc, bw.tile, bw.count] if bw is not None else [],
         call.causal, call.recipe.name, call.exact_causal, call.softmax_scale,
         call.config.to_ints(), call.bwd_config.to_ints(),
@@ -169,7 +170,8 @@ def attn_varlen_fwd(
     """``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``; ``bwd_work``/``bwd_config`` are carried
     for the backward only."""
     cfg, bcfg = FwdConfig.from_ints(config), BwdConfig.from_ints(bwd_config)
-    fwd_work = WorkList(*work, cfg.block_m, cfg.block_n, causal)
+    windows = ShortWindows(*work[3:], window_limit(cfg)) if cfg.windows else None
+    fwd_work = WorkList(*work[:3], cfg.block_m, cfg.block_n, causal, windows=windows)
     back = WorkList(*bwd_work, bcfg.block_m, bcfg.block_n, causal, True) if bwd_work else None
     call = AttnCall(TokenBlocks(*blocks), cfg.column_align, fwd_work, back, causal,
                     RECIPES[recipe], exact_causal, softmax_scale, cfg, bcfg)  # fmt: skip

@@ -41,7 +41,7 @@ class VarlenPlan:
     max_seqlen: int
     blocks: TokenBlocks
     reuse: bool = True
-    _work: dict[tuple[int, int, bool], WorkList] = field(default_factory=dict, repr=False)
+    _work: dict[tuple, WorkList] = field(default_factory=dict, repr=False)
     _blocks: dict[int, TokenBlocks] = field(default_factory=dict, repr=False)
     _columns: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _workspaces: dict[tuple, PackWorkspace] = field(default_factory=dict, repr=False)
@@ -77,13 +77,17 @@ class VarlenPlan:
             )
         return self._columns[align]
 
-    def work_list(self, block_m: int, block_n: int, causal: bool) -> WorkList:
-        """The forward's list of query tiles (built once per tile shape)."""
-        key = (block_m, block_n, causal, False)
+    def work_list(
+        self, block_m: int, block_n: int, causal: bool, window_limit: int = 0
+    ) -> WorkList:
+        """The forward's list of query tiles (built once per tile shape and window limit:
+        documents of at most ``window_limit`` tokens go to its windows)."""
+        key = (block_m, block_n, causal, False, window_limit)
         if key not in self._work:
             self._work[key] = build_work_list(
-                self.cu_seqlens, self.total_tokens, block_m=block_m, block_n=block_n, causal=causal
-            )
+                self.cu_seqlens, self.total_tokens, block_m=block_m, block_n=block_n,
+                causal=causal, window_limit=window_limit,
+            )  # fmt: skip
         return self._work[key]
 
     def key_work_list(self, block_n: int, block_m: int, causal: bool) -> WorkList:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flamia_serve.numerics.operands import V_T_ALIGN, check_column_align
+from flamia_serve.numerics.scales import token_documents
 
 
 def _tiles_of_documents(
@@ -68,12 +69,63 @@ def token_block_table(
 
 
 @dataclass(frozen=True)
+class ShortWindows:
+    """Short documents (1 to ``limit`` tokens) grouped for the forward's window kernel: the
+    ones that start in tokens ``[c·limit, (c+1)·limit)`` form window ``c``, a run of whole,
+    consecutive short documents (a longer one starting in that chunk ends past it, so every
+    document after it starts in a later chunk) of at most ``2·limit − 1`` tokens.
+    ``start``/``end`` int32 ``[ceil(T / limit)]``: the windows' tokens, the ``count`` ([1]
+    int32) non-empty ones first (the rest: ``end == start``); ``token_doc`` int32 ``[T]``:
+    each token's document (the window's mask)."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    count: torch.Tensor
+    token_doc: torch.Tensor
+    limit: int
+
+    @property
+    def rows(self) -> int:
+        """Rows of the window kernel's tile (a power of two holding any window)."""
+        return 2 * self.limit
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.start, self.end, self.count, self.token_doc]
+
+
+def build_short_windows(cu_seqlens: torch.Tensor, total_tokens: int, limit: int) -> ShortWindows:
+    """The windows of documents of at most ``limit`` tokens (a power of two), on the device."""
+    if limit < 1 or limit & (limit - 1):
+        raise ValueError(f"limit must be a power of two, got {limit}")
+    cu = cu_seqlens.long()
+    starts, ends = cu[:-1], cu[1:]
+    short = (ends > starts) & (ends - starts <= limit)
+    n = (total_tokens + limit - 1) // limit
+    chunk = (starts // limit).clamp(0, max(n - 1, 0))
+    first = torch.full((n,), total_tokens, dtype=torch.long, device=cu.device)
+    first = first.scatter_reduce(0, chunk, torch.where(short, starts, total_tokens), "amin")
+    last = torch.zeros(n, dtype=torch.long, device=cu.device)
+    last = last.scatter_reduce(0, chunk, torch.where(short, ends, 0), "amax")
+    empty = last <= first
+    order = torch.argsort(empty.to(torch.int8), stable=True)  # non-empty windows first
+    doc, _ = token_documents(cu_seqlens, total_tokens)
+    return ShortWindows(
+        torch.where(empty, 0, first)[order].to(torch.int32),
+        torch.where(empty, 0, last)[order].to(torch.int32),
+        (~empty).sum().to(torch.int32).reshape(1),
+        doc.to(torch.int32),
+        limit,
+    )
+
+
+@dataclass(frozen=True)
 class WorkList:
     """(document, tile) items sorted by work, longest first; heads are expanded by the
     kernel (item ``i`` covers programs ``i*H .. i*H+H-1``). ``count`` ([1] int32) is the
     number of valid items; slots after it are padding. Forward lists hold query tiles of
     ``block_m`` rows (``by_keys=False``); backward lists key tiles of ``block_n`` keys that
-    step over queries ``block_m`` at a time (``by_keys=True``)."""
+    step over queries ``block_m`` at a time (``by_keys=True``). ``windows`` (forward):
+    the documents of at most ``windows.limit`` tokens are not in the list but in windows."""
 
     doc: torch.Tensor
     tile: torch.Tensor
@@ -82,10 +134,16 @@ class WorkList:
     block_n: int
     causal: bool
     by_keys: bool = False
+    windows: ShortWindows | None = None
 
     @property
     def num_slots(self) -> int:
         return self.doc.numel()
+
+    @property
+    def window_limit(self) -> int:
+        """Documents of up to this many tokens are in windows (0: none)."""
+        return 0 if self.windows is None else self.windows.limit
 
 
 def build_work_list(
@@ -96,12 +154,21 @@ def build_work_list(
     block_n: int,
     causal: bool,
     cu_seqlens_k: torch.Tensor | None = None,
+    window_limit: int = 0,
 ) -> WorkList:
     """Work list of query tiles, sorted by the number of key tiles each one visits.
-    ``cu_seqlens_k`` (extend): each document's keys, its queries being the last of them."""
+    ``cu_seqlens_k`` (extend): each document's keys, its queries being the last of them.
+    ``window_limit`` (no extend): documents of at most that many tokens go to
+    :class:`ShortWindows` instead (0: none do)."""
+    if window_limit and cu_seqlens_k is not None:
+        raise ValueError("window_limit does not apply with cu_seqlens_k (extend)")
     doc, tile, valid = _tiles_of_documents(cu_seqlens, total_tokens, block_m)
     cu = cu_seqlens.long()
     length = cu[doc + 1] - cu[doc]
+    windows = None
+    if window_limit:
+        windows = build_short_windows(cu_seqlens, total_tokens, window_limit)
+        valid = valid & (length > window_limit)
     offset = torch.zeros_like(length)
     if cu_seqlens_k is not None:
         cu_k = cu_seqlens_k.long()
@@ -118,6 +185,7 @@ def build_work_list(
         block_m,
         block_n,
         causal,
+        windows=windows,
     )
 
 

@@ -77,7 +77,8 @@ def token_documents(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor,
     """Document index and document-local position of every packed token, both int64 ``[T]``."""
     cu = cu_seqlens.long()
     tok = torch.arange(total, device=cu.device)
-    doc = torch.searchsorted(cu[1:], tok, right=True)
+    # (the whole of cu, not cu[1:]: inductor's searchsorted takes no sliced boundaries)
+    doc = torch.searchsorted(cu, tok, right=True) - 1
     return doc, tok - cu[doc]
 
 

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from flamia_serve import flamia_attn, flamia_attn_varlen
+from flamia_serve import flamia_attn, flamia_attn_varlen, plan_varlen
 from flamia_serve.kernels.attn_fwd import ops as fwd_ops
 from flamia_serve.kernels.attn_fwd.ops import (
     CUTE_CONFIG,
@@ -34,7 +34,7 @@ from flamia_serve.kernels.attn_fwd.ops import (
     default_config,
 )
 from flamia_serve.kernels.quant.ops import quantize_qkv
-from flamia_serve.kernels.schedule import build_work_list
+from flamia_serve.kernels.schedule import build_short_windows, build_work_list
 from flamia_serve.probes import cross_document_leakage, future_leakage, make_pack
 from flamia_serve.reference import attention_forward
 
@@ -48,12 +48,18 @@ def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None
         monkeypatch.delenv(var, raising=False)
     gpu = torch.device("cuda")
     assert default_config(64, gpu) == CUTE_CONFIG
-    # documents shorter than a tile on average: Q quantized by the launch, not the kernel
-    short = dataclasses.replace(CUTE_CONFIG, quantize_q=False)
+    # documents shorter than a tile on average: Q quantized by the launch, not the kernel,
+    # and the short documents in windows
+    short = dataclasses.replace(CUTE_CONFIG, quantize_q=False, windows=True)
     assert default_config(128, gpu, mean_doc_len=float(SHORT_DOCUMENTS)) == short
     assert default_config(128, gpu, mean_doc_len=fwd_ops.FUSED_Q_MIN_DOCUMENT - 0.5) == short
     assert default_config(128, gpu, mean_doc_len=float(fwd_ops.FUSED_Q_MIN_DOCUMENT)) == CUTE_CONFIG
     assert default_config(64, gpu, mean_doc_len=13.7).kernel == "triton"
+    assert default_config(64, gpu, mean_doc_len=13.7).windows
+    assert not default_config(64, gpu).windows  # no mean length: no windows
+    assert not default_config(256, gpu, mean_doc_len=13.7).windows  # d = 256: none
+    assert not default_config(128, gpu, qk_nvfp4=True, mean_doc_len=13.7).windows
+    assert not default_config(64, torch.device("cpu"), mean_doc_len=13.7).windows
     assert default_config(64, gpu, mean_doc_len=13.7, kernel="cute") == CUTE_CONFIG
     assert default_config(256, gpu, mean_doc_len=4096.0) == fwd_ops.CUTE_CONFIG_D256
     assert default_config(256, gpu, kernel="triton").num_warps == 8  # d=256: two warpgroups
@@ -250,6 +256,8 @@ def test_fwd_config_round_trips_through_ints() -> None:
     assert not CUTE_CONFIG.promote_pv and FwdConfig().promote_pv
     no_q = dataclasses.replace(CUTE_CONFIG, quantize_q=False)
     assert FwdConfig.from_ints(no_q.to_ints()) == no_q and CUTE_CONFIG.quantize_q
+    win = dataclasses.replace(no_q, windows=True)
+    assert FwdConfig.from_ints(win.to_ints()) == win and not CUTE_CONFIG.windows
 
 
 def test_quantizes_q_only_where_the_cute_forward_can(device) -> None:
@@ -286,3 +294,137 @@ def test_cute_config_refuses_a_layout_it_would_read_across(device) -> None:
     want = attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125, config=triton_cfg)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+# ---- short documents in windows (FwdConfig.windows) -------------------------------------
+
+#: odd, 1-token, empty, exactly-the-limit and just-over-the-limit documents among longer ones
+WINDOW_PACK = (1, 63, 64, 65, 5, 0, 20, 30, 100, 3, 64, 17, 2, 2)
+
+
+def _window_config(device) -> FwdConfig:
+    base = default_config(64, torch.device(device), kernel="triton")
+    return dataclasses.replace(base, windows=True)
+
+
+def test_short_windows_hold_every_short_document_once() -> None:
+    """Each document of 1 to ``limit`` tokens lies in exactly one window, whole; a window
+    holds only such documents, consecutive, in at most ``2·limit − 1`` tokens; the work list
+    keeps the others' tiles only."""
+    gen = torch.Generator().manual_seed(5)
+    for limit in (4, 16, 64):
+        lens = [*torch.randint(0, 3 * limit, (60,), generator=gen).tolist(), 5 * limit, 1]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        total = int(cu[-1])
+        win = build_short_windows(cu, total, limit)
+        assert win.start.numel() == -(-total // limit) and win.rows == 2 * limit
+        n = int(win.count)  # the non-empty windows come first
+        assert bool((win.end[:n] > win.start[:n]).all())
+        assert bool((win.end[n:] == win.start[n:]).all())
+        covered = torch.zeros(total, dtype=torch.int32)
+        for a, b in zip(win.start.tolist(), win.end.tolist(), strict=True):
+            assert b - a <= 2 * limit - 1
+            covered[a:b] += 1
+        for d, n in enumerate(lens):
+            a = int(cu[d])
+            expect = 1 if 0 < n <= limit else 0
+            assert covered[a : a + n].tolist() == [expect] * n, (limit, d, n)
+        assert win.token_doc.tolist() == [d for d, n in enumerate(lens) for _ in range(n)]
+        work = build_work_list(cu, total, block_m=32, block_n=16, causal=True, window_limit=limit)
+        count = int(work.count)
+        assert work.window_limit == limit
+        assert count == sum(-(-n // 32) for n in lens if n > limit)
+        assert all(lens[d] > limit for d in work.doc[:count].tolist())
+    with pytest.raises(ValueError, match="power of two"):
+        build_short_windows(cu, total, 48)
+    with pytest.raises(ValueError, match="extend"):
+        build_work_list(cu, total, block_m=32, block_n=16, causal=True, cu_seqlens_k=cu,
+                        window_limit=16)  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 64), (2, 2, 128), (4, 1, 64)])
+def test_fwd_windows_match_reference(hq, hkv, d, causal, device) -> None:
+    """Short documents through the window kernel: within the kernels' tolerance of the twin,
+    M and lse as the per-document kernel gives them (the same P̂ codes; sums in another
+    order)."""
+    q, k, v, cu, _ms = make_pack(WINDOW_PACK, hq, hkv, d, seed=11, device=device)
+    qkv = quantize_qkv(q, k, v, cu)
+    args = dict(heads_q=hq, causal=causal, softmax_scale=d**-0.5)
+    out, m, lse = attn_fwd(qkv, cu, config=_window_config(device), **args)
+    ref = attention_forward(qkv.to_reference(), cu, **args)
+    _check_close(out, m, lse, *ref)
+    plain = dataclasses.replace(_window_config(device), windows=False)
+    out0, m0, lse0 = attn_fwd(qkv, cu, config=plain, **args)
+    assert torch.equal(m, m0)
+    assert float((lse - lse0).abs().max()) <= 1e-5
+    assert float((out.float() - out0.float()).abs().max()) <= 2**-7 * float(out0.abs().max())
+
+
+def test_fwd_windows_never_leak(device) -> None:
+    """Across documents and (per-token scales) from the future: zero change, bit for bit,
+    on a window's documents (other documents' keys meet zero weights) and on the long ones."""
+    q, k, v, cu, ms = make_pack(WINDOW_PACK, 4, 2, 64, seed=12, device=device)
+    cfg = _window_config(device)
+
+    def fn(q, k, v, cu, ms, exact=False):
+        return flamia_attn_varlen(q, k, v, cu, ms, config=cfg, exact_causal=exact)
+
+    def exact_fn(q, k, v, cu, ms):
+        return fn(q, k, v, cu, ms, exact=True)
+
+    for doc in (0, 1, 4, 6, 9, 13):
+        assert cross_document_leakage(fn, q, k, v, cu, ms, doc) == 0.0, doc
+    for doc, t in ((1, 10), (2, 0), (6, 19), (12, 7), (8, 70)):
+        assert future_leakage(exact_fn, q, k, v, cu, ms, doc, t) == 0.0, (doc, t)
+
+
+def test_fwd_windows_keep_a_nan_in_its_document(device) -> None:
+    """A NaN in one short document's V (its E4M3 code is NaN, the key's other codes are
+    not): the other documents of its window are bit-identical to a run without it, and its
+    own rows are NaN at that head-dim column, every row (0·NaN and P̂·NaN), where the GPU's
+    per-document kernel puts them too (the CPU interpreter's FP8 dot reads the NaN code as
+    a number, so the comparison runs on the GPU only)."""
+    q, k, v, cu, ms = make_pack(WINDOW_PACK, 2, 1, 64, seed=13, device=device)
+    cfg = _window_config(device)
+    clean = flamia_attn_varlen(q, k, v, cu, ms, config=cfg)
+    bad = v.clone()
+    first = int(cu[6])  # document 6 (20 tokens), in the window of documents 4-8
+    bad[first + 3, 0, 5] = float("nan")
+    poisoned = flamia_attn_varlen(q, k, bad, cu, ms, config=cfg)
+    per_doc = flamia_attn_varlen(q, k, bad, cu, ms, config=dataclasses.replace(cfg, windows=False))
+    rows = torch.arange(q.shape[0], device=q.device)
+    own = (rows >= first) & (rows < int(cu[7]))
+    assert torch.equal(poisoned[~own], clean[~own])
+    nan_at = torch.zeros_like(poisoned, dtype=torch.bool)
+    nan_at[own, :, 5] = True
+    assert torch.equal(poisoned.isnan(), nan_at)
+    if poisoned.is_cuda:
+        assert torch.equal(per_doc.isnan(), nan_at)
+
+
+def test_fwd_windows_refuse_operands_they_cannot_read(device) -> None:
+    q, k, v, cu, _ms = make_pack((20, 3), 2, 1, 64, device=device)
+    args = dict(heads_q=2, causal=True, softmax_scale=0.125, config=_window_config(device))
+    nvfp4 = quantize_qkv(q, k, v, cu, recipe="mixed_nvfp4")
+    with pytest.raises(ValueError, match=r"config\.windows runs E4M3"):
+        attn_fwd(nvfp4, cu, **args)
+    qkv = quantize_qkv(q, k, v, cu)
+    dense = torch.zeros(2, 23, 23, device=q.device)
+    with pytest.raises(ValueError, match=r"debug_p needs config\.windows=False"):
+        attn_fwd(qkv, cu, debug_p=(dense, dense.clone()), **args)
+
+
+def test_fwd_windows_through_the_custom_op(device) -> None:
+    """``torch.compile(fullgraph=True)`` carries the windows through the custom op's
+    tensor-list arguments: the same output as the eager call, bit for bit."""
+    q, k, v, cu, ms = make_pack(WINDOW_PACK, 2, 1, 64, seed=14, device=device)
+    plan = plan_varlen(cu, q.shape[0], ms)
+    cfg = _window_config(device)
+
+    def step(q, k, v):
+        return flamia_attn_varlen(q, k, v, cu, ms, plan=plan, config=cfg)
+
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    assert torch.equal(compiled(q, k, v), step(q, k, v))

@@ -16,13 +16,14 @@ from flamia_serve.kernels._common import (
     round_debug_p_,
     sm_count,
 )
-from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
+from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel, attn_fwd_windows_kernel
 from flamia_serve.kernels.schedule import WorkList, build_work_list
 from flamia_serve.kernels.workspace import PackWorkspace, zero_counter
 from flamia_serve.numerics.operands import V_T_ALIGN, KernelQKV
 
 LOG2E = math.log2(math.e)
 _LAUNCH = TritonLaunch(attn_fwd_kernel)
+_LAUNCH_WINDOWS = TritonLaunch(attn_fwd_windows_kernel)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class FwdConfig:
     bits). ``quantize_q``: the kernel quantizes Q itself as it loads its BF16/FP16 tile (E4M3
     Q/K, d <= 128: see :func:`quantizes_q`), so the quantization launch skips Q.
     ``num_warps``/``maxnreg``/``programs_per_sm`` do not apply.
+
+    ``windows`` (either kernel; E4M3 Q/K, d <= 128): documents of at most ``WINDOW_LIMIT``
+    tokens skip the work list; runs of them are computed as single tiles with a
+    block-diagonal mask by ``attn_fwd_windows_kernel`` (``schedule.ShortWindows``), one
+    launch more.
     """
 
     block_m: int = 64
@@ -61,6 +67,7 @@ class FwdConfig:
     overlap: bool = True  # cute: overlap Q̂·K̂ᵀ of one key tile with P̂·V̂ of the previous
     promote_pv: bool = True  # cute: each key tile's P̂·V̂ added to O in FP32
     quantize_q: bool = True  # cute: Q quantized inside the forward kernel (quantizes_q)
+    windows: bool = False  # short documents in block-diagonal windows (window_limit)
 
     @property
     def column_align(self) -> int:
@@ -76,15 +83,16 @@ class FwdConfig:
             self.block_m, self.block_n, self.num_warps, self.num_stages, int(self.persistent),
             int(self.two_pass), self.maxnreg or 0, self.programs_per_sm,
             int(self.kernel == "cute"), int(self.overlap), int(self.promote_pv),
-            int(self.quantize_q),
+            int(self.quantize_q), int(self.windows),
         ]  # fmt: skip
 
     @classmethod
     def from_ints(cls, xs: list[int]) -> FwdConfig:
-        bm, bn, warps, stages, persistent, two_pass, maxnreg, per_sm, cute, overlap, promote, q = xs
+        (bm, bn, warps, stages, persistent, two_pass, maxnreg, per_sm, cute, overlap, promote, q,
+         win) = xs  # fmt: skip
         return cls(
             bm, bn, warps, stages, bool(persistent), bool(two_pass), maxnreg or None, per_sm,
-            "cute" if cute else "triton", bool(overlap), bool(promote), bool(q),
+            "cute" if cute else "triton", bool(overlap), bool(promote), bool(q), bool(win),
         )  # fmt: skip
 
 
@@ -141,6 +149,15 @@ SHORT_DOCUMENTS = 32
 #: -3.7% in two runs; W7-W9, ~350, +2.1 to +2.7%; W1-W6 +0.6 to +4.5%)
 FUSED_Q_MIN_DOCUMENT = 128
 
+#: documents of at most this many tokens go to the window kernel (``FwdConfig.windows``):
+#: its tiles are twice that (64 rows), so a window holds every document starting in a
+#: 32-token chunk
+WINDOW_LIMIT = 32
+#: the window kernel's persistent programs per SM (4 warps each)
+WINDOW_PROGRAMS_PER_SM = 8
+#: mean document length (tokens) below which the default config uses windows
+WINDOWS_MEAN_DOCUMENT = 128
+
 
 def default_config(
     head_dim: int,
@@ -158,7 +175,25 @@ def default_config(
     out), quantizing Q itself unless documents are under ``FUSED_Q_MIN_DOCUMENT`` tokens on
     average, else Triton; ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
     "block_m,block_n,num_warps,num_stages"`` overrides the Triton tiles (tuning runs).
+    With ``kernel=None``, packs of documents under ``WINDOWS_MEAN_DOCUMENT`` tokens on average
+    (E4M3 Q/K, d <= 128, on a GPU) also get ``windows``.
     """
+    cfg = _default_config(head_dim, device, qk_nvfp4, kernel, mean_doc_len)
+    if (
+        kernel is None and device.type == "cuda" and not qk_nvfp4 and head_dim <= 128
+        and mean_doc_len is not None and mean_doc_len < WINDOWS_MEAN_DOCUMENT
+    ):  # fmt: skip
+        cfg = dataclasses.replace(cfg, windows=True, quantize_q=False)
+    return cfg
+
+
+def _default_config(
+    head_dim: int,
+    device: torch.device,
+    qk_nvfp4: bool,
+    kernel: str | None,
+    mean_doc_len: float | None,
+) -> FwdConfig:
     if kernel not in (None, "triton", "cute"):
         raise ValueError(f"kernel must be None, 'triton' or 'cute', got {kernel!r}")
     if kernel == "cute":
@@ -188,11 +223,19 @@ def quantizes_q(cfg: FwdConfig, qk_format: str, q: torch.Tensor) -> bool:
     memory), and a ``q`` its TMA can load (16-byte aligned start and token/head strides)."""
     if cfg.kernel != "cute" or not cfg.quantize_q or qk_format != "e4m3" or q.shape[-1] > 128:
         return False
+    if cfg.windows:  # the window kernel reads Q's codes
+        return False
     row_elems = 16 // q.element_size()
     return (
         q.stride(-1) == 1 and q.data_ptr() % 16 == 0
         and q.stride(0) % row_elems == 0 and q.stride(1) % row_elems == 0
     )  # fmt: skip
+
+
+def window_limit(cfg: FwdConfig) -> int:
+    """Documents of at most this many tokens go to the window kernel under ``cfg`` (0:
+    none): the ``window_limit`` of its work list."""
+    return WINDOW_LIMIT if cfg.windows else 0
 
 
 def _persistent_programs(device: torch.device, cfg: FwdConfig) -> int:
@@ -267,20 +310,30 @@ def attn_fwd(
             "config.kernel='cute' needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4 "
             '(pip install "flamia-serve[cute]"); use the default config or kernel="triton"'
         )
-    if work is None or (work.block_m, work.block_n, work.causal) != (
-        cfg.block_m,
-        cfg.block_n,
-        causal,
-    ):
-        work = build_work_list(
-            cu_seqlens, total, block_m=cfg.block_m, block_n=cfg.block_n, causal=causal
+    if cfg.windows and (qkv.q4 is not None or qkv.q_input is not None or d > 128):
+        raise ValueError(
+            "config.windows runs E4M3 Q/K at head_dim <= 128 from Q's codes (not NVFP4 Q/K, "
+            f"not Q left to the CuTe forward); got head_dim {d}, NVFP4 {qkv.q4 is not None}, "
+            f"Q deferred {qkv.q_input is not None}"
         )
+    if cfg.windows and debug_p is not None:
+        raise ValueError("debug_p needs config.windows=False (the window kernel has no hook)")
+    limit = window_limit(cfg)
+    if work is None or (work.block_m, work.block_n, work.causal, work.window_limit) != (
+        cfg.block_m, cfg.block_n, causal, limit,
+    ):  # fmt: skip
+        work = build_work_list(
+            cu_seqlens, total, block_m=cfg.block_m, block_n=cfg.block_n, causal=causal,
+            window_limit=limit,
+        )  # fmt: skip
     out = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
     m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=dev)
     lse_rows = torch.empty_like(m_rows)
     if total == 0:
         return out, m_rows, lse_rows
     scale_log2 = softmax_scale * LOG2E * qkv.qk_rescale
+    if work.windows is not None:
+        _attend_windows(qkv, work, out, m_rows, lse_rows, heads_q, causal, scale_log2)
     if cfg.kernel == "cute":
         from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90
 
@@ -317,3 +370,30 @@ def attn_fwd(
     if debug_p is not None:
         round_debug_p_(dbg_p)
     return out, m_rows, lse_rows
+
+
+def _attend_windows(
+    qkv: KernelQKV,
+    work: WorkList,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    heads_q: int,
+    causal: bool,
+    scale_log2: float,
+) -> None:
+    """The short documents of ``work.windows``: one program per (window, head)."""
+    windows = work.windows
+    total, heads_kv, d = qkv.k_codes.shape
+    if windows.start.numel() == 0:
+        return
+    rows = windows.rows
+    programs = 2 if interpreted() else sm_count(out.device) * WINDOW_PROGRAMS_PER_SM
+    _LAUNCH_WINDOWS(
+        (min(programs, windows.start.numel() * heads_q),),
+        qkv.q_codes, qkv.q_exp, qkv.k_codes, qkv.k_exp, qkv.v_t, qkv.v_exp, qkv.key_columns(),
+        windows.token_doc, windows.start, windows.end, windows.count, out, m_rows, lse_rows,
+        scale_log2, qkv.v_t.shape[-1], total,
+        HQ=heads_q, HKV=heads_kv, D=d, ROWS=rows, CAUSAL=causal, INTERPRET=interpreted(),
+        num_warps=8 if rows >= 128 else 4, num_stages=1,
+    )  # fmt: skip

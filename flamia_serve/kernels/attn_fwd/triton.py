@@ -309,3 +309,92 @@ def attn_fwd_kernel(
             work = tl.atomic_add(ticket_ptr, 1)
         else:
             work = n_work
+
+
+@triton.jit
+def attn_fwd_windows_kernel(
+    q8_ptr,  # [T, HQ, D] e4m3
+    q_exp_ptr,  # [HQ, T] int16 (head-major)
+    k8_ptr,  # [T, HKV, D] e4m3
+    k_exp_ptr,  # [HKV, t_pad] int16, v_t's column layout
+    vt_ptr,  # [HKV, D, t_pad] e4m3, keys contiguous
+    v_exp_ptr,  # [HKV, t_pad] int16, v_t's column layout
+    column_ptr,  # [T] int64: each token's column in v_t's layout
+    token_doc_ptr,  # [T] int32: each token's document
+    win_start_ptr,  # [NW] int32: first token of each window
+    win_end_ptr,  # [NW] int32: end of each window
+    win_count_ptr,  # [1] int32: non-empty windows (the first ones)
+    out_ptr,  # [T, HQ, D] bf16/fp16
+    m_ptr,  # [T, HQ] f32 integer row reference
+    lse_ptr,  # [T, HQ] f32 base-2 log-sum-exp
+    qk_scale,  # softmax_scale * log2(e)
+    t_pad,
+    n_tokens,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Persistent programs over (window, head) items: a run of whole short documents
+    (``ShortWindows``) as one ``ROWS x ROWS`` tile, scores across documents masked, so every
+    row has its document's keys in one tile. Numerics of ``_attn_item`` on a document that
+    fits one key tile, i.e. the reference's: ``M = ceil(max y)``,
+    ``P̂ = E4M3(2^(y − M + 8))``, ``l = Σ P̂·2^(−eV)``, ``O = P̂·V̂ / l``. Other documents'
+    V̂ rows meet zero weights in the same product, so a NaN code among them is taken out
+    first, and each NaN put back where the document's own tile would have had it (0·NaN in
+    every row of its document, at its head-dim column)."""
+    n_items = tl.load(win_count_ptr) * HQ
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0), num_stages=1):
+        win = item // HQ
+        h = item % HQ
+        hk = h // (HQ // HKV)
+        start = tl.load(win_start_ptr + win)
+        end = tl.load(win_end_ptr + win)
+        offs = tl.arange(0, ROWS)
+        tok = start + offs
+        ok = tok < end
+        cols = tl.arange(0, D)
+        q = load_qk_tile(
+            q8_ptr, q8_ptr, q8_ptr, start, offs, ok, HQ, h, D, ROWS, False, INTERPRET
+        )  # fmt: skip
+        k = load_qk_tile(
+            k8_ptr, k8_ptr, k8_ptr, start, offs, ok, HKV, hk, D, ROWS, False, INTERPRET
+        )  # fmt: skip
+        qe = tl.load(q_exp_ptr + h * n_tokens + tok, mask=ok, other=0).to(tl.int32)
+        column = tl.load(column_ptr + tok, mask=ok, other=0)
+        ke = tl.load(k_exp_ptr + hk * t_pad + column, mask=ok, other=0).to(tl.int32)
+        ev = tl.load(v_exp_ptr + hk * t_pad + column, mask=ok, other=0).to(tl.int32)
+        doc = tl.load(token_doc_ptr + tok, mask=ok, other=-1)
+        qfac = exp2i(qe) * qk_scale
+        s = tl.dot(q, tl.trans(k))
+        y = s * qfac[:, None] * exp2i(ke)[None, :] + ev.to(tl.float32)[None, :]
+        same = (doc[:, None] == doc[None, :]) & ok[None, :]
+        allowed = same
+        if CAUSAL:
+            allowed = allowed & (offs[None, :] <= offs[:, None])
+        y = tl.where(allowed, y, float("-inf"))
+        m_i = tl.math.ceil(tl.max(y, axis=1))
+        p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
+        l_i = tl.sum(e4m3_value(p) * exp2i(-ev)[None, :], axis=1)
+        p_hat = to_e4m3(p, INTERPRET)
+        vt_ptrs = vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + column[None, :]
+        vt = tl.load(vt_ptrs, mask=ok[None, :], other=0.0)
+        bits = vt.to(tl.uint8, bitcast=True)
+        nan = (bits & 0x7F) == 0x7F  # E4M3's NaN codes
+        any_nan = tl.max(tl.max(nan.to(tl.int32), axis=1), axis=0)
+        vt = tl.where(nan, 0, bits).to(vt.dtype, bitcast=True)
+        acc = tl.dot(p_hat, tl.trans(vt))
+        if any_nan > 0:  # [row, column]: a key of the row's document has NaN there
+            hit = tl.dot(same.to(tl.float16), tl.trans(nan.to(tl.float16)))
+            acc = tl.where(hit > 0, float("nan"), acc)
+        out = acc / l_i[:, None]
+        flat = tok.to(tl.int64) * HQ + h
+        tl.store(
+            out_ptr + flat[:, None] * D + cols[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=ok[:, None],
+        )
+        tl.store(m_ptr + flat, m_i, mask=ok)
+        tl.store(lse_ptr + flat, m_i - P_HAT_EXP + tl.math.log2(l_i), mask=ok)
