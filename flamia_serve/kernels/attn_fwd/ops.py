@@ -382,7 +382,7 @@ def _attend_windows(
     causal: bool,
     scale_log2: float,
 ) -> None:
-    """The short documents of ``work.windows``: one program per (window, head)."""
+    """The short documents of ``work.windows``: persistent programs over (window, head)."""
     windows = work.windows
     total, heads_kv, d = qkv.k_codes.shape
     if windows.start.numel() == 0:

@@ -173,6 +173,22 @@ def _accumulate(
 
 
 @triton.jit
+def _store_rows(
+    out_ptr, m_ptr, lse_ptr, acc, l_i, m_i, rows, row_ok, h, HQ: tl.constexpr, D: tl.constexpr
+):  # fmt: skip
+    """O = acc / l, M and the base-2 lse of packed token ``rows`` of head ``h``."""
+    flat = rows.to(tl.int64) * HQ + h
+    cols = tl.arange(0, D)
+    tl.store(
+        out_ptr + flat[:, None] * D + cols[None, :],
+        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    tl.store(m_ptr + flat, m_i, mask=row_ok)
+    tl.store(lse_ptr + flat, m_i - P_HAT_EXP + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.jit
 def _attn_item(
     work, q8_ptr, q_exp_ptr, k8_ptr, k_exp_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
     k4_ptr, k4_scale_ptr, k4_exp_ptr, vt_ptr, doc_v_t_ptr, v_exp_ptr, cu_ptr, item_doc_ptr,
@@ -238,16 +254,7 @@ def _attn_item(
         BLOCK_N, QK_NVFP4, KE_BLOCK, CAUSAL, True, TWO_PASS, INTERPRET, dbg_p_ptr, dbg_m_ptr, h,
         length, DEBUG_P,
     )  # fmt: skip
-    out = acc / l_i[:, None]
-    flat = rows.to(tl.int64) * HQ + h
-    cols = tl.arange(0, D)
-    tl.store(
-        out_ptr + flat[:, None] * D + cols[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
-    tl.store(m_ptr + flat, m_i, mask=row_ok)
-    tl.store(lse_ptr + flat, m_i - P_HAT_EXP + tl.math.log2(l_i), mask=row_ok)
+    _store_rows(out_ptr, m_ptr, lse_ptr, acc, l_i, m_i, rows, row_ok, h, HQ, D)
 
 
 @triton.jit
@@ -389,12 +396,4 @@ def attn_fwd_windows_kernel(
         if any_nan > 0:  # [row, column]: a key of the row's document has NaN there
             hit = tl.dot(same.to(tl.float16), tl.trans(nan.to(tl.float16)))
             acc = tl.where(hit > 0, float("nan"), acc)
-        out = acc / l_i[:, None]
-        flat = tok.to(tl.int64) * HQ + h
-        tl.store(
-            out_ptr + flat[:, None] * D + cols[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=ok[:, None],
-        )
-        tl.store(m_ptr + flat, m_i, mask=ok)
-        tl.store(lse_ptr + flat, m_i - P_HAT_EXP + tl.math.log2(l_i), mask=ok)
+        _store_rows(out_ptr, m_ptr, lse_ptr, acc, l_i, m_i, tok, ok, h, HQ, D)
