@@ -75,7 +75,7 @@ from flamia_serve.kernels.cute_sm90_common import (
 )
 from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.kernels.workspace import PackWorkspace, zeroed_accumulator
-from flamia_serve.numerics import P_HAT_EXP
+from flamia_serve.numerics import P_HAT_EXP, operands
 from flamia_serve.numerics.operands import KernelDO, KernelQKV
 
 #: queries of one token block (a "half" of a 64-query step)
@@ -783,7 +783,8 @@ class FlamiaBwdSm90:
         # staged query rows in the column layout's order (``dq_acc`` is read back by
         # ``key_columns``): this thread's query columns are col0 + column_offset(j), col0 =
         # 2·(lane % 4) in bits 1-2, the offsets in bits 0, 3 and up, so the permutation
-        # splits into a per-thread base and a constant per j
+        # splits into a per-thread base and a constant per j (``operands.v_t_position`` of a
+        # Python int at trace time)
         dq_col0 = v_t_position(tQcQ[0, 0][1])
         order = [
             item
@@ -813,9 +814,8 @@ class FlamiaBwdSm90:
                     for j in cutlass.range_constexpr(q_cols):
                         row = tQcQ[r, j][0]
                         fac = dq_fac[j // (q_cols // n_halves)]
-                        sDQ[dq_col0 + _v_t_offset(column_offset(j)), hf * 64 + row, wg] = (
-                            acc_q_mn[r, j] * fac
-                        )
+                        col = dq_col0 + operands.v_t_position(column_offset(j))
+                        sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
 
         issue(0)
         issue(1)
@@ -884,12 +884,6 @@ class FlamiaBwdSm90:
                         dv_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
                             dv_mn[r, c] * vinv, dv_mn[r, c + 1] * vinv, mDV.element_type
                         )
-
-
-def _v_t_offset(c: int) -> int:
-    """``v_t_position`` of a trace-time column offset (bits 0, 3 and up: those it keeps)."""
-    k = c & 15
-    return (c - k) + (((k >> 1) & 3) << 2) + ((k >> 3) << 1) + (k & 1)
 
 
 def _rows_copy(atom, tma, head, box, smem, doc_start):

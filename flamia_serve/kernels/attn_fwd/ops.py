@@ -385,8 +385,6 @@ def _attend_windows(
     """The short documents of ``work.windows``: persistent programs over (window, head)."""
     windows = work.windows
     total, heads_kv, d = qkv.k_codes.shape
-    if windows.start.numel() == 0:
-        return
     rows = windows.rows
     programs = 2 if interpreted() else sm_count(out.device) * WINDOW_PROGRAMS_PER_SM
     _LAUNCH_WINDOWS(

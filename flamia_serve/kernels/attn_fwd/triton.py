@@ -58,6 +58,22 @@ def _key_exponents(
 
 
 @triton.jit
+def _folded_logits(s, qfac, ke, ev):
+    """Base-2 logits ``y = (Q̂·K̂ᵀ) qfac_i 2^eK_j + eV_j`` of a score tile ``s`` (the V
+    exponent folded in, N3)."""
+    return s * qfac[:, None] * exp2i(ke)[None, :] + ev.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _quantized_probs(y, m_i, v_inv, INTERPRET: tl.constexpr):
+    """``P'·2^8`` against the integer row reference ``m_i`` (the shift rides on it), its
+    rows' sum of P̂·2^(−eV) (N3: l sums P̂ itself, so O is a convex combination of V̂ rows
+    and the backward's dS rows sum to zero), and P̂ = E4M3 of it."""
+    p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
+    return p, tl.sum(e4m3_value(p) * v_inv[None, :], axis=1), to_e4m3(p, INTERPRET)
+
+
+@triton.jit
 def _scores(
     q, qfac, ke, ev, k8_ptr, k4_ptr, k4_scale_ptr, doc_start, key0, key_end, offs_m,
     HKV: tl.constexpr, hk, D: tl.constexpr, BLOCK_N: tl.constexpr, QK_NVFP4: tl.constexpr,
@@ -73,8 +89,7 @@ def _scores(
         k8_ptr, k4_ptr, k4_scale_ptr, doc_start + key0, keys, key_ok | (not MASK), HKV, hk, D,
         BLOCK_N, QK_NVFP4, INTERPRET,
     )  # fmt: skip
-    s = tl.dot(q, tl.trans(k))
-    y = s * qfac[:, None] * exp2i(ke)[None, :] + ev.to(tl.float32)[None, :]
+    y = _folded_logits(tl.dot(q, tl.trans(k)), qfac, ke, ev)
     if MASK:
         ok = key_ok[None, :]
         if CAUSAL:
@@ -145,12 +160,8 @@ def _accumulate(
             acc = acc * alpha[:, None]
             l_i = l_i * alpha
             m_i = m_new
-        # P' * 2^8 straight from the exponential (the shift rides on the row reference)
-        p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
-        # l sums P̂ itself (N3): O is then a convex combination of V̂ rows and the
-        # backward's dS rows sum to zero
-        l_i += tl.sum(e4m3_value(p) * v_inv[None, :], axis=1)
-        p_hat = to_e4m3(p, INTERPRET)
+        p, l_tile, p_hat = _quantized_probs(y, m_i, v_inv, INTERPRET)
+        l_i += l_tile
         if DEBUG_P:  # P̂ and the row reference it was rounded against, dense [H, T, T]
             _store_debug_p(
                 dbg_p_ptr, dbg_m_ptr, p, m_i, h, doc_start, offs_m, length, key0, key_end,
@@ -374,18 +385,14 @@ def attn_fwd_windows_kernel(
         ke = tl.load(k_exp_ptr + hk * t_pad + column, mask=ok, other=0).to(tl.int32)
         ev = tl.load(v_exp_ptr + hk * t_pad + column, mask=ok, other=0).to(tl.int32)
         doc = tl.load(token_doc_ptr + tok, mask=ok, other=-1)
-        qfac = exp2i(qe) * qk_scale
-        s = tl.dot(q, tl.trans(k))
-        y = s * qfac[:, None] * exp2i(ke)[None, :] + ev.to(tl.float32)[None, :]
+        y = _folded_logits(tl.dot(q, tl.trans(k)), exp2i(qe) * qk_scale, ke, ev)
         same = (doc[:, None] == doc[None, :]) & ok[None, :]
         allowed = same
         if CAUSAL:
             allowed = allowed & (offs[None, :] <= offs[:, None])
         y = tl.where(allowed, y, float("-inf"))
         m_i = tl.math.ceil(tl.max(y, axis=1))
-        p = tl.math.exp2(y - (m_i[:, None] - P_HAT_EXP))
-        l_i = tl.sum(e4m3_value(p) * exp2i(-ev)[None, :], axis=1)
-        p_hat = to_e4m3(p, INTERPRET)
+        _, l_i, p_hat = _quantized_probs(y, m_i, exp2i(-ev), INTERPRET)
         vt_ptrs = vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + column[None, :]
         vt = tl.load(vt_ptrs, mask=ok[None, :], other=0.0)
         bits = vt.to(tl.uint8, bitcast=True)
