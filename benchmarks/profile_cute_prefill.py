@@ -35,8 +35,15 @@ LAYOUT_VARIANTS = ((16, 1), (16, 8), (32, 8))
 FWD_VARIANTS = ((128, 2, False), (128, 3, False), (128, 2, True), (192, 2, False))
 
 
-def _profile(name: str, seed: int, rep: int) -> list[dict]:
-    """Rows of one workload: the planned call, its parts and the forward variants."""
+def _profile(
+    name: str,
+    seed: int,
+    rep: int,
+    layouts: list[tuple[int, ...]],
+    fwd_variants: tuple[tuple[int, int, bool], ...],
+) -> list[dict]:
+    """Rows of one workload: the planned call, its parts (the layout kernel as each of
+    ``layouts``, (keys, heads) per program) and the forward variants."""
     dev = torch.device("cuda")
     fmt = KVPageFormat("fp8", HEAD_DIM)
     qk_scale = HEAD_DIM**-0.5 * math.log2(math.e)
@@ -71,11 +78,11 @@ def _profile(name: str, seed: int, rep: int) -> list[dict]:
     parts = {
         "planned call": planned_call(batch, "fp8", prefill_keys=keys),
         **{f"operand layout, {c} keys x {h} heads per program": partial(layout, c, h)
-           for c, h in LAYOUT_VARIANTS},
+           for c, h in layouts},
         "schedule (per batch)": partial(plan_prefill_schedule, plan, batch.seq_lens,
                                         batch.query_start_loc),
     }  # fmt: skip
-    for tile_m, stages, overlap in FWD_VARIANTS:
+    for tile_m, stages, overlap in fwd_variants:
         work = schedule.work
         if tile_m != cfg.block_m:
             work = build_work_list(offsets[0], rows_q, block_m=tile_m, block_n=cfg.block_n,
@@ -101,13 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="S1-1x8192+0,S2-2x4096+4096,S3-4x2048+8192,"
                     "S4-8x512+8192,S5-8x1024+0")  # fmt: skip
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layouts", default=",".join(f"{c}x{h}" for c, h in LAYOUT_VARIANTS),
+                    help="layout kernel programs to time, KEYSxHEADS,... (chunk, heads)")
+    ap.add_argument("--no-forward-variants", action="store_true",
+                    help="time the planned call, the layouts and the schedule only")
+    ap.add_argument("--name", default="profile_cute_prefill")
     args = ap.parse_args(argv)
+    layouts = [tuple(int(x) for x in v.split("x")) for v in args.layouts.split(",")]
+    fwd = () if args.no_forward_variants else FWD_VARIANTS
     rows = []
     for i, name in enumerate(args.workloads.split(",")):
-        rows += _profile(name, i, 50 if args.quick else 200)
+        rows += _profile(name, i, 50 if args.quick else 200, layouts, fwd)
         torch.cuda.empty_cache()
     shape = {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM, "page_size": 16}
-    write_results("profile_cute_prefill", rows, {"shape": shape})
+    write_results(args.name, rows, {"shape": shape})
     return 0
 
 

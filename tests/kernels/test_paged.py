@@ -585,14 +585,16 @@ def test_prefill_operands_layout(page_size: int, align: int) -> None:
     q8 = quantize_fp8(b.q[2:].float(), None, Granularity.TOKEN)
     assert torch.equal(qkv.q_codes.view(torch.uint8), q8.codes.view(torch.uint8))
     assert torch.equal(qkv.q_exp.long(), q8.exponents.long())
-    # both heads and 32 keys per program of the layout kernel (default: one head, 16 keys)
-    one = prefill_operands(b.q, cache, b.block_table, b.seq_lens, plan, offsets, align,
-                           chunk=32, heads=2)  # fmt: skip
+    # other program shapes of the layout kernel (default: 16 keys x one head)
     used = torch.cat([start + torch.arange(pad) for start, pad in
                       zip(qkv.doc_v_t_start.tolist(), pads, strict=True)])  # fmt: skip
-    assert torch.equal(one.k_codes.view(torch.uint8)[:171], qkv.k_codes.view(torch.uint8)[:171])
-    assert torch.equal(one.v_t[:, :, used].view(torch.uint8), v_t[:, :, used])
-    assert torch.equal(one.kv_factors[:, :, used], qkv.kv_factors[:, :, used])
+    for chunk, heads in ((16, 1), (32, 2), (64, 1)):
+        one = prefill_operands(b.q, cache, b.block_table, b.seq_lens, plan, offsets, align,
+                               chunk=chunk, heads=heads)  # fmt: skip
+        assert torch.equal(one.k_codes.view(torch.uint8)[:171],
+                           qkv.k_codes.view(torch.uint8)[:171])  # fmt: skip
+        assert torch.equal(one.v_t[:, :, used].view(torch.uint8), v_t[:, :, used])
+        assert torch.equal(one.kv_factors[:, :, used], qkv.kv_factors[:, :, used])
     for bad in ({"chunk": 24}, {"chunk": 0}, {"heads": 3}, {"heads": 4}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             prefill_operands(b.q, cache, b.block_table, b.seq_lens, plan, offsets, align,

@@ -557,8 +557,8 @@ def prefill_operands(
     :func:`prefill_offsets` (same ``column_align``); two launches, no host reads
     (``plan.prefill_keys`` and ``plan.max_seq_len`` bound the sizes; ``chunk`` keys and
     ``heads`` K/V heads per program of the layout kernel: a multiple of 16 and a power of two
-    dividing Hkv; the defaults, 16 and 1, were the fastest on the H200,
-    ``profile_cute_prefill*.json``). Q̂ per token ``[Tq,
+    dividing Hkv; the defaults, 16 and 1; 32 keys was faster on S3/S4 in the sweep,
+    ``profile_cute_prefill_layout_2026-12-03.json``). Q̂ per token ``[Tq,
     Hq, d]``; K̂ ``[keys, Hkv, d]`` token-major in key order; V̂ᵀ and the factors ``2^eK``,
     ``eV``, ``2^−eV`` in the column layout; ``cu_seqlens`` counts keys; ``k_exp`` and
     ``v_exp`` are empty (the CuTe forward reads the factors)."""

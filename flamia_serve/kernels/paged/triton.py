@@ -621,57 +621,77 @@ def prefill_operands_kernel(
     SCALE_ROW: tl.constexpr, V_ROW: tl.constexpr, V_COL: tl.constexpr, ALIGN: tl.constexpr,
     CHUNK: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
-    """``CHUNK`` keys (16-key groups, each inside one page) of one sequence (``first +
-    program 0``) and ``HEADS`` K/V heads (a power of two dividing ``HKV``, from ``HEADS ·
-    program 2``): K codes to token-major ``k_out`` ``[*, HKV, D]`` (row ``cu_k[b] + key``),
-    V codes (dim-major pages, ``V_ROW`` = 1) to the column layout ``v_t`` ``[HKV, D, t_pad]``
-    and the factors ``2^eK``, ``eV``, ``2^-eV`` to ``factors`` ``[HKV, 3, t_pad]``
-    (operands.KernelQKV), 16-byte vectors both ways (the column order is permuted in
-    registers). Groups past the sequence up to its ``ALIGN``-padded end get zero codes and
-    factors (the forward loads whole tiles)."""
+    """``CHUNK`` keys (``CHUNK / 16`` groups of 16, each inside one page) of one sequence
+    (``first + program 0``) and ``HEADS`` K/V heads (a power of two dividing ``HKV``, from
+    ``HEADS · program 2``): K codes to token-major ``k_out`` ``[*, HKV, D]`` (row ``cu_k[b] +
+    key``), V codes (dim-major pages, ``V_ROW`` = 1) to the column layout ``v_t`` ``[HKV, D,
+    t_pad]`` and the factors ``2^eK``, ``eV``, ``2^-eV`` to ``factors`` ``[HKV, 3, t_pad]``
+    (operands.KernelQKV). Every group's loads are one tile (all in flight at once; a group's
+    page index is one value, so its 16 slots load as vectors) and its column-layout stores
+    are ``CHUNK`` contiguous columns (the order is permuted in registers). Groups past the
+    sequence up to its ``ALIGN``-padded end get zero codes and factors (the forward loads
+    whole tiles)."""
     b = tl.program_id(0)
     seq = first + b
-    hh = tl.program_id(2) * HEADS + tl.arange(0, HEADS)
+    k0 = tl.program_id(1) * CHUNK  # first key of the chunk
     length = tl.load(seq_lens_ptr + seq)
     padded = (length + ALIGN - 1) // ALIGN * ALIGN
-    k_base = tl.load(cu_k_ptr + b).to(tl.int64)
-    col_base = tl.multiple_of(tl.load(vt_start_ptr + b).to(tl.int64), 16)  # ALIGN >= 16
-    cols = tl.arange(0, D)
-    r16 = tl.arange(0, 16)
-    v_rows = tl.reshape(hh[:, None] * D + cols[None, :], (HEADS * D,)).to(tl.int64)
-    for i in tl.static_range(CHUNK // 16):
-        k0 = tl.program_id(1) * CHUNK + i * 16  # first key of the group
-        if k0 < padded:
-            keys = k0 + r16
-            ok = keys < length
-            blk = tl.load(block_table_ptr + seq * stride_bt + k0 // PAGE, mask=k0 < length,
-                          other=0).to(tl.int64)  # fmt: skip
-            off = tl.multiple_of(k0 % PAGE, 16) + r16
-            k_region = blk * 2 * HKV + hh  # [HEADS]
-            v_region = k_region + HKV
-            k = tl.load(cache_ptr + (k_region * REGION_CODES)[:, None, None]
-                        + (off * CODE_ROW)[None, :, None] + cols[None, None, :],
-                        mask=ok[None, :, None], other=0)  # [HEADS, 16, D]  # fmt: skip
-            k_rows = (k_base + keys) * HKV
-            tl.store(k_out_ptr + (k_rows[None, :, None] + hh[:, None, None]) * D
-                     + cols[None, None, :], k, mask=ok[None, :, None])  # fmt: skip
-            # the group's page exists (block 0 stands in past the end): an unmasked 16-byte
-            # load per dim, the slots past the sequence zeroed after it
-            v = tl.load(cache_ptr + (v_region * REGION_CODES)[:, None, None]
-                        + cols[None, :, None] * V_COL
-                        + (off * V_ROW)[None, None, :])  # [HEADS, D, 16]  # fmt: skip
-            v = tl.reshape(tl.where(ok[None, None, :], v, 0), (HEADS * D, 16))
-            col = col_base + k0 + r16
-            tl.store(v_t_ptr + v_rows[:, None] * t_pad + col[None, :], _v_t_order(v))
-            scale_at = SCALE_BASE + off * SCALE_ROW
-            e_k = tl.load(scales_ptr + (k_region * REGION_SCALES)[:, None] + scale_at[None, :],
-                          mask=ok[None, :], other=0)  # [HEADS, 16]  # fmt: skip
-            e_v = tl.load(scales_ptr + (v_region * REGION_SCALES)[:, None] + scale_at[None, :],
-                          mask=ok[None, :], other=0)  # fmt: skip
-            factors = factors_ptr + (hh * 3 * t_pad)[:, None] + col[None, :]
-            tl.store(factors, _v_t_order(tl.where(ok[None, :], exp2i(e_k), 0.0)))
-            tl.store(factors + t_pad, _v_t_order(tl.where(ok[None, :], e_v.to(tl.float32), 0.0)))
-            tl.store(factors + 2 * t_pad, _v_t_order(tl.where(ok[None, :], exp2i(-e_v), 0.0)))
+    if k0 < padded:
+        GROUPS: tl.constexpr = CHUNK // 16
+        hh = tl.program_id(2) * HEADS + tl.arange(0, HEADS)
+        k_base = tl.load(cu_k_ptr + b).to(tl.int64)
+        col_base = tl.multiple_of(tl.load(vt_start_ptr + b).to(tl.int64), 16)  # ALIGN >= 16
+        cols = tl.arange(0, D)
+        r16 = tl.arange(0, 16)
+        g0 = k0 + tl.arange(0, GROUPS) * 16  # first key of each group
+        # past the sequence, page 0 stands in (loads stay in the cache; stores are masked)
+        blk = tl.load(block_table_ptr + seq * stride_bt + g0 // PAGE, mask=g0 < length,
+                      other=0).to(tl.int64)  # fmt: skip
+        keys = g0[:, None] + r16[None, :]  # [GROUPS, 16]
+        ok = keys < length
+        off = tl.multiple_of(g0 % PAGE, 16)[:, None] + r16[None, :]
+        k_region = blk[None, :] * 2 * HKV + hh[:, None]  # [HEADS, GROUPS]
+        v_region = k_region + HKV
+        k = tl.load(cache_ptr + (k_region * REGION_CODES)[:, :, None, None]
+                    + (off * CODE_ROW)[None, :, :, None]
+                    + cols[None, None, None, :])  # [HEADS, GROUPS, 16, D]  # fmt: skip
+        k_rows = (k_base + keys) * HKV
+        tl.store(k_out_ptr + (k_rows[None, :, :, None] + hh[:, None, None, None]) * D
+                 + cols[None, None, None, :], k, mask=ok[None, :, :, None])  # fmt: skip
+        v = tl.load(cache_ptr + (v_region * REGION_CODES)[:, None, :, None]
+                    + cols[None, :, None, None] * V_COL
+                    + (off * V_ROW)[None, None, :, :])  # [HEADS, D, GROUPS, 16]  # fmt: skip
+        v = tl.where(ok[None, None, :, :], v, 0)
+        v = tl.reshape(v, (HEADS, D, GROUPS, 2, 4, 2))  # the column order (_v_t_order)
+        v = tl.reshape(tl.permute(v, (0, 1, 2, 4, 3, 5)), (HEADS, D, GROUPS, 16))
+        v_rows = (hh[:, None] * D + cols[None, :]).to(tl.int64) * t_pad  # [HEADS, D]
+        v_cols = col_base + keys  # [GROUPS, 16]
+        live = (g0 < padded)[:, None]
+        tl.store(v_t_ptr + v_rows[:, :, None, None] + v_cols[None, None, :, :], v,
+                 mask=live[None, None, :, :])  # fmt: skip
+        col = col_base + k0 + tl.arange(0, CHUNK)
+        live = tl.reshape(tl.broadcast_to(live, (GROUPS, 16)), (CHUNK,))
+        scale_at = SCALE_BASE + off * SCALE_ROW  # [GROUPS, 16]
+        e_k = tl.load(scales_ptr + (k_region * REGION_SCALES)[:, :, None] + scale_at[None, :, :],
+                      mask=ok[None, :, :], other=0)  # [HEADS, GROUPS, 16]  # fmt: skip
+        e_v = tl.load(scales_ptr + (v_region * REGION_SCALES)[:, :, None] + scale_at[None, :, :],
+                      mask=ok[None, :, :], other=0)  # fmt: skip
+        factors = factors_ptr + (hh * 3 * t_pad)[:, None] + col[None, :]
+        store_ok = live[None, :]
+        tl.store(factors, _chunk_order(tl.where(ok[None, :, :], exp2i(e_k), 0.0)),
+                 mask=store_ok)  # fmt: skip
+        tl.store(factors + t_pad, _chunk_order(tl.where(ok[None, :, :], e_v.to(tl.float32), 0.0)),
+                 mask=store_ok)  # fmt: skip
+        tl.store(factors + 2 * t_pad, _chunk_order(tl.where(ok[None, :, :], exp2i(-e_v), 0.0)),
+                 mask=store_ok)  # fmt: skip
+
+
+@triton.jit
+def _chunk_order(x):
+    """``[HEADS, GROUPS, 16]`` -> ``[HEADS, GROUPS · 16]`` in the column layout's order."""
+    heads: tl.constexpr = x.shape[0]
+    groups: tl.constexpr = x.shape[1]
+    return tl.reshape(_v_t_order(tl.reshape(x, (heads * groups, 16))), (heads, groups * 16))
 
 
 @triton.jit(do_not_specialize=("n_tokens",))
