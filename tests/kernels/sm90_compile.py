@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
-from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel
+from flamia_serve.kernels.attn_fwd.triton import attn_fwd_kernel, attn_fwd_windows_kernel
 from flamia_serve.kernels.paged.ops import PagedLayout
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
@@ -113,6 +113,22 @@ def fwd_variants() -> None:
                           DEBUG_P=False)  # fmt: skip
             _compile(attn_fwd_kernel, ptrs, consts, warps)
             print(f"attn_fwd d={d} causal={causal} nvfp4={nvfp4} two_pass={two_pass}: ok")
+
+
+def window_variants(verbose: bool = False) -> None:
+    """The forward's short-document window kernel (``-v``: its registers and stack, the
+    figure that sets how many of its programs an SM holds)."""
+    ptrs = {
+        "q8_ptr": FP8, "q_exp_ptr": I16, "k8_ptr": FP8, "k_exp_ptr": I16, "vt_ptr": FP8,
+        "v_exp_ptr": I16, "column_ptr": "*i64", "token_doc_ptr": I32, "win_start_ptr": I32,
+        "win_end_ptr": I32, "win_count_ptr": I32, "out_ptr": BF16, "m_ptr": F32, "lse_ptr": F32,
+    }  # fmt: skip
+    for d in (64, 128):
+        for causal in (True, False):
+            consts = dict(HQ=32, HKV=8, D=d, ROWS=64, CAUSAL=causal, INTERPRET=False)
+            kernel = _compile(attn_fwd_windows_kernel, ptrs, consts, 4)
+            extra = f" {resource_usage(kernel)}" if verbose else ""
+            print(f"attn_fwd_windows d={d} causal={causal}: ok{extra}")
 
 
 def do_quant_variants() -> None:
@@ -213,6 +229,7 @@ if __name__ == "__main__":
     quant_variants()
     do_quant_variants()
     fwd_variants()
+    window_variants(verbose="-v" in sys.argv)
     bwd_variants(verbose="-v" in sys.argv)
     paged_variants()
     sys.exit(0)
