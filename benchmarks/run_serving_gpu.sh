@@ -16,6 +16,8 @@
 #     (the fa4 bundle in /tmp/site_fa4, the flashinfer bundle in /tmp/site)
 # The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
 #   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
+#   bash benchmarks/run_serving_gpu.sh prefill-layouts   # the layout kernel's program shapes
+#     bit-equal to 16 keys x 1 head on the GPU, then their times (needs only triton)
 set -uo pipefail
 export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 steps=",${1:-tests,tune},"
@@ -82,6 +84,12 @@ if [[ $steps == *,cute-fused-combine,* ]]; then  # experiment: the last split me
   PYTHONPATH=$CUTE_SITE run tune_decode_cute_fused_combine 200 python \
     benchmarks/tune_decode_cute.py --quick --formats nvfp4 --depths 1 --stages 3 --edge 1 \
     --fused 0,1 --splits 1,2,3,4,6 --name tune_decode_cute_fused_combine
+fi
+if [[ $steps == *,prefill-layouts,* ]]; then  # before moving prefill_operands' default chunk
+  PYTHONPATH=$CUTE_SITE run check_prefill_layouts 120 python benchmarks/check_prefill_layouts.py
+  PYTHONPATH=$CUTE_SITE run profile_cute_prefill_layouts 200 python \
+    benchmarks/profile_cute_prefill.py --quick --no-forward-variants \
+    --layouts 16x1,32x1,64x1,128x1 --name profile_cute_prefill_layouts
 fi
 if [[ $steps == *,flashinfer-warm,* ]]; then  # FlashInfer's prefill JIT, in the background
   FLAMIA_RESULTS_DIR=/tmp python benchmarks/prefill.py --workloads S5-8x1024+0 \

@@ -3,7 +3,7 @@
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
 #                                                   # host-baseline, mixed, quant, fwd-pv,
-#                                                   # fused-q, fused-q-bench
+#                                                   # fused-q, fused-q-bench, windows-two-pass
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -74,6 +74,19 @@ if [[ $steps == *,fused-q-bench,* ]]; then  # forward speed with Q quantized ins
     --workloads "${FLAMIA_FUSED_Q_WORKLOADS:-W1,W2,W3,W4,W5,W6,W7,W8,W9,P1,P2,P3,P4,P5}" \
     --impls "${FLAMIA_IMPLS:-flamia-mxfp8,flamia-mxfp8-separate-q,flamia-mxfp8-quant,fa4}" \
     --name "${FLAMIA_BENCH_NAME:-train_attention_fused_q}"
+fi
+if [[ $steps == *,windows-two-pass,* ]]; then  # experiment: the window kernel's NaN path in a
+  # second launch, V̂ rows from the quantizer; per-kernel times before (this tree) and after
+  run profile_windows_before 120 python benchmarks/profile_windows.py P1 P4
+  p=benchmarks/experiments/windows-two-pass-v-rows.patch
+  git apply "$p" 2>/dev/null || patch -p1 < "$p" || exit 1
+  run pytest_windows_two_pass "${FLAMIA_TEST_SECS:-240}" python -m pytest -q \
+    -W ignore::DeprecationWarning tests/kernels/test_attn_fwd.py tests/kernels/test_quant.py \
+    -k "window or v_rows or bit_exact"
+  run profile_windows_after 120 python benchmarks/profile_windows.py P1 P4
+  run train_attention_windows_two_pass 240 python benchmarks/train_attention.py --quick \
+    --passes fwd --workloads P1,P2,P4 --impls flamia-mxfp8,flamia-mxfp8-no-windows,fa4 \
+    --name train_attention_windows_two_pass
 fi
 if [[ $steps == *,bench,* ]]; then
   run train_attention 400 python benchmarks/train_attention.py --quick --check \
