@@ -18,10 +18,8 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.prefill import WORKLOADS
-from benchmarks.serving import HEAD_DIM, HKV, HQ, make_serving_batch
-from flamia_serve.kernels.paged import leading_decodes, plan_paged_counts, plan_prefill_schedule
+from benchmarks.serving import fp8_prefill
 from flamia_serve.kernels.paged.ops import prefill_operands
-from flamia_serve.numerics.kv_pages import KVPageFormat
 
 
 def _used_columns(offsets: torch.Tensor, count: int, align: int) -> torch.Tensor:
@@ -36,16 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="32x1,64x1,128x1,64x2,16x8")
     args = ap.parse_args(argv)
     layouts = [tuple(int(x) for x in v.split("x")) for v in args.layouts.split(",")]
-    dev, fmt, different = torch.device("cuda"), KVPageFormat("fp8", HEAD_DIM), 0
+    dev, different = torch.device("cuda"), 0
     for i, (name, (new, cached)) in enumerate(WORKLOADS.items()):
-        lens = [c + n for c, n in zip(cached, new, strict=True)]
-        batch = make_serving_batch(new, lens, dev, seed=i)
-        decodes = leading_decodes(batch.query_start_loc)
-        keys = sum(lens[decodes:])
-        plan = plan_paged_counts(fmt, HQ, HKV, num_seqs=batch.batch, num_tokens=batch.q.shape[0],
-                                 num_decodes=decodes, num_decode_tokens=decodes,
-                                 max_seq_len=max(lens), device=dev, prefill_keys=keys)  # fmt: skip
-        schedule = plan_prefill_schedule(plan, batch.seq_lens, batch.query_start_loc)
+        prep = fp8_prefill(new, cached, dev, seed=i)
+        batch, plan, schedule, keys = prep.batch, prep.plan, prep.schedule, prep.keys
         align = schedule.config.block_n
         args_ = (batch.q, batch.caches["fp8"], batch.block_table, batch.seq_lens, plan,
                  schedule.offsets, align)  # fmt: skip

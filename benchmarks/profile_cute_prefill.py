@@ -22,12 +22,11 @@ import torch
 
 from benchmarks.common import graph_time, write_results
 from benchmarks.prefill import WORKLOADS, flops
-from benchmarks.serving import HEAD_DIM, HKV, HQ, make_serving_batch, planned_call
+from benchmarks.serving import HEAD_DIM, HKV, HQ, fp8_prefill, planned_call
 from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90
-from flamia_serve.kernels.paged import leading_decodes, plan_paged_counts, plan_prefill_schedule
+from flamia_serve.kernels.paged import plan_prefill_schedule
 from flamia_serve.kernels.paged.ops import prefill_operands
 from flamia_serve.kernels.schedule import WorkList, build_work_list
-from flamia_serve.numerics.kv_pages import KVPageFormat
 
 #: (keys, K/V heads) per program of the operand layout kernel
 LAYOUT_VARIANTS = ((16, 1), (16, 8), (32, 8))
@@ -44,19 +43,12 @@ def _profile(
 ) -> list[dict]:
     """Rows of one workload: the planned call, its parts (the layout kernel as each of
     ``layouts``, (keys, heads) per program) and the forward variants."""
-    dev = torch.device("cuda")
-    fmt = KVPageFormat("fp8", HEAD_DIM)
     qk_scale = HEAD_DIM**-0.5 * math.log2(math.e)
-    new, cached = WORKLOADS[name]
-    lens = [c + n for c, n in zip(cached, new, strict=True)]
-    batch = make_serving_batch(new, lens, dev, seed=seed)
-    decodes = leading_decodes(batch.query_start_loc)
-    keys = sum(lens[decodes:])
-    plan = plan_paged_counts(fmt, HQ, HKV, num_seqs=batch.batch, num_tokens=batch.q.shape[0],
-                             num_decodes=decodes, num_decode_tokens=decodes,
-                             max_seq_len=max(lens), device=dev, prefill_keys=keys)  # fmt: skip
-    schedule = plan_prefill_schedule(plan, batch.seq_lens, batch.query_start_loc)
-    assert schedule is not None, plan.prefill
+    dev = torch.device("cuda")
+    prep = fp8_prefill(*WORKLOADS[name], dev, seed)
+    batch, plan, schedule, decodes, keys = (
+        prep.batch, prep.plan, prep.schedule, prep.decodes, prep.keys
+    )
     offsets, cfg = schedule.offsets, schedule.config
     cache = batch.caches["fp8"]
     qkv = prefill_operands(batch.q, cache, batch.block_table, batch.seq_lens, plan, offsets,

@@ -88,6 +88,33 @@ def make_serving_batch(q_lens: list[int], seq_lens: list[int], device: torch.dev
     return batch
 
 
+@dataclass
+class Fp8Prefill:
+    """A serving batch with its fp8-cache prefill planned (the CuTe path's per-batch work)."""
+
+    batch: ServingBatch
+    plan: Any  # PagedPlan
+    schedule: Any  # PrefillSchedule
+    decodes: int
+    keys: int
+
+
+def fp8_prefill(new: list[int], cached: list[int], device: torch.device, seed: int) -> Fp8Prefill:
+    """``make_serving_batch`` of sequences with ``new`` tokens after ``cached`` ones, planned
+    for the fp8 cache's CuTe prefill (``plan_prefill_schedule``; asserts that it runs)."""
+    lens = [c + n for c, n in zip(cached, new, strict=True)]
+    batch = make_serving_batch(new, lens, device, seed=seed)
+    decodes = leading_decodes(batch.query_start_loc)
+    keys = sum(lens[decodes:])
+    plan = plan_paged_counts(KVPageFormat("fp8", HEAD_DIM), HQ, HKV, num_seqs=batch.batch,
+                             num_tokens=batch.q.shape[0], num_decodes=decodes,
+                             num_decode_tokens=decodes, max_seq_len=max(lens), device=device,
+                             prefill_keys=keys)  # fmt: skip
+    schedule = plan_prefill_schedule(plan, batch.seq_lens, batch.query_start_loc)
+    assert schedule is not None, plan.prefill
+    return Fp8Prefill(batch, plan, schedule, decodes, keys)
+
+
 def planned_call(batch: ServingBatch, dtype: str, *, exp_mode: str = "exact",
                  prefill_keys: int = 0, decode_config: PagedConfig | None = None,
                  ) -> Callable[[], torch.Tensor]:  # fmt: skip
