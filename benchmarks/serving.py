@@ -14,7 +14,9 @@ import torch
 from benchmarks.common import graph_time
 from flamia_serve.kernels.paged import (
     PagedConfig,
+    PagedPlan,
     PagedWorkspace,
+    PrefillSchedule,
     leading_decodes,
     plan_paged_counts,
     plan_prefill_schedule,
@@ -93,8 +95,8 @@ class Fp8Prefill:
     """A serving batch with its fp8-cache prefill planned (the CuTe path's per-batch work)."""
 
     batch: ServingBatch
-    plan: Any  # PagedPlan
-    schedule: Any  # PrefillSchedule
+    plan: PagedPlan
+    schedule: PrefillSchedule
     decodes: int
     keys: int
 
