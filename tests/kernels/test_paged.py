@@ -585,7 +585,7 @@ def test_prefill_operands_layout(page_size: int, align: int) -> None:
     q8 = quantize_fp8(b.q[2:].float(), None, Granularity.TOKEN)
     assert torch.equal(qkv.q_codes.view(torch.uint8), q8.codes.view(torch.uint8))
     assert torch.equal(qkv.q_exp.long(), q8.exponents.long())
-    # other program shapes of the layout kernel (default: 16 keys x one head)
+    # other program shapes of the layout kernel (default: 32 keys x one head)
     used = torch.cat([start + torch.arange(pad) for start, pad in
                       zip(qkv.doc_v_t_start.tolist(), pads, strict=True)])  # fmt: skip
     for chunk, heads in ((16, 1), (32, 2), (64, 1)):

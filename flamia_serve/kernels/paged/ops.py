@@ -549,7 +549,7 @@ def prefill_operands(
     plan: PagedPlan,
     offsets: torch.Tensor,
     column_align: int,
-    chunk: int = 16,
+    chunk: int = 32,
     heads: int = 1,
 ) -> KernelQKV:
     """The training forward's operands for ``plan``'s prefill sequences (query rows
@@ -557,11 +557,11 @@ def prefill_operands(
     :func:`prefill_offsets` (same ``column_align``); two launches, no host reads
     (``plan.prefill_keys`` and ``plan.max_seq_len`` bound the sizes; ``chunk`` keys and
     ``heads`` K/V heads per program of the layout kernel: a multiple of 16 and a power of two
-    dividing Hkv; the defaults, 16 and 1; 32 keys was faster on S3/S4 in the sweep,
-    ``profile_cute_prefill_layout_2026-12-03.json``). Q̂ per token ``[Tq,
-    Hq, d]``; K̂ ``[keys, Hkv, d]`` token-major in key order; V̂ᵀ and the factors ``2^eK``,
-    ``eV``, ``2^−eV`` in the column layout; ``cu_seqlens`` counts keys; ``k_exp`` and
-    ``v_exp`` are empty (the CuTe forward reads the factors)."""
+    dividing Hkv; the defaults, 32 and 1: bit-equal to every other shape on the H200, and
+    the fastest of 16/32/64/128 keys on S2–S4, ``profile_cute_prefill_layouts_2026-12-03.json``).
+    Q̂ per token ``[Tq, Hq, d]``; K̂ ``[keys, Hkv, d]`` token-major in key order; V̂ᵀ and the
+    factors ``2^eK``, ``eV``, ``2^−eV`` in the column layout; ``cu_seqlens`` counts keys;
+    ``k_exp`` and ``v_exp`` are empty (the CuTe forward reads the factors)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk % 16:
         raise ValueError(f"chunk must be a positive multiple of 16 keys, got {chunk!r}")
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 \

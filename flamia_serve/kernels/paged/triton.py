@@ -603,11 +603,12 @@ def prefill_offsets_kernel(
 
 @triton.jit
 def _v_t_order(x):
-    """``[R, 16]`` -> the same rows with their 16 columns in the column layout's order
+    """``[R, G, 16]`` -> the same groups with their 16 columns in the column layout's order
     (column ``4b + 2a + c`` takes column ``8a + 2b + c``: ``operands.v_t_position``)."""
     rows: tl.constexpr = x.shape[0]
-    x = tl.reshape(x, (rows, 2, 4, 2))
-    return tl.reshape(tl.permute(x, (0, 2, 1, 3)), (rows, 16))
+    groups: tl.constexpr = x.shape[1]
+    x = tl.reshape(x, (rows, groups, 2, 4, 2))
+    return tl.reshape(tl.permute(x, (0, 1, 3, 2, 4)), (rows, groups, 16))
 
 
 # t_pad stays specialised: always a multiple of ALIGN >= 16 (one variant), and that lets the
@@ -662,8 +663,7 @@ def prefill_operands_kernel(
                     + cols[None, :, None, None] * V_COL
                     + (off * V_ROW)[None, None, :, :])  # [HEADS, D, GROUPS, 16]  # fmt: skip
         v = tl.where(ok[None, None, :, :], v, 0)
-        v = tl.reshape(v, (HEADS, D, GROUPS, 2, 4, 2))  # the column order (_v_t_order)
-        v = tl.reshape(tl.permute(v, (0, 1, 2, 4, 3, 5)), (HEADS, D, GROUPS, 16))
+        v = tl.reshape(_v_t_order(tl.reshape(v, (HEADS * D, GROUPS, 16))), (HEADS, D, GROUPS, 16))
         v_rows = (hh[:, None] * D + cols[None, :]).to(tl.int64) * t_pad  # [HEADS, D]
         v_cols = col_base + keys  # [GROUPS, 16]
         live = (g0 < padded)[:, None]
@@ -689,9 +689,7 @@ def prefill_operands_kernel(
 @triton.jit
 def _chunk_order(x):
     """``[HEADS, GROUPS, 16]`` -> ``[HEADS, GROUPS · 16]`` in the column layout's order."""
-    heads: tl.constexpr = x.shape[0]
-    groups: tl.constexpr = x.shape[1]
-    return tl.reshape(_v_t_order(tl.reshape(x, (heads * groups, 16))), (heads, groups * 16))
+    return tl.reshape(_v_t_order(x), (x.shape[0], x.shape[1] * 16))
 
 
 @triton.jit(do_not_specialize=("n_tokens",))
