@@ -39,12 +39,19 @@ KERNEL = Path(__file__).resolve().parents[1] / "flamia_serve/kernels/attn_bwd/cu
 
 # the kernel's text that the ablations change (each must occur exactly once)
 _BULK_ADD = '        if ctx["t"] == 0:\n            copy_utils.cpasync_reduce_bulk_add_f32(\n'
-_DQ_ORDER = """\
-        order = [
-            item
-            for hf in range(halves)
-            for item in [("k", 0, hf), ("q", 0, hf)] + [("k", hb, hf) for hb in range(1, n_halves)]
-        ]
+_DQ_PRODUCTS = """\
+        issue(0)
+        if const_expr(halves > 1):
+            issue(1)
+        for hf in cutlass.range_constexpr(halves):
+"""
+_DK_PRODUCTS = """\
+            sm90_utils.gemm(
+                ctx["mmas"][1], ctx["acc_dk"][hf], frag_ds,
+"""
+_DV_PRODUCTS = """\
+            sm90_utils.gemm(
+                ctx["mmas"][1], ctx["acc_dv"][hf], frag_p,
 """
 _DQ_BARRIER = """\
         cute.arch.fence_view_async_shared()
@@ -60,11 +67,16 @@ _DS_BARRIER = """\
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
 """
-_SECOND_ISSUE = "        issue(0)\n        issue(1)\n"
+
+
+def _never(call: str) -> str:
+    """A statement of the step's loop body behind a branch never taken (i0 >= 0)."""
+    return call.replace("            sm90", "            if i0 < 0:\n                sm90", 1)
+
+
 _NO_ADD = (_BULK_ADD, _BULK_ADD.replace(" == 0:", " < 0:"))
-_K_ONLY = '        order = [("k", hb, hf) for hf in range(halves) for hb in range(n_halves)]\n'
 _NO_DQ = [
-    (_DQ_ORDER, _K_ONLY),
+    (_DQ_PRODUCTS, "        for hf in cutlass.range_constexpr(0):\n"),
     (_DQ_BARRIER, ""),
     _NO_ADD,
 ]
@@ -91,17 +103,9 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
         ("        cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)\n", ""),
     ],
     # no dV products
-    "nodv": [
-        ("        issue_dv(0)\n", ""),
-        ("        promote_dv(0)\n", ""),
-        ("            promote_dv(n)\n", "            pass\n"),
-    ],
+    "nodv": [(_DV_PRODUCTS, _never(_DV_PRODUCTS))],
     # no dK products
-    "nodk": [
-        (_DQ_ORDER, '        order = [("q", 0, hf) for hf in range(halves)]\n'),
-        (_SECOND_ISSUE, "        issue(0)\n        if const_expr(len(order) > 1):\n"
-                        "            issue(1)\n"),
-    ],
+    "nodk": [(_DK_PRODUCTS, _never(_DK_PRODUCTS))],
 }
 
 

@@ -100,13 +100,15 @@ def attention_backward(
     if call.bwd_work is None:
         raise RuntimeError("flamia attention: the forward ran without gradients enabled")
     align = call.column_align
+    cute = call.bwd_config.kernel == "cute"  # reads Q's codes and Ĝ token-major (BF16)
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=call.blocks, with_transposed=True, column_align=align, columns=call.columns,
-        workspace=call.workspace, widen=call.bwd_config.kernel == "cute",
+        workspace=call.workspace, widen=cute, q_transposed=not cute,
     )  # fmt: skip
     qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe,
-                      blocks=call.blocks, column_align=align, workspace=call.workspace)  # fmt: skip
+                      blocks=call.blocks, column_align=align, workspace=call.workspace,
+                      g_columns=not cute, g_rows=cute)  # fmt: skip
     return attn_bwd(
         qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
         softmax_scale=call.softmax_scale, recipe=call.recipe, out_dtype=q.dtype,

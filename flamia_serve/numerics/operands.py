@@ -247,14 +247,16 @@ class KernelDO:
     """What the dO quantization kernel writes, kernel layout (twin: ``QuantizedDO``).
 
     ``do_codes`` ``[T, Hq, d]`` E4M3 token-major, ``do_exp`` ``[T, Hq]`` int16 (view of a
-    head-major buffer); ``g_t`` ``[Hq, d, t_pad]`` E4M3 codes of ``G`` in the column layout,
-    ``g_exp`` ``[Hq, t_pad]`` int16 in the same columns; ``delta`` and ``row_factor`` (the
+    head-major buffer); ``g_t`` ``[Hq, d, t_pad]`` E4M3 codes of ``G`` in the column layout
+    (None when not asked for), ``g_exp`` ``[Hq, t_pad]`` int16 in the same columns; ``g_rows``
+    ``[T, Hq, d]`` BF16 ``code·2^eG`` token-major (the CuTe backward's dV operand; None when
+    not asked for); ``delta`` and ``row_factor`` (the
     ``f`` that G was built with) ``[T, Hq]`` float32 (views of head-major buffers).
     """
 
     do_codes: torch.Tensor
     do_exp: torch.Tensor
-    g_t: torch.Tensor
+    g_t: torch.Tensor | None
     g_exp: torch.Tensor
     delta: torch.Tensor
     row_factor: torch.Tensor
@@ -262,8 +264,11 @@ class KernelDO:
     cu_seqlens: torch.Tensor
     #: documents start at multiples of this in the column layout (``check_column_align``)
     column_align: int = V_T_ALIGN
+    g_rows: torch.Tensor | None = None
 
     def to_reference(self) -> QuantizedDO:
+        if self.g_t is None:
+            raise ValueError("to_reference reads Ĝ's codes from g_t: quantize with g_columns=True")
         column = token_columns(self.cu_seqlens, self.doc_v_t_start, self.do_codes.shape[0])
         g_codes = self.g_t[:, :, column].permute(2, 0, 1).contiguous()
         return QuantizedDO(

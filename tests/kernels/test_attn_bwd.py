@@ -25,6 +25,7 @@ from flamia_serve.kernels.attn_fwd.ops import attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import build_key_work_list
 from flamia_serve.numerics import RECIPES, Recipe
+from flamia_serve.numerics.operands import token_columns
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import attention, attention_backward, attention_float64
 from flamia_serve.reference import quantize_do as reference_quantize_do
@@ -94,6 +95,37 @@ def test_quantize_do_bit_exact(lens, device) -> None:
     assert torch.allclose(mine.delta, ref.delta, rtol=1e-5, atol=1e-6)
     f = torch.exp2(m - 8 - lse)
     assert torch.allclose(got.row_factor, f, rtol=1e-6, atol=0)
+
+
+def test_quantize_do_g_rows(device) -> None:
+    """``g_rows``: Ĝ's values ``code·2^eG`` token-major in BF16, bit-exact against the twin's
+    dequantized Ĝ (with or without the column layout's codes; never neither); the other
+    outputs unchanged."""
+    lens = (1, 63, 100, 37, 0, 5)
+    q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=2, device=device)
+    d_out = make_pack(lens, 4, 2, 64, seed=3, device=device)[0] * 1e-3
+    out, m, lse = attn_fwd(quantize_qkv(q, k, v, cu), cu, heads_q=4, causal=True,
+                           softmax_scale=0.125)  # fmt: skip
+    both = quantize_do(d_out, out, m, lse, cu, g_rows=True)
+    ref = reference_quantize_do(d_out, out, m, lse, cu, RECIPES["mxfp8"],
+                                row_factor=both.row_factor)  # fmt: skip
+    assert both.g_rows.dtype == torch.bfloat16 and both.g_rows.shape == d_out.shape
+    assert torch.equal(both.g_rows.float(), ref.g8.dequantize().float())
+    assert int((both.g_rows != 0).sum()) > 1000
+    rows_only = quantize_do(d_out, out, m, lse, cu, g_rows=True, g_columns=False)
+    assert rows_only.g_t is None
+    assert torch.equal(rows_only.g_rows, both.g_rows)
+    columns = quantize_do(d_out, out, m, lse, cu)
+    assert columns.g_rows is None
+    assert torch.equal(rows_only.do_codes.view(torch.uint8), columns.do_codes.view(torch.uint8))
+    assert torch.equal(both.g_t.view(torch.uint8), columns.g_t.view(torch.uint8))
+    used = token_columns(cu, columns.doc_v_t_start, d_out.shape[0])
+    assert torch.equal(rows_only.g_exp[:, used], columns.g_exp[:, used])
+    assert torch.equal(rows_only.delta, columns.delta)
+    with pytest.raises(ValueError, match="g_columns and g_rows"):
+        quantize_do(d_out, out, m, lse, cu, g_columns=False)
+    with pytest.raises(ValueError, match="g_columns"):
+        rows_only.to_reference()
 
 
 @pytest.mark.parametrize(

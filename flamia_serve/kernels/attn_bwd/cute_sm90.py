@@ -7,18 +7,21 @@ keys x half.
 
 Design: one CTA per (128-key tile, K/V head) of the longest-first key work list. A producer
 warp TMA-loads the tile's K̂ and V̂ (token-major) and K̂ᵀ (column layout) once, then for every
-query head of the GQA group and every query step Q̂, dÔ (token-major) and Q̂ᵀ, Ĝᵀ (column
-layout) into a ring of shared-memory stages. A step is ``STEP_FOR_D[d]`` queries: two 32-query
-halves at d = 64, one at d = 128 (each half is a token block with its own Q / dÔ / Ĝ
-exponents and dS block exponents, so the numerics do not depend on the step). Two consumer
+query head of the GQA group and every query step Q̂, dÔ (E4M3, token-major) and the Q codes
+and Ĝ·2^eG (BF16, token-major) into a ring of shared-memory stages. A step is
+``STEP_FOR_D[d]`` queries: two 32-query halves at d = 64, one at d = 128 (each half is a
+token block with its own Q / dÔ / Ĝ exponents and dS block exponents, so the numerics do
+not depend on the step). Two consumer
 warpgroups each own 64 keys (keys on the MMAs' M) and take every step:
 
 * ``Sᵀ = K̂·Q̂ᵀ`` and ``dPᵀ = V̂·dÔᵀ`` (FP8 ``wgmma`` from shared memory, N = the step), P̂
   rebuilt as the forward built it, ``dSᵀ = P ∘ (dP − D)``;
-* ``dV += (P̂ᵀ·Ĝ)·2^eG`` and ``dK += (dŜᵀ·Q̂)·2^ek``, one product per half (its k-block of
-  the step's A fragment and B tile): A from registers (the column layout's permutation
-  makes the accumulator fragment the A fragment as it is), promoted to FP32 per half, in
-  64-column pieces of the head dimension (registers);
+* ``dV += P̂ᵀ·(Ĝ·2^eG)`` and ``dK += (dŜ·2^ek)ᵀ·Q̂``: BF16 ``wgmma`` (A from registers, the
+  accumulator's own layout; B the token-major tile read MN-major) into the FP32 dK/dV
+  accumulators, which hold the sums of every step: E4M3 values times powers of two are
+  exact in BF16 and the BF16 ``wgmma`` adds in FP32, so there is no per-step promotion (an
+  FP8 ``wgmma`` adds with fewer bits: promoted per step, it cost 128 FFMAs, a wait per
+  product and 104-136 B of spills). Pieces of 64 head-dimension columns;
 * ``dQᵀ = K̂ᵀ·dŜᵀ`` (N = the step; each half's dŜ carries its own exponent, undone per query
   column when staged): dŜ goes to shared memory transposed, the product to an FP32
   staging tile (rows padded against bank conflicts) that one bulk reduce-add per step
@@ -55,17 +58,18 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 import torch
+from cutlass import BFloat16 as BF16
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 from flash_attn.cute import pipeline as fa_pipeline
+from flash_attn.cute import utils
 from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
-    accumulator_to_a,
     column_offset,
     compile_kernel,
     e4m3_exponent,
@@ -76,6 +80,7 @@ from flamia_serve.kernels.cute_sm90_common import (
 from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.kernels.workspace import PackWorkspace, zeroed_accumulator
 from flamia_serve.numerics import P_HAT_EXP, operands
+from flamia_serve.numerics.formats import exp2i
 from flamia_serve.numerics.operands import KernelDO, KernelQKV
 
 #: queries of one token block (a "half" of a 64-query step)
@@ -141,9 +146,9 @@ class FlamiaBwdSm90:
         mK: cute.Tensor,  # (T, Hkv, d) e4m3 (bf16: qk_wide)
         mV: cute.Tensor,  # (T, Hkv, d) e4m3
         mDO: cute.Tensor,  # (T, Hq, d) e4m3
-        mQt: cute.Tensor,  # (d, t_pad, Hq) e4m3, column layout
+        mQt: cute.Tensor,  # (T, Hq, d) bf16: the E4M3 Q codes, exact (dK's B)
         mKt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, column layout
-        mGt: cute.Tensor,  # (d, t_pad, Hq) e4m3, column layout
+        mGt: cute.Tensor,  # (T, Hq, d) bf16: Ĝ dequantized, exact (dV's B)
         mQexp: cute.Tensor,  # (Hq, T) int16
         mQsexp: cute.Tensor,  # (Hq, T) int8, NVFP4 second level (qk_wide; else mQexp)
         mKexp: cute.Tensor,  # (Hkv, t_pad) int16, column layout (read with qk_wide)
@@ -170,6 +175,7 @@ class FlamiaBwdSm90:
         d = self.d
         mQ, mDO = (layout_utils.select(t, [0, 2, 1]) for t in (mQ, mDO))  # (T, d, H)
         mK, mV = (layout_utils.select(t, [0, 2, 1]) for t in (mK, mV))
+        mQt, mGt = (layout_utils.select(t, [0, 2, 1]) for t in (mQt, mGt))  # (T, d, H)
         halves = self.halves
         qk = self.qk_dtype
         rows_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (WG_KEYS, d), NUM_WG)
@@ -185,8 +191,10 @@ class FlamiaBwdSm90:
         q_step_layout = sm90_utils.make_smem_layout(
             qk, LayoutEnum.ROW_MAJOR, (self.step_q, d), self.num_stages
         )
+        # dK's / dV's B: token-major BF16 tiles of 64 head columns (stage · halves + piece),
+        # read MN-major (transposed views)
         step_t_layout = sm90_utils.make_smem_layout(
-            FP8, LayoutEnum.ROW_MAJOR, (64, self.step_q), self.num_stages * halves
+            BF16, LayoutEnum.ROW_MAJOR, (self.step_q, 64), self.num_stages * halves
         )
         ds_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS), NUM_WG
@@ -213,7 +221,7 @@ class FlamiaBwdSm90:
         # dV / dK pieces: keys x 64 head columns, contraction over a half (one k-block of the
         # step's fragments; A in registers)
         tiled_mma_kv = sm90_helpers.make_trivial_tiled_mma(
-            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            BF16, BF16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             tiler_mn=(WG_KEYS, 64), a_source=warpgroup.OperandSource.RMEM, **mma_kw,
         )  # fmt: skip
         # dQᵀ pieces: 64 head columns x queries, contraction over the warpgroup's keys
@@ -233,11 +241,11 @@ class FlamiaBwdSm90:
         atom_kt, tma_kt = atom(mKt, cols_layout, (64, WG_KEYS))
         atom_q, tma_q = atom(mQ, q_step_layout, (self.step_q, d))
         atom_do, tma_do = atom(mDO, step_layout, (self.step_q, d))
-        atom_qt, tma_qt = atom(mQt, step_t_layout, (64, self.step_q))
-        atom_gt, tma_gt = atom(mGt, step_t_layout, (64, self.step_q))
+        atom_qt, tma_qt = atom(mQt, step_t_layout, (self.step_q, 64))
+        atom_gt, tma_gt = atom(mGt, step_t_layout, (self.step_q, 64))
         qk_bytes = qk.width // 8
         self.kv_bytes = (2 + qk_bytes) * NUM_WG * WG_KEYS * d
-        self.step_bytes = (3 + qk_bytes) * self.step_q * d
+        self.step_bytes = (5 + qk_bytes) * self.step_q * d
         stages = self.num_stages
 
         @cute.struct
@@ -252,8 +260,8 @@ class FlamiaBwdSm90:
             sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
             sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
-            sQt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_t_layout)], 1024]
-            sGt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_t_layout)], 1024]
+            sQt: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(step_t_layout)], 1024]
+            sGt: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(step_t_layout)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(ds_layout)], 1024]
             sDQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128]
 
@@ -416,8 +424,8 @@ class FlamiaBwdSm90:
             load_q = _rows_copy(atom_q, tma_q, h, (self.step_q, self.d), sQ, doc_start)
             load_do = _rows_copy(atom_do, tma_do, h, (self.step_q, self.d), sDO, doc_start)
             loads_t = [
-                (_cols_copy(atom_qt, tma_qt, h, (64, self.step_q), sQt, hf, vt_start),
-                 _cols_copy(atom_gt, tma_gt, h, (64, self.step_q), sGt, hf, vt_start))
+                (_rows_piece_copy(atom_qt, tma_qt, h, (self.step_q, 64), sQt, hf, doc_start),
+                 _rows_piece_copy(atom_gt, tma_gt, h, (self.step_q, 64), sGt, hf, doc_start))
                 for hf in range(halves)
             ]  # fmt: skip
             for i in cutlass.range(n_steps, unroll=1):
@@ -509,8 +517,12 @@ class FlamiaBwdSm90:
         # dV / dK / dQᵀ in 64-column pieces of the head dimension (B / A index: stage or
         # warpgroup · halves + piece)
         kv_shape = (WG_KEYS, 64, self.step_q)
-        _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sGt)
-        _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sQt)
+        _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(
+            wg_kv, kv_shape, None, layout_utils.transpose_view(sGt)
+        )
+        _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(
+            wg_kv, kv_shape, None, layout_utils.transpose_view(sQt)
+        )
         dq_shape = (64, self.step_q, WG_KEYS)
         _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, dq_shape, sKt, sDS)
         acc_dk = []
@@ -649,23 +661,14 @@ class FlamiaBwdSm90:
         p8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
         p8.store(acc_s.load().to(FP8))
         acc_s.store(p8.load().to(Float32))
-        accumulator_to_a(acc_s, ctx["frag_p"])
-        # dV += (P̂ᵀ·Ĝ)·2^eG per half and 64-column piece, one product in flight while the
-        # previous one is promoted
-        dv_order = [(hb, hf) for hb in range(n_halves) for hf in range(halves)]
-        acc_v = [None] * len(dv_order)
-
-        def issue_dv(n):
-            hb, hf = dv_order[n]
-            acc_v[n] = self.issue_kv_piece(ctx, ctx["frag_p"], ctx["tVrG"], stage, hb, hf)
-
-        def promote_dv(n):
-            hb, hf = dv_order[n]
-            warpgroup.wait_group(0)
-            self.promote(ctx["acc_dv"][hf], acc_v[n], sStats[5, 2 + hb, stage])
-            if const_expr(n + 1 < len(dv_order)):
-                issue_dv(n + 1)
-
+        # dV += P̂ᵀ·(Ĝ·2^eG): BF16 A from the accumulator (P̂ exact), B the dequantized Ĝ
+        # (exact in BF16), accumulated in the wgmma's FP32 accumulator across steps
+        frag_p = utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
+        for hf in cutlass.range_constexpr(halves):
+            sm90_utils.gemm(
+                ctx["mmas"][1], ctx["acc_dv"][hf], frag_p,
+                ctx["tVrG"][None, None, None, stage * halves + hf], zero_init=False, wg_wait=-1,
+            )  # fmt: skip
         # dS in place of dP; amax of dS·2^eQ (dK's blocks) and dS·2^eK (dQ's) per half: the
         # power-of-two factors are applied to the column / row maxima of |dS|
         amax_k = [Float32(0.0)] * n_halves
@@ -693,9 +696,6 @@ class FlamiaBwdSm90:
                 amax_k[hb] = fa_utils.fmax(amax_k[hb], col_amax * sStats[1, c, stage])  # ·2^eQ
             for r in cutlass.range_constexpr(n_rows):
                 amax_q[hb] = fa_utils.fmax(amax_q[hb], row_amax[r] * ctx["kdq"][r])
-        # (the first dV product runs during the exponent exchange; issued earlier, it would
-        # hold its accumulator beside P̂ and dS and spill)
-        issue_dv(0)
         # block exponents: dK per (dk_keys keys x half), dQ per (64 keys x half)
         sAmax = ctx["sAmax"]
         warp = ctx["warp"]
@@ -706,7 +706,6 @@ class FlamiaBwdSm90:
             for hb in cutlass.range_constexpr(n_halves):
                 sAmax[0, hb, warp, wg] = amax_k[hb]
                 sAmax[1, hb, warp, wg] = amax_q[hb]
-        promote_dv(0)
         cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)
         # rows of a warp are 16 keys: a dK block of dk_keys keys spans dk_keys // 16 warps
         per_block = self.dk_keys // 16
@@ -723,9 +722,6 @@ class FlamiaBwdSm90:
             )
             ek[hb] = e4m3_exponent(block_amax)
             eb[hb] = e4m3_exponent(tile_amax)
-        # the rest of dV before dŜ is built (a product in flight beside P̂, dS and dŜ spills)
-        for n in cutlass.range_constexpr(1, len(dv_order)):
-            promote_dv(n)
         # dŜ for dK (registers, A fragment, in place of P̂) and dŜ for dQ (in place of dS,
         # then shared memory, transposed); products of powers of two: one multiply each
         for hb in cutlass.range_constexpr(n_halves):
@@ -740,7 +736,17 @@ class FlamiaBwdSm90:
                     ds = dp_mn[r, j]
                     s_mn[r, j] = ds * col_fac
                     dp_mn[r, j] = ds * row_fac[r]
-        accumulator_to_a(acc_s, ctx["frag_ds"])
+        # dK's A: dŜ (E4M3 round trip, hardware conversions) times its block's 2^ek, BF16
+        ds_k8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
+        ds_k8.store(acc_s.load().to(FP8))
+        acc_s.store(ds_k8.load().to(Float32))
+        for hb in cutlass.range_constexpr(n_halves):
+            ek_f = pow2(ek[hb])
+            for jj in cutlass.range_constexpr(cols_per_half):
+                j = hb * cols_per_half + jj
+                for r in cutlass.range_constexpr(n_rows):
+                    s_mn[r, j] = s_mn[r, j] * ek_f
+        frag_ds = utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
         ds8 = cute.make_rmem_tensor(cute.size(acc_dp), FP8)
         ds8.store(acc_dp.load().to(FP8))
         tScS = ctx["tScS"]
@@ -773,7 +779,6 @@ class FlamiaBwdSm90:
         # dK += (dŜᵀ·Q̂)·2^ek per half and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column already
         # scaled by its half's 2^-eb), in pieces of 64 head-dimension columns, interleaved
         # with two products in flight
-        ek_fac = [pow2(ek[hb]) for hb in range(n_halves)]
         dq_fac = [pow2(eb[hb]) * softmax_scale for hb in range(n_halves)]
         sDQ = ctx["sDQ"]
         thr_dq = ctx["thr_dq"]
@@ -786,44 +791,38 @@ class FlamiaBwdSm90:
         # splits into a per-thread base and a constant per j (``operands.v_t_position`` of a
         # Python int at trace time)
         dq_col0 = v_t_position(tQcQ[0, 0][1])
-        order = [
-            item
-            for hf in range(halves)
-            for item in [("k", 0, hf), ("q", 0, hf)] + [("k", hb, hf) for hb in range(1, n_halves)]
-        ]
-        accs = [None] * len(order)
+        # dK pieces first (accumulated in the wgmma), then dQᵀ pieces, two in flight
+        for hf in cutlass.range_constexpr(halves):
+            sm90_utils.gemm(
+                ctx["mmas"][1], ctx["acc_dk"][hf], frag_ds,
+                ctx["tKrQ"][None, None, None, stage * halves + hf], zero_init=False, wg_wait=-1,
+            )  # fmt: skip
+        accs = [None] * halves
 
-        def issue(n):
-            kind, hb, hf = order[n]
-            if const_expr(kind == "k"):
-                accs[n] = self.issue_kv_piece(ctx, ctx["frag_ds"], ctx["tKrQ"], stage, hb, hf)
-            else:
-                accs[n] = sm90_utils.gemm_zero_init(
-                    tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
-                    A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
-                )  # fmt: skip
+        def issue(hf):
+            accs[hf] = sm90_utils.gemm_zero_init(
+                tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
+                A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
+            )  # fmt: skip
 
-        def finish(n):
-            kind, hb, hf = order[n]
-            if const_expr(kind == "k"):
-                self.promote(ctx["acc_dk"][hf], accs[n], ek_fac[hb])
-            else:
-                acc_q_mn = layout_utils.reshape_acc_to_mn(accs[n])
-                q_cols = cute.size(acc_q_mn, mode=[1])
-                for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
-                    for j in cutlass.range_constexpr(q_cols):
-                        row = tQcQ[r, j][0]
-                        fac = dq_fac[j // (q_cols // n_halves)]
-                        col = dq_col0 + operands.v_t_position(column_offset(j))
-                        sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
+        def finish(hf):
+            acc_q_mn = layout_utils.reshape_acc_to_mn(accs[hf])
+            q_cols = cute.size(acc_q_mn, mode=[1])
+            for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
+                for j in cutlass.range_constexpr(q_cols):
+                    row = tQcQ[r, j][0]
+                    fac = dq_fac[j // (q_cols // n_halves)]
+                    col = dq_col0 + operands.v_t_position(column_offset(j))
+                    sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
 
         issue(0)
-        issue(1)
-        for n in cutlass.range_constexpr(len(order)):
-            warpgroup.wait_group(1 if const_expr(n + 1 < len(order)) else 0)
-            finish(n)
-            if const_expr(n + 2 < len(order)):
-                issue(n + 2)
+        if const_expr(halves > 1):
+            issue(1)
+        for hf in cutlass.range_constexpr(halves):
+            warpgroup.wait_group(1 if const_expr(hf + 1 < halves) else 0)
+            finish(hf)
+            if const_expr(hf + 2 < halves):
+                issue(hf + 2)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
         # the whole tile, padding included, by one bulk reduce-add: ``dq_acc`` holds each
@@ -892,6 +891,15 @@ def _rows_copy(atom, tma, head, box, smem, doc_start):
     return copy_utils.tma_get_copy_fn(atom, 0, cute.make_layout(1), g, smem)[0]
 
 
+def _rows_piece_copy(atom, tma, head, box, smem, piece, doc_start):
+    """TMA copy of token-major tiles of a document, head-dimension columns ``64·piece ..``
+    (source index: tile of the document)."""
+    g = cute.local_tile(
+        cute.domain_offset((doc_start, 64 * piece), tma[None, None, head]), box, (None, 0)
+    )
+    return copy_utils.tma_get_copy_fn(atom, 0, cute.make_layout(1), g, smem)[0]
+
+
 def _cols_copy(atom, tma, head, box, smem, piece, vt_start):
     """TMA copy of column-layout tiles, head-dimension rows ``64·piece ..`` (source index:
     column tile of the document)."""
@@ -908,6 +916,17 @@ _COMPILED: dict[tuple, object] = {}
 def _placeholder(device: torch.device) -> torch.Tensor:
     """The debug pointer when no P̂ is asked for (never written)."""
     return torch.empty(1, 1, 1, dtype=torch.float32, device=device)
+
+
+def _g_rows_from_columns(qkv: KernelQKV, qdo: KernelDO) -> torch.Tensor:
+    """``KernelDO.g_rows`` (Ĝ·2^eG token-major, BF16) from ``g_t``/``g_exp``, for callers
+    that quantized dO for the Triton backward (torch gathers: slower than the kernel's)."""
+    if qdo.g_t is None:
+        raise ValueError("qdo has neither g_rows nor g_t")
+    cols = qkv.key_columns()
+    codes = torch.index_select(qdo.g_t.view(torch.uint8).permute(2, 0, 1), 0, cols)
+    factor = exp2i(torch.index_select(qdo.g_exp.t(), 0, cols))
+    return (codes.view(torch.float8_e4m3fn).float() * factor[..., None]).to(torch.bfloat16)
 
 
 def attn_bwd_sm90(
@@ -946,12 +965,17 @@ def attn_bwd_sm90(
         qkv.v_t.view(torch.uint8).permute(2, 0, 1), 0, qkv.key_columns(), out=v_bytes
     )
     v_codes = v_bytes.view(torch.float8_e4m3fn)
+    # dK's and dV's B operands, token-major BF16 (exact): the Q codes and Ĝ·2^eG
+    q_shape = qkv.q_codes.shape
+    q_rows = (workspace.empty("q_rows", q_shape, torch.bfloat16) if workspace is not None
+              else torch.empty(q_shape, dtype=torch.bfloat16, device=dev))  # fmt: skip
+    q_rows.copy_(qkv.q_codes)
+    g_rows = qdo.g_rows if qdo.g_rows is not None else _g_rows_from_columns(qkv, qdo)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
     aligned = (
         (q_in, 16), (k_in, 16), (v_codes, 16), (qdo.do_codes, 16),
-        (qkv.q_t.permute(1, 2, 0), 16), (qkv.k_t.permute(1, 2, 0), 16),
-        (qdo.g_t.permute(1, 2, 0), 16), (qkv.q_exp.t(), 4), (q_score_exp, 4), (qkv.k_exp, 4),
-        (qkv.kv_factors, 16),
+        (q_rows, 16), (qkv.k_t.permute(1, 2, 0), 16), (g_rows, 16), (qkv.q_exp.t(), 4),
+        (q_score_exp, 4), (qkv.k_exp, 4), (qkv.kv_factors, 16),
         (qdo.do_exp.t(), 4), (qdo.g_exp, 4), (qdo.delta.t(), 4), (m_rows.contiguous(), 4),
         (lse_rows.contiguous(), 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),
         (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),

@@ -176,11 +176,11 @@ def attn_bwd(
     pack's (``VarlenPlan.workspace``), for the dQ accumulator and layout copies.
     """
     rec = resolve_recipe(recipe)
-    if qkv.q_t is None or qkv.k_t is None:
-        raise ValueError("qkv lacks q_t/k_t: quantize with with_transposed=True for the backward")
-    if qdo.column_align != qkv.column_align or qdo.g_t.shape[-1] != qkv.v_t.shape[-1]:
+    if qkv.k_t is None:
+        raise ValueError("qkv lacks k_t: quantize with with_transposed=True for the backward")
+    if qdo.column_align != qkv.column_align or qdo.g_exp.shape[-1] != qkv.v_t.shape[-1]:
         raise ValueError(
-            f"qdo's column layout (column_align {qdo.column_align}, {qdo.g_t.shape[-1]} columns) "
+            f"qdo's column layout (column_align {qdo.column_align}, {qdo.g_exp.shape[-1]} columns) "
             f"is not qkv's ({qkv.column_align}, {qkv.v_t.shape[-1]}): pass quantize_do the "
             "column_align (or blocks) that quantize_qkv used"
         )
@@ -214,6 +214,11 @@ def attn_bwd(
         if debug_p is not None:
             round_debug_p_(debug_p)
         return dq, dk, dv
+    if qkv.q_t is None or qdo.g_t is None:
+        raise ValueError(
+            "the Triton backward reads q_t and g_t: quantize with q_transposed=True and "
+            "quantize_do(..., g_columns=True) (the defaults)"
+        )
     dq_acc = zeroed_accumulator(workspace, (total, heads_q, d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)

@@ -116,6 +116,7 @@ def quantize_qkv(
     widen: bool = False,
     scores_only: bool = False,
     defer_q: bool = False,
+    q_transposed: bool = True,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
@@ -140,7 +141,8 @@ def quantize_qkv(
     the packed NVFP4 codes and block scales are left unwritten.
     ``defer_q`` (E4M3 Q/K, no ``with_transposed``): Q is left to the CuTe forward, which
     quantizes it as it loads it with the same rule (``KernelQKV.q_input`` = ``q``; the E4M3 Q
-    codes and exponents are left unwritten).
+    codes and exponents are left unwritten). ``q_transposed=False`` (with ``with_transposed``):
+    build ``k_t`` only (the CuTe backward reads Q's codes token-major).
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -207,7 +209,8 @@ def quantize_qkv(
     if with_transposed:
         if columns is None:
             columns = token_columns(cu_seqlens, blocks.doc_v_t_start, total)
-        q_t = buf.column_copy("q_t", q_codes, columns, t_pad)
+        if q_transposed:
+            q_t = buf.column_copy("q_t", q_codes, columns, t_pad)
         k_t = buf.column_copy("k_t", k_codes, columns, t_pad)
     return KernelQKV(
         q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp, kv_factors,
@@ -231,6 +234,8 @@ def quantize_do(
     num_warps: int = 4,
     programs_per_sm: int = 32,
     workspace: PackWorkspace | None = None,
+    g_columns: bool = True,
+    g_rows: bool = False,
 ) -> KernelDO:
     """The backward's dO operands in one launch (``quantize_do_kernel``): dÔ, Ĝ, D.
 
@@ -238,8 +243,12 @@ def quantize_do(
     ``[T, Hq]`` float32 contiguous, as the forward returns them. Same codes as
     ``flamia_serve.reference.quantize_do`` given the kernel's ``row_factor``. ``column_align``
     and ``workspace`` as in :func:`quantize_qkv` (the backward reads Ĝ's columns only inside
-    documents).
+    documents). Ĝ goes to ``g_t`` (E4M3 codes in the column layout: the Triton backward's)
+    with ``g_columns``, and to ``g_rows`` (``code·2^eG`` token-major in BF16, exact: the CuTe
+    backward's) with ``g_rows``; at least one of them.
     """
+    if not (g_columns or g_rows):
+        raise ValueError("quantize_do: g_columns and g_rows are both False (Ĝ written nowhere)")
     rec = resolve_recipe(recipe)
     total, heads_q, d = d_out.shape
     dev = d_out.device
@@ -253,7 +262,8 @@ def quantize_do(
     buf = _Buffers(dev, workspace, column_align)
     do_codes = buf.empty("do_codes", (total, heads_q, d), torch.float8_e4m3fn)
     do_exp = buf.head_major("do_exp", total, heads_q)
-    g_t = buf.column_codes("g_t", heads_q, d, t_pad, total)
+    g_t = buf.column_codes("g_t", heads_q, d, t_pad, total) if g_columns else None
+    g_values = buf.empty("g_rows", (total, heads_q, d), torch.bfloat16) if g_rows else None
     g_exp = buf.empty("g_exp", (heads_q, t_pad), EXPONENT_DTYPE)
     delta = buf.head_major("delta", total, heads_q, torch.float32)
     row_factor = buf.head_major("row_factor", total, heads_q, torch.float32)
@@ -262,13 +272,14 @@ def quantize_do(
         _LAUNCH_DO(
             grid, d_out, out, m_rows.contiguous(), lse_rows.contiguous(),
             blocks.start, blocks.length, blocks.v_t_start,
-            do_codes, do_exp, g_t, g_exp, delta, row_factor,
+            do_codes, do_exp, do_codes if g_t is None else g_t,
+            do_codes if g_values is None else g_values, g_exp, delta, row_factor,
             d_out.stride(0), d_out.stride(1), out.stride(0), out.stride(1),
             t_pad, total, blocks.num_slots,
             HQ=heads_q, D=d, BLOCK=rec.token_block, INTERPRET=interpreted(),
-            num_warps=num_warps,
+            G_COLUMNS=g_columns, G_ROWS=g_rows, num_warps=num_warps,
         )  # fmt: skip
     return KernelDO(
         do_codes, do_exp, g_t, g_exp, delta, row_factor, blocks.doc_v_t_start, cu_seqlens,
-        column_align,
+        column_align, g_values,
     )

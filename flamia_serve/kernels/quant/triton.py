@@ -190,7 +190,8 @@ def quantize_do_kernel(
     block_v_t_ptr,  # [NB] int32
     do8_ptr,  # [T, HQ, D] e4m3: dÔ codes
     do_exp_ptr,  # [HQ, T] int16
-    gt_ptr,  # [HQ, D, t_pad] e4m3: Ĝ codes in the column layout
+    gt_ptr,  # [HQ, D, t_pad] e4m3: Ĝ codes in the column layout (G_COLUMNS)
+    g_rows_ptr,  # [T, HQ, D] bf16: Ĝ·2^eG, token-major (G_ROWS)
     g_exp_ptr,  # [HQ, t_pad] int16, column layout
     delta_ptr,  # [HQ, T] f32: rowsum(dÔ ∘ O)
     f_ptr,  # [HQ, T] f32: f = 2^(M − 8 − lse)
@@ -205,11 +206,16 @@ def quantize_do_kernel(
     D: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    G_COLUMNS: tl.constexpr = True,
+    G_ROWS: tl.constexpr = False,
 ):
     """The backward's dO operands in one pass (twin: ``reference.quantize_do``): per item
     (head, 32-token block) dÔ = E4M3 with a token-block exponent, ``D = rowsum(dÔ ∘ O)``
-    from the same dÔ, and Ĝ = E4M3 of ``f ∘ dO`` (token-block exponent) stored in the
-    column layout for the dV product. Persistent programs stride over the items."""
+    from the same dÔ, and Ĝ = E4M3 of ``f ∘ dO`` (token-block exponent) for the dV product:
+    its codes in the column layout (``G_COLUMNS``: the Triton backward's FP8 operand) and/or
+    its values ``code·2^eG`` token-major in BF16 (``G_ROWS``, exact: the CuTe backward's BF16
+    operand). Persistent programs stride over
+    the items."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK)
@@ -235,6 +241,12 @@ def quantize_do_kernel(
         f = tl.math.exp2(m_row - P_HAT_EXP - lse_row)
         tl.store(f_ptr + h * n_tokens + tok, f, mask=row_ok)
         g_codes, g_e = fp8_rows(d_out * f[:, None], False, INTERPRET)
-        gt_ptrs = gt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
-        tl.store(gt_ptrs, tl.trans(g_codes), mask=pad_ok[None, :])
+        if G_COLUMNS:
+            gt_ptrs = gt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
+            tl.store(gt_ptrs, tl.trans(g_codes), mask=pad_ok[None, :])
+        if G_ROWS:
+            # 2^eG exact for every eG the codes can have (-127: a subnormal; +127 unreachable)
+            g_values = g_codes.to(tl.float32) * (exp2i(g_e + 1) * 0.5)[:, None]
+            tl.store(g_rows_ptr + row_off[:, None] * D + cols[None, :],
+                     g_values.to(g_rows_ptr.dtype.element_ty), mask=mask2)  # fmt: skip
         tl.store(g_exp_ptr + h * t_pad + col, g_e.to(g_exp_ptr.dtype.element_ty), mask=row_ok)
