@@ -135,11 +135,13 @@ def do_quant_variants() -> None:
     ptrs = {
         "do_ptr": BF16, "o_ptr": BF16, "m_ptr": F32, "lse_ptr": F32, "block_start_ptr": I32,
         "block_len_ptr": I32, "block_v_t_ptr": I32, "do8_ptr": FP8, "do_exp_ptr": I16,
-        "gt_ptr": FP8, "g_exp_ptr": I16, "delta_ptr": F32, "f_ptr": F32,
+        "gt_ptr": FP8, "g_rows_ptr": BF16, "g_exp_ptr": I16, "delta_ptr": F32, "f_ptr": F32,
     }  # fmt: skip
     for d in (64, 128, 256):
-        _compile(quantize_do_kernel, ptrs, dict(HQ=32, D=d, BLOCK=32, INTERPRET=False), 4)
-        print(f"quant_do d={d}: ok")
+        for cols, rows in ((True, False), (False, True)):  # the Triton / the CuTe backward's Ĝ
+            consts = dict(HQ=32, D=d, BLOCK=32, INTERPRET=False, G_COLUMNS=cols, G_ROWS=rows)
+            _compile(quantize_do_kernel, ptrs, consts, 4)
+            print(f"quant_do d={d} g_columns={cols} g_rows={rows}: ok")
 
 
 def bwd_variants(verbose: bool = False) -> None:
