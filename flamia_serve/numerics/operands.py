@@ -249,8 +249,9 @@ class KernelDO:
     ``do_codes`` ``[T, Hq, d]`` E4M3 token-major, ``do_exp`` ``[T, Hq]`` int16 (view of a
     head-major buffer); ``g_t`` ``[Hq, d, t_pad]`` E4M3 codes of ``G`` in the column layout
     (None when not asked for), ``g_exp`` ``[Hq, t_pad]`` int16 in the same columns; ``g_rows``
-    ``[T, Hq, d]`` BF16 ``code·2^eG`` token-major (the CuTe backward's dV operand; None when
-    not asked for); ``delta`` and ``row_factor`` (the
+    ``[t_pad, Hq, d]`` BF16 ``code·2^eG``, a row per column with each document's tokens in
+    order (``v_t_key`` of the column) and zeros in the padding (the CuTe backward's dV
+    operand; None when not asked for); ``delta`` and ``row_factor`` (the
     ``f`` that G was built with) ``[T, Hq]`` float32 (views of head-major buffers).
     """
 

@@ -25,7 +25,7 @@ from flamia_serve.kernels.attn_fwd.ops import attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import build_key_work_list
 from flamia_serve.numerics import RECIPES, Recipe
-from flamia_serve.numerics.operands import token_columns
+from flamia_serve.numerics.operands import token_columns, v_t_key
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import attention, attention_backward, attention_float64
 from flamia_serve.reference import quantize_do as reference_quantize_do
@@ -98,9 +98,10 @@ def test_quantize_do_bit_exact(lens, device) -> None:
 
 
 def test_quantize_do_g_rows(device) -> None:
-    """``g_rows``: Ĝ's values ``code·2^eG`` token-major in BF16, bit-exact against the twin's
-    dequantized Ĝ (with or without the column layout's codes; never neither); the other
-    outputs unchanged."""
+    """``g_rows``: Ĝ's values ``code·2^eG`` in BF16, a row per column of the layout with the
+    tokens in order, bit-exact against the twin's dequantized Ĝ, zeros in every other row
+    (with or without the column layout's codes; never neither); the other outputs
+    unchanged."""
     lens = (1, 63, 100, 37, 0, 5)
     q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=2, device=device)
     d_out = make_pack(lens, 4, 2, 64, seed=3, device=device)[0] * 1e-3
@@ -109,9 +110,15 @@ def test_quantize_do_g_rows(device) -> None:
     both = quantize_do(d_out, out, m, lse, cu, g_rows=True)
     ref = reference_quantize_do(d_out, out, m, lse, cu, RECIPES["mxfp8"],
                                 row_factor=both.row_factor)  # fmt: skip
-    assert both.g_rows.dtype == torch.bfloat16 and both.g_rows.shape == d_out.shape
-    assert torch.equal(both.g_rows.float(), ref.g8.dequantize().float())
+    used = token_columns(cu, both.doc_v_t_start, d_out.shape[0])
+    rows = v_t_key(used)
+    assert both.g_rows.dtype == torch.bfloat16
+    assert both.g_rows.shape == (both.g_exp.shape[1], *d_out.shape[1:])
+    assert torch.equal(both.g_rows[rows].float(), ref.g8.dequantize().float())
     assert int((both.g_rows != 0).sum()) > 1000
+    others = torch.ones(both.g_rows.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert not bool(both.g_rows[others].any())
     rows_only = quantize_do(d_out, out, m, lse, cu, g_rows=True, g_columns=False)
     assert rows_only.g_t is None
     assert torch.equal(rows_only.g_rows, both.g_rows)
@@ -119,7 +126,6 @@ def test_quantize_do_g_rows(device) -> None:
     assert columns.g_rows is None
     assert torch.equal(rows_only.do_codes.view(torch.uint8), columns.do_codes.view(torch.uint8))
     assert torch.equal(both.g_t.view(torch.uint8), columns.g_t.view(torch.uint8))
-    used = token_columns(cu, columns.doc_v_t_start, d_out.shape[0])
     assert torch.equal(rows_only.g_exp[:, used], columns.g_exp[:, used])
     assert torch.equal(rows_only.delta, columns.delta)
     with pytest.raises(ValueError, match="g_columns and g_rows"):

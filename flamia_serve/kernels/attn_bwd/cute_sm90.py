@@ -8,7 +8,7 @@ keys x half.
 Design: one CTA per (128-key tile, K/V head) of the longest-first key work list. A producer
 warp TMA-loads the tile's K̂ and V̂ (token-major) and K̂ᵀ (column layout) once, then for every
 query head of the GQA group and every query step Q̂, dÔ (E4M3, token-major) and the Q codes
-and Ĝ·2^eG (BF16, token-major) into a ring of shared-memory stages. A step is
+and Ĝ·2^eG (BF16, a row per column of the layout) into a ring of shared-memory stages. A step is
 ``STEP_FOR_D[d]`` queries: two 32-query halves at d = 64, one at d = 128 (each half is a
 token block with its own Q / dÔ / Ĝ exponents and dS block exponents, so the numerics do
 not depend on the step). Two consumer
@@ -17,7 +17,7 @@ warpgroups each own 64 keys (keys on the MMAs' M) and take every step:
 * ``Sᵀ = K̂·Q̂ᵀ`` and ``dPᵀ = V̂·dÔᵀ`` (FP8 ``wgmma`` from shared memory, N = the step), P̂
   rebuilt as the forward built it, ``dSᵀ = P ∘ (dP − D)``;
 * ``dV += P̂ᵀ·(Ĝ·2^eG)`` and ``dK += (dŜ·2^ek)ᵀ·Q̂``: BF16 ``wgmma`` (A from registers, the
-  accumulator's own layout; B the token-major tile read MN-major) into the FP32 dK/dV
+  accumulator's own layout; B a tile of rows read MN-major) into the FP32 dK/dV
   accumulators, which hold the sums of every step: E4M3 values times powers of two are
   exact in BF16 and the BF16 ``wgmma`` adds in FP32, so there is no per-step promotion (an
   FP8 ``wgmma`` adds with fewer bits: promoted per step, it cost 128 FFMAs, a wait per
@@ -42,8 +42,8 @@ exponents as factors; dK and dQ contract the E4M3 codes as in ``mxfp8`` (their K
 
 Validity: rows past the document are masked by selects (the token-major tiles may hold the
 next document's codes, which a select, unlike a zero weight, keeps out even when they are
-NaN); the column-layout tiles hold zeros there (the layout's column alignment is a multiple
-of 128, checked by the launcher).
+NaN); the column-layout tiles and the BF16 rows by column hold zeros there (the layout's
+column alignment is a multiple of 128, checked by the launcher).
 
 Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazily by
 ``ops.attn_bwd`` only on sm_90 when they are installed.
@@ -146,9 +146,9 @@ class FlamiaBwdSm90:
         mK: cute.Tensor,  # (T, Hkv, d) e4m3 (bf16: qk_wide)
         mV: cute.Tensor,  # (T, Hkv, d) e4m3
         mDO: cute.Tensor,  # (T, Hq, d) e4m3
-        mQt: cute.Tensor,  # (T, Hq, d) bf16: the E4M3 Q codes, exact (dK's B)
+        mQt: cute.Tensor,  # (t_pad, Hq, d) bf16: the Q codes by column (dK's B)
         mKt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, column layout
-        mGt: cute.Tensor,  # (T, Hq, d) bf16: Ĝ dequantized, exact (dV's B)
+        mGt: cute.Tensor,  # (t_pad, Hq, d) bf16: Ĝ·2^eG by column (dV's B)
         mQexp: cute.Tensor,  # (Hq, T) int16
         mQsexp: cute.Tensor,  # (Hq, T) int8, NVFP4 second level (qk_wide; else mQexp)
         mKexp: cute.Tensor,  # (Hkv, t_pad) int16, column layout (read with qk_wide)
@@ -175,7 +175,7 @@ class FlamiaBwdSm90:
         d = self.d
         mQ, mDO = (layout_utils.select(t, [0, 2, 1]) for t in (mQ, mDO))  # (T, d, H)
         mK, mV = (layout_utils.select(t, [0, 2, 1]) for t in (mK, mV))
-        mQt, mGt = (layout_utils.select(t, [0, 2, 1]) for t in (mQt, mGt))  # (T, d, H)
+        mQt, mGt = (layout_utils.select(t, [0, 2, 1]) for t in (mQt, mGt))  # (t_pad, d, H)
         halves = self.halves
         qk = self.qk_dtype
         rows_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (WG_KEYS, d), NUM_WG)
@@ -424,8 +424,8 @@ class FlamiaBwdSm90:
             load_q = _rows_copy(atom_q, tma_q, h, (self.step_q, self.d), sQ, doc_start)
             load_do = _rows_copy(atom_do, tma_do, h, (self.step_q, self.d), sDO, doc_start)
             loads_t = [
-                (_rows_piece_copy(atom_qt, tma_qt, h, (self.step_q, 64), sQt, hf, doc_start),
-                 _rows_piece_copy(atom_gt, tma_gt, h, (self.step_q, 64), sGt, hf, doc_start))
+                (_rows_piece_copy(atom_qt, tma_qt, h, (self.step_q, 64), sQt, hf, vt_start),
+                 _rows_piece_copy(atom_gt, tma_gt, h, (self.step_q, 64), sGt, hf, vt_start))
                 for hf in range(halves)
             ]  # fmt: skip
             for i in cutlass.range(n_steps, unroll=1):
@@ -891,11 +891,11 @@ def _rows_copy(atom, tma, head, box, smem, doc_start):
     return copy_utils.tma_get_copy_fn(atom, 0, cute.make_layout(1), g, smem)[0]
 
 
-def _rows_piece_copy(atom, tma, head, box, smem, piece, doc_start):
-    """TMA copy of token-major tiles of a document, head-dimension columns ``64·piece ..``
-    (source index: tile of the document)."""
+def _rows_piece_copy(atom, tma, head, box, smem, piece, first_row):
+    """TMA copy of row tiles of a document from ``first_row`` on, head-dimension columns
+    ``64·piece ..`` (source index: tile of the document)."""
     g = cute.local_tile(
-        cute.domain_offset((doc_start, 64 * piece), tma[None, None, head]), box, (None, 0)
+        cute.domain_offset((first_row, 64 * piece), tma[None, None, head]), box, (None, 0)
     )
     return copy_utils.tma_get_copy_fn(atom, 0, cute.make_layout(1), g, smem)[0]
 
@@ -918,15 +918,29 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.empty(1, 1, 1, dtype=torch.float32, device=device)
 
 
-def _g_rows_from_columns(qkv: KernelQKV, qdo: KernelDO) -> torch.Tensor:
-    """``KernelDO.g_rows`` (Ĝ·2^eG token-major, BF16) from ``g_t``/``g_exp``, for callers
-    that quantized dO for the Triton backward (torch gathers: slower than the kernel's)."""
+def _rows_by_column(
+    name: str, values: torch.Tensor, qkv: KernelQKV, workspace: PackWorkspace | None
+) -> torch.Tensor:
+    """BF16 ``[t_pad, H, d]``: token ``t``'s ``values`` ``[T, H, d]`` at row ``v_t_key`` of
+    its column (each document's tokens in order, no 16-group permutation), zeros elsewhere:
+    a tile of a document's rows never holds another document's values (a zero weight times a
+    NaN there would still be NaN)."""
+    shape = (qkv.v_t.shape[2], *values.shape[1:])
+    rows = (workspace.zeroed(name, shape, torch.bfloat16) if workspace is not None
+            else torch.zeros(shape, dtype=torch.bfloat16, device=values.device))  # fmt: skip
+    return rows.index_copy_(0, operands.v_t_key(qkv.key_columns()), values.to(torch.bfloat16))
+
+
+def _g_rows_from_columns(qkv: KernelQKV, qdo: KernelDO, workspace) -> torch.Tensor:
+    """``KernelDO.g_rows`` from ``g_t``/``g_exp``, for callers that quantized dO for the
+    Triton backward (torch gathers: slower than the quantizer's own rows)."""
     if qdo.g_t is None:
         raise ValueError("qdo has neither g_rows nor g_t")
     cols = qkv.key_columns()
     codes = torch.index_select(qdo.g_t.view(torch.uint8).permute(2, 0, 1), 0, cols)
     factor = exp2i(torch.index_select(qdo.g_exp.t(), 0, cols))
-    return (codes.view(torch.float8_e4m3fn).float() * factor[..., None]).to(torch.bfloat16)
+    values = codes.view(torch.float8_e4m3fn).float() * factor[..., None]
+    return _rows_by_column("g_rows_from_columns", values, qkv, workspace)
 
 
 def attn_bwd_sm90(
@@ -966,11 +980,8 @@ def attn_bwd_sm90(
     )
     v_codes = v_bytes.view(torch.float8_e4m3fn)
     # dK's and dV's B operands, token-major BF16 (exact): the Q codes and Ĝ·2^eG
-    q_shape = qkv.q_codes.shape
-    q_rows = (workspace.empty("q_rows", q_shape, torch.bfloat16) if workspace is not None
-              else torch.empty(q_shape, dtype=torch.bfloat16, device=dev))  # fmt: skip
-    q_rows.copy_(qkv.q_codes)
-    g_rows = qdo.g_rows if qdo.g_rows is not None else _g_rows_from_columns(qkv, qdo)
+    q_rows = _rows_by_column("q_rows", qkv.q_codes, qkv, workspace)
+    g_rows = qdo.g_rows if qdo.g_rows is not None else _g_rows_from_columns(qkv, qdo, workspace)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
     aligned = (
         (q_in, 16), (k_in, 16), (v_codes, 16), (qdo.do_codes, 16),

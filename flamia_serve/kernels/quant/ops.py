@@ -244,8 +244,9 @@ def quantize_do(
     ``flamia_serve.reference.quantize_do`` given the kernel's ``row_factor``. ``column_align``
     and ``workspace`` as in :func:`quantize_qkv` (the backward reads Ĝ's columns only inside
     documents). Ĝ goes to ``g_t`` (E4M3 codes in the column layout: the Triton backward's)
-    with ``g_columns``, and to ``g_rows`` (``code·2^eG`` token-major in BF16, exact: the CuTe
-    backward's) with ``g_rows``; at least one of them.
+    with ``g_columns``, and to ``g_rows`` (``code·2^eG`` in BF16, exact, a row per column with
+    the documents' tokens in order and zero padding: the CuTe backward's) with ``g_rows``; at
+    least one of them.
     """
     if not (g_columns or g_rows):
         raise ValueError("quantize_do: g_columns and g_rows are both False (Ĝ written nowhere)")
@@ -263,7 +264,7 @@ def quantize_do(
     do_codes = buf.empty("do_codes", (total, heads_q, d), torch.float8_e4m3fn)
     do_exp = buf.head_major("do_exp", total, heads_q)
     g_t = buf.column_codes("g_t", heads_q, d, t_pad, total) if g_columns else None
-    g_values = buf.empty("g_rows", (total, heads_q, d), torch.bfloat16) if g_rows else None
+    g_values = buf.zeros("g_rows", (t_pad, heads_q, d), torch.bfloat16) if g_rows else None
     g_exp = buf.empty("g_exp", (heads_q, t_pad), EXPONENT_DTYPE)
     delta = buf.head_major("delta", total, heads_q, torch.float32)
     row_factor = buf.head_major("row_factor", total, heads_q, torch.float32)

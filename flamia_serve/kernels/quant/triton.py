@@ -191,7 +191,7 @@ def quantize_do_kernel(
     do8_ptr,  # [T, HQ, D] e4m3: dÔ codes
     do_exp_ptr,  # [HQ, T] int16
     gt_ptr,  # [HQ, D, t_pad] e4m3: Ĝ codes in the column layout (G_COLUMNS)
-    g_rows_ptr,  # [T, HQ, D] bf16: Ĝ·2^eG, token-major (G_ROWS)
+    g_rows_ptr,  # [t_pad, HQ, D] bf16: Ĝ·2^eG by column, tokens in order (G_ROWS)
     g_exp_ptr,  # [HQ, t_pad] int16, column layout
     delta_ptr,  # [HQ, T] f32: rowsum(dÔ ∘ O)
     f_ptr,  # [HQ, T] f32: f = 2^(M − 8 − lse)
@@ -213,8 +213,9 @@ def quantize_do_kernel(
     (head, 32-token block) dÔ = E4M3 with a token-block exponent, ``D = rowsum(dÔ ∘ O)``
     from the same dÔ, and Ĝ = E4M3 of ``f ∘ dO`` (token-block exponent) for the dV product:
     its codes in the column layout (``G_COLUMNS``: the Triton backward's FP8 operand) and/or
-    its values ``code·2^eG`` token-major in BF16 (``G_ROWS``, exact: the CuTe backward's BF16
-    operand). Persistent programs stride over
+    its values ``code·2^eG`` in BF16 (``G_ROWS``, exact: the CuTe backward's BF16 operand), one
+    row per column of the layout with each document's tokens in order (``v_t_key`` of the
+    column: no permutation) and the padding left as it is (zero). Persistent programs stride over
     the items."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -247,6 +248,7 @@ def quantize_do_kernel(
         if G_ROWS:
             # 2^eG exact for every eG the codes can have (-127: a subnormal; +127 unreachable)
             g_values = g_codes.to(tl.float32) * (exp2i(g_e + 1) * 0.5)[:, None]
-            tl.store(g_rows_ptr + row_off[:, None] * D + cols[None, :],
+            g_row = v_t_key(col) * HQ + h
+            tl.store(g_rows_ptr + g_row[:, None] * D + cols[None, :],
                      g_values.to(g_rows_ptr.dtype.element_ty), mask=mask2)  # fmt: skip
         tl.store(g_exp_ptr + h * t_pad + col, g_e.to(g_exp_ptr.dtype.element_ty), mask=row_ok)
