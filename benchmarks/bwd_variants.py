@@ -37,22 +37,30 @@ from benchmarks.common import env_info, results_dir
 MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
 KERNEL = Path(__file__).resolve().parents[1] / "flamia_serve/kernels/attn_bwd/cute_sm90.py"
 
-# the kernel's text that the ablations change (each must occur exactly once)
+# the kernel's text that the ablations change (each must occur exactly once); the step has
+# two forms of the dK/dV products (``FlamiaBwdSm90.bf16_kv``: BF16 at d = 128, E4M3 promoted
+# per half at d = 64), and each ablation changes both
 _BULK_ADD = '        if ctx["t"] == 0:\n            copy_utils.cpasync_reduce_bulk_add_f32(\n'
-_DQ_PRODUCTS = """\
-        issue(0)
-        if const_expr(halves > 1):
-            issue(1)
-        for hf in cutlass.range_constexpr(halves):
+_DV_BF16 = """\
+                sm90_utils.gemm(
+                    ctx["mmas"][1], ctx["acc_dv"][hf], frag_p,
 """
-_DK_PRODUCTS = """\
-            sm90_utils.gemm(
-                ctx["mmas"][1], ctx["acc_dk"][hf], frag_ds,
+_DK_BF16 = """\
+                sm90_utils.gemm(
+                    ctx["mmas"][1], ctx["acc_dk"][hf], frag_ds,
 """
-_DV_PRODUCTS = """\
-            sm90_utils.gemm(
-                ctx["mmas"][1], ctx["acc_dv"][hf], frag_p,
+_DV_FP8 = "            dv_order = [(hb, hf) for hb in range(n_halves) for hf in range(halves)]\n"
+_ORDER_BF16 = '            order = [("q", 0, hf) for hf in range(halves)]\n'
+_ORDER_FP8 = """\
+            order = [
+                item
+                for hf in range(halves)
+                for item in [("k", 0, hf), ("q", 0, hf)]
+                + [("k", hb, hf) for hb in range(1, n_halves)]
+            ]
 """
+_FIRST_ISSUE = "        issue(0)\n"
+_K_ONLY = '            order = [("k", hb, hf) for hf in range(halves) for hb in range(n_halves)]\n'
 _DQ_BARRIER = """\
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
@@ -69,20 +77,23 @@ _DS_BARRIER = """\
 """
 
 
-def _never(call: str) -> str:
-    """A statement of the step's loop body behind a branch never taken (i0 >= 0)."""
-    return call.replace("            sm90", "            if i0 < 0:\n                sm90", 1)
+def _never(text: str) -> str:
+    """``text`` (a statement's first lines) behind a branch never taken (i0 >= 0)."""
+    indent = text[: len(text) - len(text.lstrip())]
+    return f"{indent}if i0 < 0:\n    {text}"
 
 
 _NO_ADD = (_BULK_ADD, _BULK_ADD.replace(" == 0:", " < 0:"))
 _NO_DQ = [
-    (_DQ_PRODUCTS, "        for hf in cutlass.range_constexpr(0):\n"),
+    (_ORDER_BF16, "            order = []\n"),
+    (_ORDER_FP8, _K_ONLY),
+    (_FIRST_ISSUE, "        if const_expr(len(order) > 0):\n    " + _FIRST_ISSUE),
     (_DQ_BARRIER, ""),
     _NO_ADD,
 ]
 #: name -> (text, replacement) pairs applied to the CuTe backward's source: timing-only
-#: versions without one part of the step (H200 2026-12-02, T=8192 d=128 causal: current 277,
-#: noadd 323, nodq 389, nodq_nods 419, noamaxbar 279, nodv 288, nodk 315 TFLOP/s)
+#: versions without one part of the step (H200 2026-12-02, T=8192 d=128 causal, E4M3 dK/dV:
+#: current 277, noadd 323, nodq 389, nodq_nods 419, noamaxbar 279, nodv 288, nodk 315 TFLOP/s)
 ABLATIONS: dict[str, list[tuple[str, str]]] = {
     # dQ staged, never added to dq_acc (the bulk reduce-adds)
     "noadd": [_NO_ADD],
@@ -103,9 +114,12 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
         ("        cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)\n", ""),
     ],
     # no dV products
-    "nodv": [(_DV_PRODUCTS, _never(_DV_PRODUCTS))],
+    "nodv": [(_DV_BF16, _never(_DV_BF16)), (_DV_FP8, "            dv_order = []\n")],
     # no dK products
-    "nodk": [(_DK_PRODUCTS, _never(_DK_PRODUCTS))],
+    "nodk": [
+        (_DK_BF16, _never(_DK_BF16)),
+        (_ORDER_FP8, '            order = [("q", 0, hf) for hf in range(halves)]\n'),
+    ],
 }
 
 

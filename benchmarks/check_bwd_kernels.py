@@ -46,7 +46,9 @@ def operands(lens, hq, hkv, d, causal, exact=False, seed=5):
     """Quantized operands of a pack on the GPU (forward run, dO quantized) for ``backward``."""
     q, k, v, cu, _ = make_pack(lens, hq, hkv, d, seed=seed, device="cuda")
     d_out = make_pack(lens, hq, hkv, d, seed=seed + 1, device="cuda")[0]
-    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True, column_align=128)
+    # both backwards' operands: Q̂ and Ĝ in the column layout and as BF16 rows
+    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True, column_align=128,
+                       q_rows=True)  # fmt: skip
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
     qdo = quantize_do(d_out, out, m, lse, cu, column_align=128, g_rows=True)
     return dict(qkv=qkv, qdo=qdo, m=m, lse=lse, cu=cu, d_out=d_out, out=out, hq=hq, d=d,

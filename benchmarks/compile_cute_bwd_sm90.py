@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from benchmarks.compile_cute_sm90 import compile_and_keep, compile_parser
 from flamia_serve.kernels.attn_bwd.cute_sm90 import FlamiaBwdSm90
+from flamia_serve.kernels.attn_bwd.ops import CUTE_BF16_KV_HEAD_DIMS
 
 
 def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = False) -> list:
@@ -25,14 +26,18 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = Fal
     t_pad = total + 128 + 64
     u8, i16, i32 = torch.uint8, torch.int16, torch.int32
     qk = torch.bfloat16 if wide else u8
+    if d in CUTE_BF16_KV_HEAD_DIMS:  # dK's / dV's B: Q codes and Ĝ·2^eG, BF16 rows by column
+        q_b = g_b = (torch.empty(t_pad, heads_q, d, dtype=torch.bfloat16), 16)
+    else:  # q_t / g_t: E4M3 codes in the column layout
+        q_b = g_b = (torch.empty(heads_q, d, t_pad, dtype=u8).permute(1, 2, 0), 16)
     tensors = [
         (torch.empty(total, heads_q, d, dtype=qk), 16),  # Q codes (or widened values)
         (torch.empty(total, heads_kv, d, dtype=qk), 16),  # K codes
         (torch.empty(total, heads_kv, d, dtype=u8), 16),  # V codes
         (torch.empty(total, heads_q, d, dtype=u8), 16),  # dO codes
-        (torch.empty(t_pad, heads_q, d, dtype=torch.bfloat16), 16),  # Q codes by column
+        q_b,
         (torch.empty(heads_kv, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # k_t
-        (torch.empty(t_pad, heads_q, d, dtype=torch.bfloat16), 16),  # Ĝ·2^eG by column
+        g_b,
         (torch.empty(heads_q, total, dtype=i16), 4),  # Q exponents
         (torch.empty(heads_q, total, dtype=torch.int8 if wide else i16), 4),  # scores' Q exp
         (torch.empty(heads_kv, t_pad, dtype=i16), 4),  # K exponents (column layout)

@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
 
     q, k, v, d_out = randn(hq), randn(hkv), randn(hkv), randn(hq)
-    qkv = quantize_qkv(q, k, v, cu, with_transposed=True, column_align=128)
+    qkv = quantize_qkv(q, k, v, cu, with_transposed=True, column_align=128, q_rows=True)
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
-    qdo = quantize_do(d_out, out, m, lse, cu, column_align=128)
+    qdo = quantize_do(d_out, out, m, lse, cu, column_align=128, g_rows=True)
     cfg = BwdConfig(num_warps=args.warps, num_stages=args.stages, kernel=args.kernel)
 
     def run() -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd
+from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd, bwd_reads_rows
 from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, quantizes_q, window_limit
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import ShortWindows, TokenBlocks, WorkList
@@ -100,15 +100,16 @@ def attention_backward(
     if call.bwd_work is None:
         raise RuntimeError("flamia attention: the forward ran without gradients enabled")
     align = call.column_align
-    cute = call.bwd_config.kernel == "cute"  # reads Q's codes and Ĝ token-major (BF16)
+    rows = bwd_reads_rows(call.bwd_config, q.shape[2])  # Q codes and Ĝ as BF16 rows
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=call.blocks, with_transposed=True, column_align=align, columns=call.columns,
-        workspace=call.workspace, widen=cute, q_transposed=not cute,
+        workspace=call.workspace, widen=call.bwd_config.kernel == "cute",
+        q_transposed=not rows, q_rows=rows,
     )  # fmt: skip
     qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe,
                       blocks=call.blocks, column_align=align, workspace=call.workspace,
-                      g_columns=not cute, g_rows=cute)  # fmt: skip
+                      g_columns=not rows, g_rows=rows)  # fmt: skip
     return attn_bwd(
         qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
         softmax_scale=call.softmax_scale, recipe=call.recipe, out_dtype=q.dtype,

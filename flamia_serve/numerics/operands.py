@@ -130,7 +130,11 @@ class KernelQKV:
 
     Written only when gradients are needed (``with_transposed``): ``q_t`` ``[Hq, d, t_pad]``
     and ``k_t`` ``[Hkv, d, t_pad]``, the same E4M3 codes as ``q_codes``/``k_codes`` in the
-    column layout (the backward contracts dK = dSᵀ·Q̂ over queries and dQ = dS·K̂ over keys).
+    column layout (the backward contracts dK = dSᵀ·Q̂ over queries and dQ = dS·K̂ over keys);
+    ``q_rows`` ``[t_pad, Hq, d]`` BF16 (``quantize_qkv(q_rows=True)``): the Q codes' values,
+    a row per column with each document's tokens in order (``v_t_key`` of the column) and
+    zeros in the padding (the CuTe backward's dK operand at the head dims where it multiplies
+    in BF16).
 
     Written only when asked (``quantize_qkv(widen=True)``, NVFP4 Q/K): ``q_wide`` ``[T, Hq,
     d]`` / ``k_wide`` ``[T, Hkv, d]`` BF16, the NVFP4 values without their per-token power of
@@ -168,6 +172,7 @@ class KernelQKV:
     k_wide: torch.Tensor | None = None
     scores_only: bool = False
     q_input: torch.Tensor | None = None
+    q_rows: torch.Tensor | None = None
 
     @property
     def unwidened(self) -> bool:

@@ -74,22 +74,27 @@ def quant_variants() -> None:
         "k8_ptr": FP8, "k_exp_ptr": I16,
         "vt_ptr": FP8, "v_exp_ptr": I16, "kv_factor_ptr": F32, "q4_ptr": U8,
         "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
-        "k4_exp_ptr": I8, "q_wide_ptr": BF16, "k_wide_ptr": BF16,
+        "k4_exp_ptr": I8, "q_wide_ptr": BF16, "k_wide_ptr": BF16, "q_rows_ptr": BF16,
     }  # fmt: skip
-    # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels, only those)
-    # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels, only those, no Q)
+    # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels, only those, no Q,
+    # Q's codes as BF16 rows for the CuTe backward)
     for d in (64, 128, 256):
-        for exact, nvfp4, had, wide, scores_only, skip_q in (
-            (False, False, False, False, False, False), (True, True, False, True, False, False),
-            (False, True, True, False, False, False), (False, True, False, True, True, False),
-            (False, False, False, False, False, True),
+        for exact, nvfp4, had, wide, scores_only, skip_q, q_rows in (
+            (False, False, False, False, False, False, False),
+            (True, True, False, True, False, False, False),
+            (False, True, True, False, False, False, False),
+            (False, True, False, True, True, False, False),
+            (False, False, False, False, False, True, False),
+            (False, False, False, False, False, False, True),
+            (True, True, True, True, False, False, True),
         ):  # fmt: skip
             consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
                           HADAMARD=had, LOG2_D=d.bit_length() - 1, WIDE=wide,
-                          SCORES_ONLY=scores_only, SKIP_Q=skip_q, INTERPRET=False)  # fmt: skip
+                          SCORES_ONLY=scores_only, SKIP_Q=skip_q, Q_ROWS=q_rows,
+                          INTERPRET=False)  # fmt: skip
             _compile(quantize_qkv_kernel, ptrs, consts, 4)
             print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide} "
-                  f"scores_only={scores_only} skip_q={skip_q}: ok")  # fmt: skip
+                  f"scores_only={scores_only} skip_q={skip_q} q_rows={q_rows}: ok")  # fmt: skip
 
 
 def fwd_variants() -> None:

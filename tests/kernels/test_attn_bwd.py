@@ -134,6 +134,35 @@ def test_quantize_do_g_rows(device) -> None:
         rows_only.to_reference()
 
 
+@pytest.mark.parametrize(("recipe", "exact"), [("mxfp8", False), ("mixed_nvfp4", True)])
+def test_quantize_qkv_q_rows(recipe, exact, device) -> None:
+    """``q_rows``: Q's E4M3 codes as BF16 values, a row per column of the layout with the
+    tokens in order (bit-exact against ``q_codes``), zeros in every other row; the other
+    outputs unchanged; refused without ``with_transposed``."""
+    lens = (1, 63, 100, 37, 0, 5)
+    q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=5, device=device)
+    kw = dict(recipe=recipe, exact_causal=exact, with_transposed=True, column_align=128)
+    rows_only = quantize_qkv(q, k, v, cu, q_rows=True, q_transposed=False, **kw)
+    columns = quantize_qkv(q, k, v, cu, **kw)
+    assert rows_only.q_t is None and columns.q_rows is None
+    used = token_columns(cu, rows_only.doc_v_t_start, q.shape[0])
+    rows = v_t_key(used)
+    q_rows = rows_only.q_rows
+    assert q_rows.dtype == torch.bfloat16
+    assert q_rows.shape == (rows_only.v_t.shape[2], *q.shape[1:])
+    assert torch.equal(q_rows[rows].float(), columns.q_codes.float())
+    assert int((q_rows != 0).sum()) > 1000
+    others = torch.ones(q_rows.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert not bool(q_rows[others].any())
+    for name in ("q_codes", "k_codes", "k_t", "v_t"):
+        a, b = getattr(rows_only, name), getattr(columns, name)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert torch.equal(rows_only.q_exp, columns.q_exp)
+    with pytest.raises(ValueError, match="q_rows"):
+        quantize_qkv(q, k, v, cu, q_rows=True)
+
+
 @pytest.mark.parametrize(
     ("two_pass", "exact"), [(False, False), (True, True)], ids=["online", "two_pass-exact"]
 )

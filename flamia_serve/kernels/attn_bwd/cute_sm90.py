@@ -64,12 +64,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
 from flash_attn.cute import pipeline as fa_pipeline
-from flash_attn.cute import utils
 from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
+from flamia_serve.kernels.attn_bwd.ops import CUTE_BF16_KV_HEAD_DIMS
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
+    accumulator_to_a,
     column_offset,
     compile_kernel,
     e4m3_exponent,
@@ -85,10 +86,11 @@ from flamia_serve.numerics.operands import KernelDO, KernelQKV
 
 #: queries of one token block (a "half" of a 64-query step)
 HALF = 32
-#: queries per step by head dim: two halves at d = 64, one at d = 128 (H200, T = 8192 causal,
-#: ``results/bwd_variants_steps_2026-12-01.json``: 64-query steps 218 vs 182 TFLOP/s at
-#: d = 64, but 245 vs 271 at d = 128, where ptxas spills part of the dK/dV accumulators)
-STEP_FOR_D = {64: 64, 128: 32}
+#: queries per step by head dim: two halves (H200, causal; d = 64:
+#: ``results/bwd_variants_steps_2026-12-01.json``, 218 vs 182 TFLOP/s for one half at T = 8192;
+#: d = 128 with BF16 dK/dV, ``results/bwd_variants_bf16_kv_2026-12-03.json``: 277 / 312 vs
+#: 275 / 302 TFLOP/s for one half at T = 8192 / 16384)
+STEP_FOR_D = {64: 64, 128: 64}
 #: keys per consumer warpgroup, warpgroups per CTA
 WG_KEYS = 64
 NUM_WG = 2
@@ -137,6 +139,14 @@ class FlamiaBwdSm90:
         self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
         self.step_q = STEP_FOR_D[head_dim]
+        # dK/dV's B operands (Q̂ and Ĝ): BF16 rows by column read MN-major (products in BF16,
+        # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
+        # half, promoted); box = one 64-column piece of a step
+        self.bf16_kv = head_dim in CUTE_BF16_KV_HEAD_DIMS
+        self.kv_b_dtype = BF16 if self.bf16_kv else FP8
+        self.kv_b_box = (self.step_q, 64) if self.bf16_kv else (64, self.step_q)
+        # lanes staging the halves' exponent factors: dÔ's, and (E4M3 B operands) Ĝ's
+        self.exp_lanes = 2 if self.bf16_kv else 4
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -146,9 +156,11 @@ class FlamiaBwdSm90:
         mK: cute.Tensor,  # (T, Hkv, d) e4m3 (bf16: qk_wide)
         mV: cute.Tensor,  # (T, Hkv, d) e4m3
         mDO: cute.Tensor,  # (T, Hq, d) e4m3
-        mQt: cute.Tensor,  # (t_pad, Hq, d) bf16: the Q codes by column (dK's B)
+        mQt: cute.Tensor,  # dK's B: (t_pad, Hq, d) bf16 Q codes by column (bf16_kv), else
+        #                    (d, t_pad, Hq) e4m3 in the column layout
         mKt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, column layout
-        mGt: cute.Tensor,  # (t_pad, Hq, d) bf16: Ĝ·2^eG by column (dV's B)
+        mGt: cute.Tensor,  # dV's B: (t_pad, Hq, d) bf16 Ĝ·2^eG by column (bf16_kv), else
+        #                    (d, t_pad, Hq) e4m3 Ĝ codes in the column layout
         mQexp: cute.Tensor,  # (Hq, T) int16
         mQsexp: cute.Tensor,  # (Hq, T) int8, NVFP4 second level (qk_wide; else mQexp)
         mKexp: cute.Tensor,  # (Hkv, t_pad) int16, column layout (read with qk_wide)
@@ -175,7 +187,8 @@ class FlamiaBwdSm90:
         d = self.d
         mQ, mDO = (layout_utils.select(t, [0, 2, 1]) for t in (mQ, mDO))  # (T, d, H)
         mK, mV = (layout_utils.select(t, [0, 2, 1]) for t in (mK, mV))
-        mQt, mGt = (layout_utils.select(t, [0, 2, 1]) for t in (mQt, mGt))  # (t_pad, d, H)
+        if const_expr(self.bf16_kv):
+            mQt, mGt = (layout_utils.select(t, [0, 2, 1]) for t in (mQt, mGt))  # (t_pad, d, H)
         halves = self.halves
         qk = self.qk_dtype
         rows_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (WG_KEYS, d), NUM_WG)
@@ -191,10 +204,10 @@ class FlamiaBwdSm90:
         q_step_layout = sm90_utils.make_smem_layout(
             qk, LayoutEnum.ROW_MAJOR, (self.step_q, d), self.num_stages
         )
-        # dK's / dV's B: token-major BF16 tiles of 64 head columns (stage · halves + piece),
-        # read MN-major (transposed views)
+        # dK's / dV's B in 64-column pieces (stage · halves + piece): BF16 token-major tiles
+        # (read MN-major, through transposed views) or E4M3 column-layout tiles
         step_t_layout = sm90_utils.make_smem_layout(
-            BF16, LayoutEnum.ROW_MAJOR, (self.step_q, 64), self.num_stages * halves
+            self.kv_b_dtype, LayoutEnum.ROW_MAJOR, self.kv_b_box, self.num_stages * halves
         )
         ds_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS), NUM_WG
@@ -220,8 +233,9 @@ class FlamiaBwdSm90:
         )  # fmt: skip
         # dV / dK pieces: keys x 64 head columns, contraction over a half (one k-block of the
         # step's fragments; A in registers)
+        b_major = warpgroup.OperandMajorMode.MN if self.bf16_kv else warpgroup.OperandMajorMode.K
         tiled_mma_kv = sm90_helpers.make_trivial_tiled_mma(
-            BF16, BF16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            self.kv_b_dtype, self.kv_b_dtype, warpgroup.OperandMajorMode.K, b_major, Float32,
             tiler_mn=(WG_KEYS, 64), a_source=warpgroup.OperandSource.RMEM, **mma_kw,
         )  # fmt: skip
         # dQᵀ pieces: 64 head columns x queries, contraction over the warpgroup's keys
@@ -241,11 +255,12 @@ class FlamiaBwdSm90:
         atom_kt, tma_kt = atom(mKt, cols_layout, (64, WG_KEYS))
         atom_q, tma_q = atom(mQ, q_step_layout, (self.step_q, d))
         atom_do, tma_do = atom(mDO, step_layout, (self.step_q, d))
-        atom_qt, tma_qt = atom(mQt, step_t_layout, (self.step_q, 64))
-        atom_gt, tma_gt = atom(mGt, step_t_layout, (self.step_q, 64))
+        atom_qt, tma_qt = atom(mQt, step_t_layout, self.kv_b_box)
+        atom_gt, tma_gt = atom(mGt, step_t_layout, self.kv_b_box)
         qk_bytes = qk.width // 8
         self.kv_bytes = (2 + qk_bytes) * NUM_WG * WG_KEYS * d
-        self.step_bytes = (5 + qk_bytes) * self.step_q * d
+        # per query: Q̂ (scores), dÔ, and dK's / dV's B operands
+        self.step_bytes = (1 + qk_bytes + 2 * self.kv_b_dtype.width // 8) * self.step_q * d
         stages = self.num_stages
 
         @cute.struct
@@ -260,8 +275,12 @@ class FlamiaBwdSm90:
             sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
             sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
-            sQt: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(step_t_layout)], 1024]
-            sGt: cute.struct.Align[cute.struct.MemRange[BF16, cute.cosize(step_t_layout)], 1024]
+            sQt: cute.struct.Align[
+                cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
+            ]
+            sGt: cute.struct.Align[
+                cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
+            ]
             sDS: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(ds_layout)], 1024]
             sDQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128]
 
@@ -423,9 +442,10 @@ class FlamiaBwdSm90:
             h = hk * self.group + g
             load_q = _rows_copy(atom_q, tma_q, h, (self.step_q, self.d), sQ, doc_start)
             load_do = _rows_copy(atom_do, tma_do, h, (self.step_q, self.d), sDO, doc_start)
+            copy_t = _rows_piece_copy if const_expr(self.bf16_kv) else _cols_copy
             loads_t = [
-                (_rows_piece_copy(atom_qt, tma_qt, h, (self.step_q, 64), sQt, hf, vt_start),
-                 _rows_piece_copy(atom_gt, tma_gt, h, (self.step_q, 64), sGt, hf, vt_start))
+                (copy_t(atom_qt, tma_qt, h, self.kv_b_box, sQt, hf, vt_start),
+                 copy_t(atom_gt, tma_gt, h, self.kv_b_box, sGt, hf, vt_start))
                 for hf in range(halves)
             ]  # fmt: skip
             for i in cutlass.range(n_steps, unroll=1):
@@ -452,9 +472,9 @@ class FlamiaBwdSm90:
     ):  # fmt: skip
         """This lane's query of each half of step ``i0`` (head ``h``): its factors into
         stage ``idx`` (the scores' ``qk_scale·2^eQ`` from ``q_exps[1]``, NVFP4's second level
-        with ``qk_wide``; the products' ``2^eQ`` from ``q_exps[0]``); lanes 0..3 the halves'
-        dÔ (row 5 at ``hb``) and Ĝ (at ``2 + hb``) exponents as factors (1 past the
-        document)."""
+        with ``qk_wide``; the products' ``2^eQ`` from ``q_exps[0]``); lanes 0..1 the halves'
+        dÔ exponents (row 5 at ``hb``) and, with E4M3 dK/dV operands, lanes 2..3 Ĝ's (at
+        ``2 + hb``) as factors (1 past the document)."""
         lane = cute.arch.lane_idx()
         doc_start = w["doc_start"]
         seqlen = w["seqlen"]
@@ -481,7 +501,7 @@ class FlamiaBwdSm90:
             sStats[2, c, idx] = m - P_HAT_EXP
             sStats[3, c, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
             sStats[4, c, idx] = dl
-        if lane < 4 and lane % 2 < n_halves:  # (a 32-query step has one half: lanes 0, 2)
+        if lane < self.exp_lanes and lane % 2 < n_halves:  # (one half: lanes 0, 2)
             hb = lane % 2
             q = i0 + hb * HALF
             e = Int32(0)
@@ -517,12 +537,10 @@ class FlamiaBwdSm90:
         # dV / dK / dQᵀ in 64-column pieces of the head dimension (B / A index: stage or
         # warpgroup · halves + piece)
         kv_shape = (WG_KEYS, 64, self.step_q)
-        _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(
-            wg_kv, kv_shape, None, layout_utils.transpose_view(sGt)
-        )
-        _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(
-            wg_kv, kv_shape, None, layout_utils.transpose_view(sQt)
-        )
+        if const_expr(self.bf16_kv):  # token-major tiles, read MN-major
+            sGt, sQt = layout_utils.transpose_view(sGt), layout_utils.transpose_view(sQt)
+        _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sGt)
+        _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sQt)
         dq_shape = (64, self.step_q, WG_KEYS)
         _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, dq_shape, sKt, sDS)
         acc_dk = []
@@ -661,14 +679,36 @@ class FlamiaBwdSm90:
         p8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
         p8.store(acc_s.load().to(FP8))
         acc_s.store(p8.load().to(Float32))
-        # dV += P̂ᵀ·(Ĝ·2^eG): BF16 A from the accumulator (P̂ exact), B the dequantized Ĝ
-        # (exact in BF16), accumulated in the wgmma's FP32 accumulator across steps
-        frag_p = utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
-        for hf in cutlass.range_constexpr(halves):
-            sm90_utils.gemm(
-                ctx["mmas"][1], ctx["acc_dv"][hf], frag_p,
-                ctx["tVrG"][None, None, None, stage * halves + hf], zero_init=False, wg_wait=-1,
-            )  # fmt: skip
+        dv_order = []  # E4M3 dV products still to promote: (half, piece)
+        if const_expr(self.bf16_kv):
+            # dV += P̂ᵀ·(Ĝ·2^eG): BF16 A from the accumulator (P̂ exact), B the dequantized Ĝ
+            # (exact in BF16), accumulated in the wgmma's FP32 accumulator across steps
+            frag_p = fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
+            for hf in cutlass.range_constexpr(halves):
+                sm90_utils.gemm(
+                    ctx["mmas"][1], ctx["acc_dv"][hf], frag_p,
+                    ctx["tVrG"][None, None, None, stage * halves + hf], zero_init=False,
+                    wg_wait=-1,
+                )  # fmt: skip
+        else:
+            # dV += (P̂ᵀ·Ĝ)·2^eG per half and 64-column piece (E4M3: the column layout's
+            # permutation makes the accumulator the A fragment), one product in flight while
+            # the previous one is promoted
+            accumulator_to_a(acc_s, ctx["frag_p"])
+            dv_order = [(hb, hf) for hb in range(n_halves) for hf in range(halves)]
+        acc_v = [None] * len(dv_order)
+
+        def issue_dv(n):
+            hb, hf = dv_order[n]
+            acc_v[n] = self.issue_kv_piece(ctx, ctx["frag_p"], ctx["tVrG"], stage, hb, hf)
+
+        def promote_dv(n):
+            hb, hf = dv_order[n]
+            warpgroup.wait_group(0)
+            self.promote(ctx["acc_dv"][hf], acc_v[n], sStats[5, 2 + hb, stage])
+            if const_expr(n + 1 < len(dv_order)):
+                issue_dv(n + 1)
+
         # dS in place of dP; amax of dS·2^eQ (dK's blocks) and dS·2^eK (dQ's) per half: the
         # power-of-two factors are applied to the column / row maxima of |dS|
         amax_k = [Float32(0.0)] * n_halves
@@ -696,6 +736,10 @@ class FlamiaBwdSm90:
                 amax_k[hb] = fa_utils.fmax(amax_k[hb], col_amax * sStats[1, c, stage])  # ·2^eQ
             for r in cutlass.range_constexpr(n_rows):
                 amax_q[hb] = fa_utils.fmax(amax_q[hb], row_amax[r] * ctx["kdq"][r])
+        # (the first E4M3 dV product runs during the exponent exchange; issued earlier, it
+        # would hold its accumulator beside P̂ and dS and spill)
+        if const_expr(len(dv_order) > 0):
+            issue_dv(0)
         # block exponents: dK per (dk_keys keys x half), dQ per (64 keys x half)
         sAmax = ctx["sAmax"]
         warp = ctx["warp"]
@@ -706,6 +750,8 @@ class FlamiaBwdSm90:
             for hb in cutlass.range_constexpr(n_halves):
                 sAmax[0, hb, warp, wg] = amax_k[hb]
                 sAmax[1, hb, warp, wg] = amax_q[hb]
+        if const_expr(len(dv_order) > 0):
+            promote_dv(0)
         cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)
         # rows of a warp are 16 keys: a dK block of dk_keys keys spans dk_keys // 16 warps
         per_block = self.dk_keys // 16
@@ -722,6 +768,9 @@ class FlamiaBwdSm90:
             )
             ek[hb] = e4m3_exponent(block_amax)
             eb[hb] = e4m3_exponent(tile_amax)
+        # the rest of dV before dŜ is built (a product in flight beside P̂, dS and dŜ spills)
+        for n in cutlass.range_constexpr(1, len(dv_order)):
+            promote_dv(n)
         # dŜ for dK (registers, A fragment, in place of P̂) and dŜ for dQ (in place of dS,
         # then shared memory, transposed); products of powers of two: one multiply each
         for hb in cutlass.range_constexpr(n_halves):
@@ -736,17 +785,21 @@ class FlamiaBwdSm90:
                     ds = dp_mn[r, j]
                     s_mn[r, j] = ds * col_fac
                     dp_mn[r, j] = ds * row_fac[r]
-        # dK's A: dŜ (E4M3 round trip, hardware conversions) times its block's 2^ek, BF16
-        ds_k8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
-        ds_k8.store(acc_s.load().to(FP8))
-        acc_s.store(ds_k8.load().to(Float32))
-        for hb in cutlass.range_constexpr(n_halves):
-            ek_f = pow2(ek[hb])
-            for jj in cutlass.range_constexpr(cols_per_half):
-                j = hb * cols_per_half + jj
-                for r in cutlass.range_constexpr(n_rows):
-                    s_mn[r, j] = s_mn[r, j] * ek_f
-        frag_ds = utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
+        frag_ds = ctx["frag_ds"]
+        if const_expr(self.bf16_kv):
+            # dK's A: dŜ (E4M3 round trip, hardware conversions) times its block's 2^ek, BF16
+            ds_k8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
+            ds_k8.store(acc_s.load().to(FP8))
+            acc_s.store(ds_k8.load().to(Float32))
+            for hb in cutlass.range_constexpr(n_halves):
+                ek_f = pow2(ek[hb])
+                for jj in cutlass.range_constexpr(cols_per_half):
+                    j = hb * cols_per_half + jj
+                    for r in cutlass.range_constexpr(n_rows):
+                        s_mn[r, j] = s_mn[r, j] * ek_f
+            frag_ds = fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
+        else:
+            accumulator_to_a(acc_s, frag_ds)  # dŜ's E4M3 codes (the 2^ek after the product)
         ds8 = cute.make_rmem_tensor(cute.size(acc_dp), FP8)
         ds8.store(acc_dp.load().to(FP8))
         tScS = ctx["tScS"]
@@ -776,9 +829,8 @@ class FlamiaBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
-        # dK += (dŜᵀ·Q̂)·2^ek per half and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column already
-        # scaled by its half's 2^-eb), in pieces of 64 head-dimension columns, interleaved
-        # with two products in flight
+        # dK += (dŜ·2^ek)ᵀ·Q̂ and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column already scaled by its
+        # half's 2^-eb), in pieces of 64 head-dimension columns, two products in flight
         dq_fac = [pow2(eb[hb]) * softmax_scale for hb in range(n_halves)]
         sDQ = ctx["sDQ"]
         thr_dq = ctx["thr_dq"]
@@ -791,38 +843,58 @@ class FlamiaBwdSm90:
         # splits into a per-thread base and a constant per j (``operands.v_t_position`` of a
         # Python int at trace time)
         dq_col0 = v_t_position(tQcQ[0, 0][1])
-        # dK pieces first (accumulated in the wgmma), then dQᵀ pieces, two in flight
-        for hf in cutlass.range_constexpr(halves):
-            sm90_utils.gemm(
-                ctx["mmas"][1], ctx["acc_dk"][hf], frag_ds,
-                ctx["tKrQ"][None, None, None, stage * halves + hf], zero_init=False, wg_wait=-1,
-            )  # fmt: skip
-        accs = [None] * halves
+        if const_expr(self.bf16_kv):
+            # dK pieces accumulated in the wgmma first, then the dQᵀ pieces
+            for hf in cutlass.range_constexpr(halves):
+                sm90_utils.gemm(
+                    ctx["mmas"][1], ctx["acc_dk"][hf], frag_ds,
+                    ctx["tKrQ"][None, None, None, stage * halves + hf], zero_init=False,
+                    wg_wait=-1,
+                )  # fmt: skip
+            order = [("q", 0, hf) for hf in range(halves)]
+        else:
+            # E4M3 dK products per half (promoted with its 2^ek) interleaved with dQᵀ's
+            order = [
+                item
+                for hf in range(halves)
+                for item in [("k", 0, hf), ("q", 0, hf)]
+                + [("k", hb, hf) for hb in range(1, n_halves)]
+            ]
+        ek_fac = [pow2(ek[hb]) for hb in range(n_halves)]
+        accs = [None] * len(order)
 
-        def issue(hf):
-            accs[hf] = sm90_utils.gemm_zero_init(
-                tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
-                A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
-            )  # fmt: skip
+        def issue(n):
+            kind, hb, hf = order[n]
+            if const_expr(kind == "k"):
+                accs[n] = self.issue_kv_piece(ctx, frag_ds, ctx["tKrQ"], stage, hb, hf)
+            else:
+                accs[n] = sm90_utils.gemm_zero_init(
+                    tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
+                    A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
+                )  # fmt: skip
 
-        def finish(hf):
-            acc_q_mn = layout_utils.reshape_acc_to_mn(accs[hf])
-            q_cols = cute.size(acc_q_mn, mode=[1])
-            for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
-                for j in cutlass.range_constexpr(q_cols):
-                    row = tQcQ[r, j][0]
-                    fac = dq_fac[j // (q_cols // n_halves)]
-                    col = dq_col0 + operands.v_t_position(column_offset(j))
-                    sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
+        def finish(n):
+            kind, hb, hf = order[n]
+            if const_expr(kind == "k"):
+                self.promote(ctx["acc_dk"][hf], accs[n], ek_fac[hb])
+            else:
+                acc_q_mn = layout_utils.reshape_acc_to_mn(accs[n])
+                q_cols = cute.size(acc_q_mn, mode=[1])
+                for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
+                    for j in cutlass.range_constexpr(q_cols):
+                        row = tQcQ[r, j][0]
+                        fac = dq_fac[j // (q_cols // n_halves)]
+                        col = dq_col0 + operands.v_t_position(column_offset(j))
+                        sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
 
         issue(0)
-        if const_expr(halves > 1):
+        if const_expr(len(order) > 1):
             issue(1)
-        for hf in cutlass.range_constexpr(halves):
-            warpgroup.wait_group(1 if const_expr(hf + 1 < halves) else 0)
-            finish(hf)
-            if const_expr(hf + 2 < halves):
-                issue(hf + 2)
+        for n in cutlass.range_constexpr(len(order)):
+            warpgroup.wait_group(1 if const_expr(n + 1 < len(order)) else 0)
+            finish(n)
+            if const_expr(n + 2 < len(order)):
+                issue(n + 2)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
         # the whole tile, padding included, by one bulk reduce-add: ``dq_acc`` holds each
@@ -918,29 +990,39 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.empty(1, 1, 1, dtype=torch.float32, device=device)
 
 
-def _rows_by_column(
-    name: str, values: torch.Tensor, qkv: KernelQKV, workspace: PackWorkspace | None
-) -> torch.Tensor:
+def _rows_by_column(values: torch.Tensor, qkv: KernelQKV) -> torch.Tensor:
     """BF16 ``[t_pad, H, d]``: token ``t``'s ``values`` ``[T, H, d]`` at row ``v_t_key`` of
-    its column (each document's tokens in order, no 16-group permutation), zeros elsewhere:
-    a tile of a document's rows never holds another document's values (a zero weight times a
-    NaN there would still be NaN)."""
-    shape = (qkv.v_t.shape[2], *values.shape[1:])
-    rows = (workspace.zeroed(name, shape, torch.bfloat16) if workspace is not None
-            else torch.zeros(shape, dtype=torch.bfloat16, device=values.device))  # fmt: skip
+    its column (each document's tokens in order), zeros elsewhere: what ``quantize_qkv`` /
+    ``quantize_do`` write as ``q_rows`` / ``g_rows``, rebuilt by torch for operands quantized
+    without them (slower: a fresh buffer and a scatter per call)."""
+    rows = values.new_zeros((qkv.v_t.shape[2], *values.shape[1:]), dtype=torch.bfloat16)
     return rows.index_copy_(0, operands.v_t_key(qkv.key_columns()), values.to(torch.bfloat16))
 
 
-def _g_rows_from_columns(qkv: KernelQKV, qdo: KernelDO, workspace) -> torch.Tensor:
-    """``KernelDO.g_rows`` from ``g_t``/``g_exp``, for callers that quantized dO for the
-    Triton backward (torch gathers: slower than the quantizer's own rows)."""
-    if qdo.g_t is None:
-        raise ValueError("qdo has neither g_rows nor g_t")
-    cols = qkv.key_columns()
-    codes = torch.index_select(qdo.g_t.view(torch.uint8).permute(2, 0, 1), 0, cols)
-    factor = exp2i(torch.index_select(qdo.g_exp.t(), 0, cols))
-    values = codes.view(torch.float8_e4m3fn).float() * factor[..., None]
-    return _rows_by_column("g_rows_from_columns", values, qkv, workspace)
+def _kv_b_operands(
+    qkv: KernelQKV, qdo: KernelDO, bf16_kv: bool
+) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
+    """dK's and dV's B operands as the kernel reads them: BF16 rows by column ``[t_pad, H,
+    d]`` (``bf16_kv``; the quantizers' ``q_rows`` / ``g_rows``, else rebuilt from the codes)
+    or the E4M3 column layout ``[d, t_pad, H]`` (``q_t`` / ``g_t``)."""
+    if bf16_kv:
+        q_rows = qkv.q_rows if qkv.q_rows is not None else _rows_by_column(qkv.q_codes, qkv)
+        g_rows = qdo.g_rows
+        if g_rows is None:
+            if qdo.g_t is None:
+                raise ValueError("qdo has neither g_rows nor g_t: quantize_do wrote no Ĝ")
+            cols = qkv.key_columns()
+            codes = torch.index_select(qdo.g_t.view(torch.uint8).permute(2, 0, 1), 0, cols)
+            factor = exp2i(torch.index_select(qdo.g_exp.t(), 0, cols))
+            g_values = codes.view(torch.float8_e4m3fn).float() * factor[..., None]
+            g_rows = _rows_by_column(g_values, qkv)
+        return (q_rows, 16), (g_rows, 16)
+    if qkv.q_t is None or qdo.g_t is None:
+        raise ValueError(
+            f"the CuTe backward at head_dim {qkv.q_codes.shape[2]} reads qkv.q_t and qdo.g_t: "
+            "quantize with q_transposed=True and quantize_do(..., g_columns=True)"
+        )
+    return (qkv.q_t.permute(1, 2, 0), 16), (qdo.g_t.permute(1, 2, 0), 16)
 
 
 def attn_bwd_sm90(
@@ -979,13 +1061,11 @@ def attn_bwd_sm90(
         qkv.v_t.view(torch.uint8).permute(2, 0, 1), 0, qkv.key_columns(), out=v_bytes
     )
     v_codes = v_bytes.view(torch.float8_e4m3fn)
-    # dK's and dV's B operands, token-major BF16 (exact): the Q codes and Ĝ·2^eG
-    q_rows = _rows_by_column("q_rows", qkv.q_codes, qkv, workspace)
-    g_rows = qdo.g_rows if qdo.g_rows is not None else _g_rows_from_columns(qkv, qdo, workspace)
+    q_b, g_b = _kv_b_operands(qkv, qdo, d in CUTE_BF16_KV_HEAD_DIMS)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
     aligned = (
         (q_in, 16), (k_in, 16), (v_codes, 16), (qdo.do_codes, 16),
-        (q_rows, 16), (qkv.k_t.permute(1, 2, 0), 16), (g_rows, 16), (qkv.q_exp.t(), 4),
+        q_b, (qkv.k_t.permute(1, 2, 0), 16), g_b, (qkv.q_exp.t(), 4),
         (q_score_exp, 4), (qkv.k_exp, 4), (qkv.kv_factors, 16),
         (qdo.do_exp.t(), 4), (qdo.g_exp, 4), (qdo.delta.t(), 4), (m_rows.contiguous(), 4),
         (lse_rows.contiguous(), 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),

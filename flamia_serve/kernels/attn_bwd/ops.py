@@ -62,6 +62,21 @@ class BwdConfig:
 #: the CuTe backward's default on sm_90 (``results/bwd_kernels.json``)
 CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 
+#: head dims at which the CuTe backward multiplies dK/dV in BF16 (E4M3 values times powers
+#: of two are exact in BF16; the products accumulate in FP32 across steps, no per-step
+#: promotion) from ``KernelQKV.q_rows`` and ``KernelDO.g_rows``; at the others it multiplies
+#: the E4M3 codes of ``q_t``/``g_t`` and promotes each half (H200, causal, TFLOP/s: d = 128
+#: 271 / 290 -> 277 / 312 at T = 8192 / 16384, d = 64 246 -> 228;
+#: ``results/bwd_variants_bf16_kv_2026-12-03.json``)
+CUTE_BF16_KV_HEAD_DIMS = frozenset({128})
+
+
+def bwd_reads_rows(config: BwdConfig, head_dim: int) -> bool:
+    """Whether the backward of ``config`` reads Q's codes and Ĝ as BF16 rows by column
+    (quantize with ``quantize_qkv(q_rows=True, q_transposed=False)`` and
+    ``quantize_do(g_rows=True, g_columns=False)``) instead of the E4M3 column layout."""
+    return config.kernel == "cute" and head_dim in CUTE_BF16_KV_HEAD_DIMS
+
 
 def cute_bwd_runs(head_dim: int, column_align: int) -> bool:
     """The CuTe backward's operand limits (the device aside; NVFP4 Q/K also need the
@@ -216,8 +231,8 @@ def attn_bwd(
         return dq, dk, dv
     if qkv.q_t is None or qdo.g_t is None:
         raise ValueError(
-            "the Triton backward reads q_t and g_t: quantize with q_transposed=True and "
-            "quantize_do(..., g_columns=True) (the defaults)"
+            "the Triton backward reads qkv.q_t and qdo.g_t: quantize with q_transposed=True "
+            "and quantize_do(..., g_columns=True) (the defaults)"
         )
     dq_acc = zeroed_accumulator(workspace, (total, heads_q, d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)

@@ -36,7 +36,8 @@ def _quantize_qk_head(
     """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``)
     and NVFP4 when asked (``WIDE``: also its values without the per-token power of two, BF16,
     at ``out_wide``; ``SCORES_ONLY``: only those and the second level); returns the exponents
-    of the score operand (int32 per row: E4M3's, or NVFP4's second level)."""
+    of the score operand (int32 per row: E4M3's, or NVFP4's second level) and the E4M3
+    codes."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -61,7 +62,7 @@ def _quantize_qk_head(
             wide = to_bf16(values, INTERPRET)
             tl.store(out_wide + row_off[:, None] * D + cols[None, :], wide, mask=row_ok[:, None])
         e = e4
-    return e
+    return e, codes
 
 
 @triton.jit
@@ -109,6 +110,7 @@ def quantize_qkv_kernel(
     k4_exp_ptr,  # [HKV, T] int8
     q_wide_ptr,  # [T, HQ, D] bf16 (WIDE): NVFP4 Q values without the per-token power of two
     k_wide_ptr,  # [T, HKV, D] bf16 (WIDE)
+    q_rows_ptr,  # [t_pad, HQ, D] bf16 (Q_ROWS): Q's E4M3 codes by column, tokens in order
     stride_qt,
     stride_qh,
     stride_kt,
@@ -129,11 +131,14 @@ def quantize_qkv_kernel(
     WIDE: tl.constexpr,
     SCORES_ONLY: tl.constexpr,
     SKIP_Q: tl.constexpr,
+    Q_ROWS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
     item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
-    ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it).
+    ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it). ``Q_ROWS``: Q's
+    codes also as BF16 (exact), one row per column of the layout with each document's tokens
+    in order (``v_t_key`` of the column), the padding left as it is (zero).
 
     Not software-pipelined (``num_stages=1``): staging the next items' tiles through shared
     memory measured 2-3x slower on the H200 than many resident programs each streaming its
@@ -146,16 +151,20 @@ def quantize_qkv_kernel(
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
-        _quantize_qk_head(
+        _e, codes = _quantize_qk_head(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
             q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
             HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY, INTERPRET,
         )  # fmt: skip
+        if Q_ROWS:
+            q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
+            q_values = codes.to(tl.float32).to(q_rows_ptr.dtype.element_ty)
+            tl.store(q_at, q_values, mask=row_ok[:, None])
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
-        e = _quantize_qk_head(
+        e, _codes = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
             HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY, INTERPRET,
