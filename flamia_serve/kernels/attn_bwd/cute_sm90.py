@@ -7,21 +7,26 @@ keys x half.
 
 Design: one CTA per (128-key tile, K/V head) of the longest-first key work list. A producer
 warp TMA-loads the tile's K̂ and V̂ (token-major) and K̂ᵀ (column layout) once, then for every
-query head of the GQA group and every query step Q̂, dÔ (E4M3, token-major) and the Q codes
-and Ĝ·2^eG (BF16, a row per column of the layout) into a ring of shared-memory stages. A step is
-``STEP_FOR_D[d]`` queries: two 32-query halves at d = 64, one at d = 128 (each half is a
-token block with its own Q / dÔ / Ĝ exponents and dS block exponents, so the numerics do
-not depend on the step). Two consumer
-warpgroups each own 64 keys (keys on the MMAs' M) and take every step:
+query head of the GQA group and every query step Q̂ and dÔ (E4M3, token-major) and dK's / dV's
+B operands (the Q codes and Ĝ, below) into a ring of shared-memory stages. A step is two
+32-query halves (``STEP_FOR_D``; one with the mixed recipes' BF16 Q/K at d = 128, for
+shared memory); each half is a token block with its own Q / dÔ / Ĝ exponents and dS block
+exponents, so the numerics do not depend on the step. Two consumer warpgroups each own 64
+keys (keys on the MMAs' M) and take every step:
 
 * ``Sᵀ = K̂·Q̂ᵀ`` and ``dPᵀ = V̂·dÔᵀ`` (FP8 ``wgmma`` from shared memory, N = the step), P̂
   rebuilt as the forward built it, ``dSᵀ = P ∘ (dP − D)``;
-* ``dV += P̂ᵀ·(Ĝ·2^eG)`` and ``dK += (dŜ·2^ek)ᵀ·Q̂``: BF16 ``wgmma`` (A from registers, the
-  accumulator's own layout; B a tile of rows read MN-major) into the FP32 dK/dV
+* dV and dK in pieces of 64 head-dimension columns, A from registers, two forms
+  (``CUTE_BF16_KV_HEAD_DIMS``). At d = 128, ``dV += P̂ᵀ·(Ĝ·2^eG)`` and
+  ``dK += (dŜ·2^ek)ᵀ·Q̂`` by BF16 ``wgmma`` (A in the accumulator's own layout; B tiles of
+  BF16 rows by column, ``q_rows`` / ``g_rows``, read MN-major) into the FP32 dK/dV
   accumulators, which hold the sums of every step: E4M3 values times powers of two are
-  exact in BF16 and the BF16 ``wgmma`` adds in FP32, so there is no per-step promotion (an
-  FP8 ``wgmma`` adds with fewer bits: promoted per step, it cost 128 FFMAs, a wait per
-  product and 104-136 B of spills). Pieces of 64 head-dimension columns;
+  exact in BF16 and the BF16 ``wgmma`` adds in FP32, so there is no per-step promotion.
+  At d = 64, ``dV += (P̂ᵀ·Ĝ)·2^eG`` and ``dK += (dŜᵀ·Q̂)·2^ek`` per half by FP8 ``wgmma`` of
+  the codes (B in the column layout, ``q_t`` / ``g_t``, whose permutation makes the
+  accumulator fragment the A fragment as it is), promoted to FP32 per half (an FP8
+  ``wgmma`` adds with fewer bits). The BF16 form is faster at d = 128 (no promotion FFMAs,
+  waits or spills), the FP8 one at d = 64 (half the tensor time of the BF16 products);
 * ``dQᵀ = K̂ᵀ·dŜᵀ`` (N = the step; each half's dŜ carries its own exponent, undone per query
   column when staged): dŜ goes to shared memory transposed, the product to an FP32
   staging tile (rows padded against bank conflicts) that one bulk reduce-add per step
@@ -91,6 +96,9 @@ HALF = 32
 #: d = 128 with BF16 dK/dV, ``results/bwd_variants_bf16_kv_2026-12-03.json``: 277 / 312 vs
 #: 275 / 302 TFLOP/s for one half at T = 8192 / 16384)
 STEP_FOR_D = {64: 64, 128: 64}
+#: the mixed recipes' BF16 Q/K tiles at d = 128 take one half per step: two would need 250 KB
+#: of shared memory (a CTA can have 227 KB)
+STEP_WIDE_D128 = HALF
 #: keys per consumer warpgroup, warpgroups per CTA
 WG_KEYS = 64
 NUM_WG = 2
@@ -138,7 +146,7 @@ class FlamiaBwdSm90:
         self.qk_wide = qk_wide
         self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
-        self.step_q = STEP_FOR_D[head_dim]
+        self.step_q = STEP_WIDE_D128 if qk_wide and head_dim == 128 else STEP_FOR_D[head_dim]
         # dK/dV's B operands (Q̂ and Ĝ): BF16 rows by column read MN-major (products in BF16,
         # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
         # half, promoted); box = one 64-column piece of a step
