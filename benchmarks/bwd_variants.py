@@ -41,14 +41,8 @@ KERNEL = Path(__file__).resolve().parents[1] / "flamia_serve/kernels/attn_bwd/cu
 # two forms of the dK/dV products (``FlamiaBwdSm90.bf16_kv``: BF16 at d = 128, E4M3 promoted
 # per half at d = 64), and each ablation changes both
 _BULK_ADD = '        if ctx["t"] == 0:\n            copy_utils.cpasync_reduce_bulk_add_f32(\n'
-_DV_BF16 = """\
-                sm90_utils.gemm(
-                    ctx["mmas"][1], ctx["acc_dv"][hf], frag_p,
-"""
-_DK_BF16 = """\
-                sm90_utils.gemm(
-                    ctx["mmas"][1], ctx["acc_dk"][hf], frag_ds,
-"""
+_DV_BF16 = '            self.accumulate_kv(ctx, ctx["acc_dv"], frag_p, ctx["tVrG"], stage)\n'
+_DK_BF16 = '            self.accumulate_kv(ctx, ctx["acc_dk"], frag_ds, ctx["tKrQ"], stage)\n'
 _DV_FP8 = "            dv_order = [(hb, hf) for hb in range(n_halves) for hf in range(halves)]\n"
 _ORDER_BF16 = '            order = [("q", 0, hf) for hf in range(halves)]\n'
 _ORDER_FP8 = """\
@@ -65,11 +59,8 @@ _DQ_BARRIER = """\
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
 """
-_DS_STORE = """\
-                    ctx["sDS"][tScS[r, j][1], v_t_position(tScS[r, j][0]), wg] = ds8_mn[r, j]
-"""
 _DS_WORD_STORE = """\
-                sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, wg] = word
+            sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, wg] = word
 """
 _DS_BARRIER = """\
         cute.arch.fence_view_async_shared()
@@ -92,8 +83,10 @@ _NO_DQ = [
     _NO_ADD,
 ]
 #: name -> (text, replacement) pairs applied to the CuTe backward's source: timing-only
-#: versions without one part of the step (H200 2026-12-02, T=8192 d=128 causal, E4M3 dK/dV:
-#: current 277, noadd 323, nodq 389, nodq_nods 419, noamaxbar 279, nodv 288, nodk 315 TFLOP/s)
+#: versions without one part of the step (H200, T=8192 d=128 causal, TFLOP/s; 2026-12-02, E4M3
+#: dK/dV: current 277, noadd 323, nodq 389, nodq_nods 419, noamaxbar 279, nodv 288, nodk 315;
+#: 2026-12-03, BF16 dK/dV with byte dŜ stores: current 288, noadd 333, nodq 410, nodv 338,
+#: nodk 323)
 ABLATIONS: dict[str, list[tuple[str, str]]] = {
     # dQ staged, never added to dq_acc (the bulk reduce-adds)
     "noadd": [_NO_ADD],
@@ -102,11 +95,7 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
     # and no dŜ to shared memory (nor its barrier)
     "nodq_nods": [
         *_NO_DQ,
-        (_DS_STORE, _DS_STORE.replace("    ctx", "    if i0 < 0:\n" + " " * 24 + "ctx", 1)),
-        (
-            _DS_WORD_STORE,
-            _DS_WORD_STORE.replace("    sDS_w", "    if i0 < 0:\n" + " " * 20 + "sDS_w"),
-        ),
+        (_DS_WORD_STORE, _never(_DS_WORD_STORE)),
         (_DS_BARRIER, ""),
     ],
     # the warpgroup barrier of the dS exponent exchange (exponents then read early)
