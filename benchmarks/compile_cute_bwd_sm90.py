@@ -69,7 +69,9 @@ def main() -> None:
             (128, True, False), (64, True, False), (128, False, False), (128, True, True),
             (64, False, True),
         ):  # fmt: skip
-            kernel = FlamiaBwdSm90(d, 8, 2, causal, 32, 2, False, wide)
+            kernel = FlamiaBwdSm90(
+                d, 8, 2, causal, 32, 2, False, wide, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS
+            )
             name = f"bwd_d{d}_causal{int(causal)}{'_wide' if wide else ''}.cubin"
             compiled = compile_and_keep(
                 kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Float32(0.1), Int32(1),

@@ -17,7 +17,7 @@ keys (keys on the MMAs' M) and take every step:
 * ``Sᵀ = K̂·Q̂ᵀ`` and ``dPᵀ = V̂·dÔᵀ`` (FP8 ``wgmma`` from shared memory, N = the step), P̂
   rebuilt as the forward built it, ``dSᵀ = P ∘ (dP − D)``;
 * dV and dK in pieces of 64 head-dimension columns, A from registers, two forms
-  (``CUTE_BF16_KV_HEAD_DIMS``). At d = 128, ``dV += P̂ᵀ·(Ĝ·2^eG)`` and
+  (``ops.CUTE_BF16_KV_HEAD_DIMS``, the kernel's ``bf16_kv``). At d = 128, ``dV += P̂ᵀ·(Ĝ·2^eG)`` and
   ``dK += (dŜ·2^ek)ᵀ·Q̂`` by BF16 ``wgmma`` (A in the accumulator's own layout; B tiles of
   BF16 rows by column, ``q_rows`` / ``g_rows``, read MN-major) into the FP32 dK/dV
   accumulators, which hold the sums of every step: E4M3 values times powers of two are
@@ -72,7 +72,6 @@ from flash_attn.cute import pipeline as fa_pipeline
 from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
-from flamia_serve.kernels.attn_bwd.ops import CUTE_BF16_KV_HEAD_DIMS
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
@@ -125,6 +124,7 @@ class FlamiaBwdSm90:
         num_stages: int,
         debug_p: bool,
         qk_wide: bool = False,
+        bf16_kv: bool = False,
     ) -> None:
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64 and 128")
@@ -147,7 +147,7 @@ class FlamiaBwdSm90:
         # dK/dV's B operands (Q̂ and Ĝ): BF16 rows by column read MN-major (products in BF16,
         # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
         # half, promoted); box = one 64-column piece of a step
-        self.bf16_kv = head_dim in CUTE_BF16_KV_HEAD_DIMS
+        self.bf16_kv = bf16_kv
         self.kv_b_dtype = BF16 if self.bf16_kv else FP8
         self.kv_b_box = (self.step_q, 64) if self.bf16_kv else (64, self.step_q)
         # lanes staging the halves' exponent factors: dÔ's, and (E4M3 B operands) Ĝ's
@@ -1040,14 +1040,16 @@ def attn_bwd_sm90(
     qk_scale: float,
     dk_keys: int,
     out_dtype: torch.dtype,
+    bf16_kv: bool,
     debug_p: torch.Tensor | None = None,
     num_stages: int = 2,
     workspace: PackWorkspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dQ [T, Hq, d], dK, dV [T, Hkv, d])`` in ``out_dtype`` from quantized operands
     (``ops.attn_bwd``'s contract); ``work`` is a key-tile list with ``block_n = TILE_N``;
-    the column layout's alignment must be a multiple of ``TILE_N``. ``workspace``: the
-    pack's, for the dQ accumulator and the token-major V codes."""
+    the column layout's alignment must be a multiple of ``TILE_N``. ``bf16_kv``: dK/dV as
+    BF16 products of ``q_rows``/``g_rows`` (else FP8 ones of ``q_t``/``g_t``, promoted).
+    ``workspace``: the pack's, for the dQ accumulator and the token-major V codes."""
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     q_in, k_in, q_score_exp = qkv.score_operands("CuTe backward")  # Sᵀ's
@@ -1062,7 +1064,7 @@ def attn_bwd_sm90(
         qkv.v_t.view(torch.uint8).permute(2, 0, 1), 0, qkv.key_columns(), out=v_bytes
     )
     v_codes = v_bytes.view(torch.float8_e4m3fn)
-    q_b, g_b = _kv_b_operands(qkv, qdo, d in CUTE_BF16_KV_HEAD_DIMS)
+    q_b, g_b = _kv_b_operands(qkv, qdo, bf16_kv)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
     aligned = (
         (q_in, 16), (k_in, 16), (v_codes, 16), (qdo.do_codes, 16),
@@ -1073,10 +1075,10 @@ def attn_bwd_sm90(
         (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),
     )  # fmt: skip
     key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, out_dtype,
-           wide)  # fmt: skip
+           wide, bf16_kv)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaBwdSm90(
-            d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, wide
+            d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, wide, bf16_kv
         )
         _COMPILED[key] = compile_kernel(
             kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)

@@ -222,7 +222,8 @@ def attn_bwd(
         dq, dk, dv = attn_bwd_sm90(
             qkv, qdo, m_rows, lse_rows, cu_seqlens, work, heads_q=heads_q, causal=causal,
             softmax_scale=softmax_scale, qk_scale=softmax_scale * LOG2E * qkv.qk_rescale,
-            dk_keys=rec.ds_block[1], out_dtype=out_dtype, debug_p=debug_p,
+            dk_keys=rec.ds_block[1], out_dtype=out_dtype, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS,
+            debug_p=debug_p,
             num_stages=cfg.num_stages, workspace=workspace,
         )  # fmt: skip
         if debug_p is not None:
