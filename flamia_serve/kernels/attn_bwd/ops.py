@@ -31,8 +31,9 @@ class BwdConfig:
     keys. ``kernel="cute"`` (sm_90, d 64 or 128, a layout whose column alignment is a
     multiple of 128; NVFP4 Q/K from ``quantize_qkv(..., widen=True)``): the CuTe DSL
     kernel of ``cute_sm90.py``, one CTA per 128 keys (two warpgroups of ``block_n`` = 64
-    keys; query steps of two ``block_m`` blocks, ``cute_sm90.STEP_FOR_D``), ``num_stages``
-    query steps in flight; ``num_warps``/``maxnreg`` are Triton's.
+    keys; query steps of two ``block_m`` blocks, one for NVFP4 Q/K at d = 128,
+    ``cute_sm90.STEP_FOR_D``), ``num_stages`` query steps in flight; ``num_warps``/``maxnreg``
+    are Triton's.
     """
 
     block_m: int = 32
