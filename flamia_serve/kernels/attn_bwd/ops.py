@@ -65,8 +65,9 @@ CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 #: head dims at which the CuTe backward multiplies dK/dV in BF16 (E4M3 values times powers
 #: of two are exact in BF16; the products accumulate in FP32 across steps, no per-step
 #: promotion) from ``KernelQKV.q_rows`` and ``KernelDO.g_rows``; at the others it multiplies
-#: the E4M3 codes of ``q_t``/``g_t`` and promotes each half (H200, causal, TFLOP/s: d = 128
-#: 271 / 290 -> 277 / 312 at T = 8192 / 16384, d = 64 246 -> 228;
+#: the E4M3 codes of ``q_t``/``g_t`` and promotes each half (H200, causal, TFLOP/s, same call:
+#: d = 128 271.9 / 292.6 -> 292.5 / 316.8 at T = 8192 / 16384,
+#: ``results/bwd_variants_bf16_kv_d128_2026-12-03.json``; at d = 64 BF16 lost, 246 -> 228,
 #: ``results/bwd_variants_bf16_kv_2026-12-03.json``)
 CUTE_BF16_KV_HEAD_DIMS = frozenset({128})
 
@@ -223,7 +224,7 @@ def attn_bwd(
         dq, dk, dv = attn_bwd_sm90(
             qkv, qdo, m_rows, lse_rows, cu_seqlens, work, heads_q=heads_q, causal=causal,
             softmax_scale=softmax_scale, qk_scale=softmax_scale * LOG2E * qkv.qk_rescale,
-            dk_keys=rec.ds_block[1], out_dtype=out_dtype, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS,
+            dk_keys=rec.ds_block[1], out_dtype=out_dtype, bf16_kv=bwd_reads_rows(cfg, d),
             debug_p=debug_p,
             num_stages=cfg.num_stages, workspace=workspace,
         )  # fmt: skip
