@@ -407,6 +407,24 @@ def test_bwd_refuses_dO_quantized_on_another_column_layout(device) -> None:
     assert int(pad.count_nonzero()) == 0
 
 
+def test_triton_bwd_refuses_operands_quantized_as_rows(device) -> None:
+    """Q̂ / Ĝ quantized only as the CuTe backward's BF16 rows: the Triton backward, which
+    reads their column copies, names what is missing instead of reading ``None``."""
+    q, k, v, cu, _ = make_pack((70, 5), 2, 1, 64, seed=1, device=device)
+    kw = dict(with_transposed=True, column_align=128)
+    rows = quantize_qkv(q, k, v, cu, q_rows=True, q_transposed=False, **kw)
+    out, m, lse = attn_fwd(rows, cu, heads_q=2, causal=True, softmax_scale=0.125)
+    qdo = quantize_do(torch.randn_like(out), out, m, lse, cu, column_align=128)
+    g_rows = quantize_do(torch.randn_like(out), out, m, lse, cu, column_align=128,
+                         g_rows=True, g_columns=False)  # fmt: skip
+    columns = quantize_qkv(q, k, v, cu, **kw)
+    triton = BwdConfig()
+    for qkv_, qdo_ in ((rows, qdo), (columns, g_rows)):
+        with pytest.raises(ValueError, match=r"qkv\.q_t and qdo\.g_t"):
+            attn_bwd(qkv_, qdo_, m, lse, cu, heads_q=2, causal=True, softmax_scale=0.125,
+                     config=triton)  # fmt: skip
+
+
 def test_bwd_config_kernel_choice_and_round_trip(device) -> None:
     """Off sm_90 (or without the cute extra) the default is Triton; an explicit CuTe config
     is refused with the reason; configs survive the custom op's int encoding."""
