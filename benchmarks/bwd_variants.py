@@ -53,7 +53,6 @@ _ORDER_FP8 = """\
                 + [("k", hb, hf) for hb in range(1, n_halves)]
             ]
 """
-_FIRST_ISSUE = "        issue(0)\n"
 _K_ONLY = '            order = [("k", hb, hf) for hf in range(halves) for hb in range(n_halves)]\n'
 _DQ_BARRIER = """\
         cute.arch.fence_view_async_shared()
@@ -76,9 +75,10 @@ def _never(text: str) -> str:
 
 _NO_ADD = (_BULK_ADD, _BULK_ADD.replace(" == 0:", " < 0:"))
 _NO_DQ = [
-    (_ORDER_BF16, "            order = []\n"),
+    # (dK's products waited here: left in flight into the next step, ptxas serializes the
+    # kernel's wgmma, C7512)
+    (_ORDER_BF16, "            order = []\n            warpgroup.wait_group(0)\n"),
     (_ORDER_FP8, _K_ONLY),
-    (_FIRST_ISSUE, "        if const_expr(len(order) > 0):\n    " + _FIRST_ISSUE),
     (_DQ_BARRIER, ""),
     _NO_ADD,
 ]

@@ -11,14 +11,20 @@ in a throwaway Python 3.12 venv (the project venv is 3.11), which
     FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD \\
         /tmp/cute312/bin/python benchmarks/compile_cute_sm90.py
 
-Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there (for
-``cuobjdump -res-usage``: registers, stack, spills).
+Prints one line per compiled configuration, and under it ``ptxas -v``'s verdict on the
+kernel's PTX (``ptxas_report``: wgmma pipelined or serialized, registers, spills; needs a
+``ptxas``, e.g. CUDA 13's, on PATH or in ``$PTXAS``); ``--keep DIR`` keeps each cubin there (for
+``cuobjdump -res-usage`` and ``-sass``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -55,14 +61,50 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = Fal
 
 
 def compile_and_keep(kernel, fake_args: list, *scalars, keep: Path | None, name: str):
-    """Compile ``kernel`` for sm_90a; with ``keep``, its cubin is moved to ``keep/name``."""
-    options = TVM_FFI + (" --keep-cubin" if keep else "")
+    """Compile ``kernel`` for sm_90a; with ``keep``, its cubin is moved to ``keep/name``.
+    Prints ``ptxas_report`` of its PTX when a ``ptxas`` is found."""
+    options = TVM_FFI + " --keep-ptx" + (" --keep-cubin" if keep else "")
     compiled = compile_kernel(kernel, fake_args, *scalars, options=options)
+    for ptx in Path(".").glob("*.ptx"):
+        print(f"  {name}: {ptxas_report(ptx)}")
+        ptx.unlink()
     if keep:
         keep.mkdir(parents=True, exist_ok=True)
         for cubin in Path(".").glob("*.cubin"):
             shutil.move(str(cubin), keep / name)
     return compiled
+
+
+#: PTX ISA the local ptxas accepts (CUDA 13.0); the CuTe DSL writes a newer header
+PTXAS_ISA = "9.0"
+
+
+def ptxas_report(ptx: Path) -> str:
+    """One line from ``ptxas -v`` on ``ptx`` for sm_90a: whether its ``wgmma`` run as a
+    pipeline or ptxas serializes them (C7512: a wait after every ``wgmma`` of the kernel, seen
+    on the d = 128 backward on 2026-12-03), registers and spills. ``$PTXAS`` or the ``ptxas``
+    on PATH; the PTX header's ISA version is lowered to ``PTXAS_ISA`` for it (the report only:
+    the kernel itself is the DSL's own compile)."""
+    ptxas = os.environ.get("PTXAS") or shutil.which("ptxas")
+    if ptxas is None:
+        return "no ptxas found (set PTXAS): wgmma pipelining not checked"
+    text = re.sub(r"^\.version \d+\.\d+", f".version {PTXAS_ISA}", ptx.read_text(), count=1,
+                  flags=re.M)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(text)
+        out = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+            capture_output=True, text=True, check=False,
+        ).stderr  # fmt: skip
+    serialized = re.search(r"C7512\).*serialized due to (.*?) for the function", out)
+    wgmma = f"wgmma SERIALIZED ({serialized.group(1)})" if serialized else "wgmma pipelined"
+    usage = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", out)
+    if usage is None or spill is None:
+        return f"ptxas failed: {out.strip().splitlines()[-1] if out.strip() else '?'}"
+    return (f"{wgmma}; {usage.group(1)} registers, {spill.group(1)} B stack, "
+            f"{spill.group(2)} B spill stores")  # fmt: skip
 
 
 def compile_parser(doc: str) -> argparse.ArgumentParser:

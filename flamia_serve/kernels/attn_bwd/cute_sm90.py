@@ -877,14 +877,18 @@ class FlamiaBwdSm90:
                         col = dq_col0 + operands.v_t_position(column_offset(j))
                         sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
 
-        issue(0)
-        if const_expr(len(order) > 1):
-            issue(1)
+        # products in flight at once: with BF16 dK/dV one dQᵀ piece at a time (two, beside the
+        # dK/dV accumulators, are more registers than ptxas can give a wgmma pipeline: it then
+        # waits after every wgmma of the kernel, C7512), else two
+        depth = 1 if self.bf16_kv else 2
+        for n in cutlass.range_constexpr(depth):
+            if const_expr(n < len(order)):
+                issue(n)
         for n in cutlass.range_constexpr(len(order)):
-            warpgroup.wait_group(1 if const_expr(n + 1 < len(order)) else 0)
+            warpgroup.wait_group(depth - 1 if const_expr(n + depth - 1 < len(order)) else 0)
             finish(n)
-            if const_expr(n + 2 < len(order)):
-                issue(n + 2)
+            if const_expr(n + depth < len(order)):
+                issue(n + depth)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
         # the whole tile, padding included, by one bulk reduce-add: ``dq_acc`` holds each
