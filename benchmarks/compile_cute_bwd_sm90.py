@@ -52,7 +52,7 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = Fal
         (torch.empty(64, dtype=i32), 4),  # work list: documents
         (torch.empty(64, dtype=i32), 4),  # work list: tiles
         (torch.empty(1, dtype=i32), 4),  # work count
-        (torch.empty(heads_q, t_pad, d + 4), 16),  # dQ accumulator (column layout, padded)
+        (torch.empty(heads_q, t_pad // 64, 64 * d), 16),  # dQ accumulator, step blocks
         (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dK
         (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dV
         (torch.empty(1, 1, 1), 4),  # debug P

@@ -28,12 +28,13 @@ keys (keys on the MMAs' M) and take every step:
   ``wgmma`` adds with fewer bits). The BF16 form is faster at d = 128 (no promotion FFMAs,
   waits or spills), the FP8 one at d = 64 (half the tensor time of the BF16 products);
 * ``dQᵀ = K̂ᵀ·dŜᵀ`` (N = the step; each half's dŜ carries its own exponent, undone per query
-  column when staged): dŜ goes to shared memory transposed, the product to an FP32
-  staging tile (rows padded against bank conflicts) that one bulk reduce-add per step
-  adds to ``dq_acc [Hq, t_pad, d + DQ_PAD]``: query rows in the column layout (the V̂ᵀ
-  columns' order, read back by ``key_columns``), with the staging tile's row pitch, so a step is one
-  contiguous span (rows past a document land in its own padding, never read back); dQ is
-  summed in no fixed order: not bitwise repeatable.
+  column when staged): dŜ goes to shared memory transposed, each product piece (two in flight;
+  with BF16 dK/dV only once dK's products are done: beside them ptxas would serialize every
+  ``wgmma`` of the kernel, C7512) to an FP32 staging tile as it lies in the accumulator
+  registers (16-byte stores), which one bulk
+  reduce-add per step adds to the step's block of ``dq_acc [Hq, t_pad / step, step·d]``
+  (blocks by column-layout position; ``dq_fragment_index`` reads dQ back); dQ is summed in
+  no fixed order: not bitwise repeatable.
 
 Per-query statistics (Q/dÔ/Ĝ exponents, M, lse, D) are staged in shared memory per step by
 the producer warp's lanes and read by the consumers column by column. Interior steps (all
@@ -72,6 +73,7 @@ from flash_attn.cute import pipeline as fa_pipeline
 from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
+from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
@@ -98,13 +100,19 @@ STEP_FOR_D = {64: 64, 128: 64}
 #: the mixed recipes' BF16 Q/K tiles at d = 128 take one half per step: two would need 250 KB
 #: of shared memory (a CTA can have 227 KB)
 STEP_WIDE_D128 = HALF
+
+
+def step_queries(head_dim: int, qk_wide: bool) -> int:
+    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles at d = 128, else ``STEP_FOR_D``."""
+    return STEP_WIDE_D128 if qk_wide and head_dim == 128 else STEP_FOR_D[head_dim]
+
+
 #: keys per consumer warpgroup, warpgroups per CTA
 WG_KEYS = 64
 NUM_WG = 2
 TILE_N = WG_KEYS * NUM_WG
-#: FP32 padding after each query row of the dQ staging tile: the accumulator's writes (4
-#: queries x 8 head columns per instruction) then fall in 32 different banks
-DQ_PAD = 4
+#: FP32 values per dQ staging store (16 bytes)
+DQ_VEC = 4
 # named barriers (0 is __syncthreads), one of each per consumer warpgroup
 _BAR_AMAX = 1
 _BAR_DS = 3
@@ -143,7 +151,7 @@ class FlamiaBwdSm90:
         self.qk_wide = qk_wide
         self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
-        self.step_q = STEP_WIDE_D128 if qk_wide and head_dim == 128 else STEP_FOR_D[head_dim]
+        self.step_q = step_queries(head_dim, qk_wide)
         # dK/dV's B operands (Q̂ and Ĝ): BF16 rows by column read MN-major (products in BF16,
         # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
         # half, promoted); box = one 64-column piece of a step
@@ -180,7 +188,7 @@ class FlamiaBwdSm90:
         mItemDoc: cute.Tensor,  # (N,) int32
         mItemTile: cute.Tensor,  # (N,) int32
         mCount: cute.Tensor,  # (1,) int32
-        mDQ: cute.Tensor,  # (Hq, t_pad, d + DQ_PAD) f32, zeroed: column layout, padded rows
+        mDQ: cute.Tensor,  # (Hq, t_pad // step, step·d) f32, zeroed: fragment order per step
         mDK: cute.Tensor,  # (T, Hkv, d) bf16/fp16
         mDV: cute.Tensor,  # (T, Hkv, d) bf16/fp16
         mDbg: cute.Tensor,  # (Hq, T, T) f32 (debug_p only)
@@ -217,9 +225,9 @@ class FlamiaBwdSm90:
         ds_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS), NUM_WG
         )
-        dq_layout = cute.make_layout(
-            (self.step_q, d, NUM_WG), stride=(d + DQ_PAD, 1, self.step_q * (d + DQ_PAD))
-        )
+        # dQᵀ pieces in the accumulators' fragment order (``dq_fragment_index``): per warpgroup,
+        # (64·step values of a piece, piece)
+        dq_layout = cute.make_layout((64 * self.step_q, halves, NUM_WG))
         # (dK block | dQ block, half, warp, warpgroup)
         amax_layout = cute.make_layout((2, 2, 4, NUM_WG))
         # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5 per half h: 2^e_dÔ at
@@ -531,7 +539,6 @@ class FlamiaBwdSm90:
         t = tidx - wg * 128  # thread in its warpgroup
         thr_s = tiled_mma_s.get_slice(t)
         thr_kv = tiled_mma_kv.get_slice(t)
-        thr_dq = tiled_mma_dq.get_slice(t)
         wg_s = tiled_mma_s.get_slice(0)
         wg_kv = tiled_mma_kv.get_slice(0)
         wg_dq = tiled_mma_dq.get_slice(0)
@@ -548,6 +555,15 @@ class FlamiaBwdSm90:
         _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sQt)
         dq_shape = (64, self.step_q, WG_KEYS)
         _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, dq_shape, sKt, sDS)
+        # a dQᵀ piece's accumulator to shared memory as it lies in registers: 16-byte stores,
+        # thread t's n-th four values at 512·n + 4·t (consecutive threads, consecutive banks)
+        dq_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+            cute.make_layout(128), cute.make_layout(DQ_VEC),
+        )  # fmt: skip
+        tDQs = [
+            dq_copy.get_slice(t).partition_D(sDQ[None, hf, wg]) for hf in range(self.halves)
+        ]
         acc_dk = []
         acc_dv = []
         for _hf in cutlass.range_constexpr(self.halves):
@@ -605,7 +621,7 @@ class FlamiaBwdSm90:
             vfac=vfac, tScS=tScS, n_rows=n_rows, n_cols=n_cols, tSrK=tSrK, tSrQ=tSrQ,
             tPrV=tPrV, tPrDO=tPrDO, frag_p=frag_p, frag_ds=frag_ds, tVrG=tVrG, tKrQ=tKrQ,
             tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS, sDSw=sDSw,
-            sDQ=sDQ, sAmax=sAmax, thr_dq=thr_dq, mmas=mmas, seqlen=seqlen, key0=key0,
+            sDQ=sDQ, tDQs=tDQs, sAmax=sAmax, mmas=mmas, seqlen=seqlen, key0=key0,
         )  # fmt: skip
         for g in cutlass.range(self.group, unroll=1):
             h = hk * self.group + g
@@ -798,6 +814,8 @@ class FlamiaBwdSm90:
                     for r in cutlass.range_constexpr(n_rows):
                         s_mn[r, j] = s_mn[r, j] * ek_f
             frag_ds = fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
+            # dK's products run while dŜ goes to shared memory
+            self.accumulate_kv(ctx, ctx["acc_dk"], frag_ds, ctx["tKrQ"], stage)
         else:
             accumulator_to_a(acc_s, frag_ds)  # dŜ's E4M3 codes (the 2^ek after the product)
         ds8 = cute.make_rmem_tensor(cute.size(acc_dp), FP8)
@@ -824,23 +842,15 @@ class FlamiaBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
-        # dK += (dŜ·2^ek)ᵀ·Q̂ and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column already scaled by its
-        # half's 2^-eb), in pieces of 64 head-dimension columns, two products in flight
+        # (E4M3 dK/dV: dK += (dŜᵀ·Q̂)·2^ek per half) and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column
+        # already scaled by its half's 2^-eb), in pieces of 64 head-dimension columns, two
+        # products in flight
         dq_fac = [pow2(eb[hb]) * softmax_scale for hb in range(n_halves)]
-        sDQ = ctx["sDQ"]
-        thr_dq = ctx["thr_dq"]
-        tQcQ = layout_utils.reshape_acc_to_mn(
-            thr_dq.partition_C(cute.make_identity_tensor((64, self.step_q)))
-        )
-        # staged query rows in the column layout's order (``dq_acc`` is read back by
-        # ``key_columns``): this thread's query columns are col0 + column_offset(j), col0 =
-        # 2·(lane % 4) in bits 1-2, the offsets in bits 0, 3 and up, so the permutation
-        # splits into a per-thread base and a constant per j (``operands.v_t_position`` of a
-        # Python int at trace time)
-        dq_col0 = v_t_position(tQcQ[0, 0][1])
         if const_expr(self.bf16_kv):
-            # dK pieces accumulated in the wgmma first, then the dQᵀ pieces
-            self.accumulate_kv(ctx, ctx["acc_dk"], frag_ds, ctx["tKrQ"], stage)
+            # dK's products done before the dQᵀ pieces: two of those beside them are more
+            # registers than ptxas can give a wgmma pipeline (it then waits after every
+            # wgmma of the kernel, C7512; H200: 315 -> 342 -> 357 TFLOP/s at T = 8192)
+            warpgroup.wait_group(0)
             order = [("q", 0, hf) for hf in range(halves)]
         else:
             # E4M3 dK products per half (promoted with its 2^ek) interleaved with dQᵀ's
@@ -868,19 +878,16 @@ class FlamiaBwdSm90:
             if const_expr(kind == "k"):
                 self.promote(ctx["acc_dk"][hf], accs[n], ek_fac[hb])
             else:
-                acc_q_mn = layout_utils.reshape_acc_to_mn(accs[n])
-                q_cols = cute.size(acc_q_mn, mode=[1])
-                for r in cutlass.range_constexpr(cute.size(acc_q_mn, mode=[0])):
-                    for j in cutlass.range_constexpr(q_cols):
-                        row = tQcQ[r, j][0]
-                        fac = dq_fac[j // (q_cols // n_halves)]
-                        col = dq_col0 + operands.v_t_position(column_offset(j))
-                        sDQ[col, hf * 64 + row, wg] = acc_q_mn[r, j] * fac
+                # value e of the fragment is query column 8·(e // 4) + …: its half's factor,
+                # then the values in register order (``dq_fragment_index`` reads them back)
+                acc = accs[n]
+                per_half = cute.size(acc) // n_halves
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    acc[e] = acc[e] * dq_fac[e // per_half]
+                dst = ctx["tDQs"][hf]
+                cute.autovec_copy(cute.make_tensor(acc.iterator, cute.make_layout(dst.shape)), dst)
 
-        # products in flight at once: with BF16 dK/dV one dQᵀ piece at a time (two, beside the
-        # dK/dV accumulators, are more registers than ptxas can give a wgmma pipeline: it then
-        # waits after every wgmma of the kernel, C7512), else two
-        depth = 1 if self.bf16_kv else 2
+        depth = 2  # products in flight
         for n in cutlass.range_constexpr(depth):
             if const_expr(n < len(order)):
                 issue(n)
@@ -891,14 +898,13 @@ class FlamiaBwdSm90:
                 issue(n + depth)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
-        # the whole tile, padding included, by one bulk reduce-add: ``dq_acc`` holds each
-        # head's rows in the column layout with the staging tile's row pitch, so the step's
-        # queries are one contiguous span (rows past the document land in its own padding
-        # columns, never read back)
+        # the whole tile by one bulk reduce-add into the step's block of ``dq_acc`` (queries
+        # past the document land in its own padding columns' block values, never read back)
         if ctx["t"] == 0:
             copy_utils.cpasync_reduce_bulk_add_f32(
-                sDQ[0, None, wg].iterator, mDQ[h, w["vt_start"] + i0, None].iterator,
-                self.step_q * (self.d + DQ_PAD) * 4,
+                ctx["sDQ"][None, None, wg].iterator,
+                mDQ[h, (w["vt_start"] + i0) // self.step_q, None].iterator,
+                self.step_q * self.d * 4,
             )  # fmt: skip
             cute.arch.cp_async_bulk_commit_group()
 
@@ -1059,7 +1065,8 @@ def attn_bwd_sm90(
     q_in, k_in, q_score_exp = qkv.score_operands("CuTe backward")  # Sᵀ's
     wide = qkv.q4 is not None
     t_pad = qkv.v_t.shape[2]
-    dq_acc = zeroed_accumulator(workspace, (heads_q, t_pad, d + DQ_PAD), dev)
+    step = step_queries(d, wide)
+    dq_acc = zeroed_accumulator(workspace, (heads_q, t_pad // step, step * d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
     v_shape = (total, heads_kv, d)  # token-major V codes, gathered from the column layout
@@ -1090,5 +1097,7 @@ def attn_bwd_sm90(
     if total:
         _COMPILED[key](*kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv)
     dq = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
-    dq.copy_(torch.index_select(dq_acc, 1, qkv.key_columns())[..., :d].permute(1, 0, 2))
+    at = dq_fragment_index(operands.v_t_key(qkv.key_columns()), step, d)
+    dq_heads = torch.index_select(dq_acc.view(heads_q, -1), 1, at).view(heads_q, total, d)
+    dq.copy_(dq_heads.permute(1, 0, 2))
     return dq, dk, dv
