@@ -8,7 +8,7 @@ allocations and the memsets of the column layout's padding.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -28,6 +28,8 @@ class PackWorkspace:
     * ``zeroed(name, shape, dtype)``: zero when created, for buffers whose written elements
       are the same in every call (the pack's layout fixes them): the rest stays zero, so the
       per-call memset is not needed.
+    * ``cached(name, build)``: ``build()``'s tensor, made in the first call only (values the
+      pack alone fixes, e.g. an index into a kernel's accumulator layout).
     * ``ticket()``: an int32 zero that a persistent kernel counts up (from a ring of zeros
       that one memset refills every ``TICKETS`` calls).
     """
@@ -50,6 +52,13 @@ class PackWorkspace:
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return buf
+
+    def cached(self, name: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        key = ("cached", name)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = build()
         return buf
 
     def ticket(self) -> torch.Tensor:
@@ -82,3 +91,11 @@ def zeroed_accumulator(
     if workspace is not None:
         return workspace.empty("accumulator", shape, torch.float32).zero_()
     return torch.zeros(shape, dtype=torch.float32, device=device)
+
+
+def pack_constant(
+    workspace: PackWorkspace | None, name: Hashable, build: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``build()``'s tensor, made once per workspace (``PackWorkspace.cached``), or at every
+    call without one."""
+    return build() if workspace is None else workspace.cached(name, build)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from flamia_serve import flamia_attn_varlen, plan_varlen
 from flamia_serve.kernels._common import TritonLaunch
-from flamia_serve.kernels.workspace import TICKETS, PackWorkspace
+from flamia_serve.kernels.workspace import TICKETS, PackWorkspace, pack_constant
 from flamia_serve.probes import make_pack
 
 LENS = (5, 130, 1, 40)  # padding columns after every document, a 1-token one
@@ -109,6 +109,20 @@ def test_workspace_buffers_by_name_shape_dtype() -> None:
     z.fill_(1)
     assert ws.zeroed("x", (4, 8), torch.float32) is z  # zeroed once, kept as written
     assert ws.nbytes() == 4 * (32 + 36 + 32 + 32)
+
+
+def test_pack_constant_builds_once_per_workspace() -> None:
+    builds = []
+
+    def build() -> torch.Tensor:
+        builds.append(1)
+        return torch.arange(3)
+
+    ws = PackWorkspace(torch.device("cpu"))
+    first = pack_constant(ws, ("index", 64), build)
+    assert pack_constant(ws, ("index", 64), build) is first and len(builds) == 1
+    assert pack_constant(ws, ("index", 32), build) is not first and len(builds) == 2
+    assert pack_constant(None, ("index", 64), build) is not first and len(builds) == 3
 
 
 @pytest.mark.gpu

@@ -28,13 +28,17 @@ keys (keys on the MMAs' M) and take every step:
   ``wgmma`` adds with fewer bits). The BF16 form is faster at d = 128 (no promotion FFMAs,
   waits or spills), the FP8 one at d = 64 (half the tensor time of the BF16 products);
 * ``dQᵀ = K̂ᵀ·dŜᵀ`` (N = the step; each half's dŜ carries its own exponent, undone per query
-  column when staged): dŜ goes to shared memory transposed, each product piece (two in flight;
-  with BF16 dK/dV only once dK's products are done: beside them ptxas would serialize every
-  ``wgmma`` of the kernel, C7512) to an FP32 staging tile as it lies in the accumulator
-  registers (16-byte stores), which one bulk
-  reduce-add per step adds to the step's block of ``dq_acc [Hq, t_pad / step, step·d]``
-  (blocks by column-layout position; ``dq_fragment_index`` reads dQ back); dQ is summed in
-  no fixed order: not bitwise repeatable.
+  column when staged): dŜ goes to shared memory transposed. At d = 128 dQ is added once per
+  CTA step, as FA3/FA4 do: after a barrier over both warpgroups (dŜ tiles double-buffered by
+  step parity), warpgroup w computes head-dim piece w over both warpgroups' keys,
+  ``2^eb0·K̂ᵀ₀·dŜᵀ₀ + 2^eb1·K̂ᵀ₁·dŜᵀ₁`` (each 64-key block keeps its exponent; the other
+  warpgroup's factor comes through ``sDqFac``), after dK's products are done (two dQ
+  products beside them make ptxas serialize every ``wgmma`` of the kernel, C7512). At d = 64
+  each warpgroup adds its own keys' dQ. The FP32 result is staged as it lies in the
+  accumulator registers (16-byte stores) and one bulk reduce-add adds it to the step's block
+  of ``dq_acc [Hq, t_pad / step, step·d]`` (blocks by column-layout position;
+  ``dq_layout.dq_fragment_index`` reads dQ back); dQ is summed in no fixed order: not
+  bitwise repeatable.
 
 Per-query statistics (Q/dÔ/Ĝ exponents, M, lse, D) are staged in shared memory per step by
 the producer warp's lanes and read by the consumers column by column. Interior steps (all
@@ -85,7 +89,7 @@ from flamia_serve.kernels.cute_sm90_common import (
     v_t_position,
 )
 from flamia_serve.kernels.schedule import WorkList
-from flamia_serve.kernels.workspace import PackWorkspace, zeroed_accumulator
+from flamia_serve.kernels.workspace import PackWorkspace, pack_constant, zeroed_accumulator
 from flamia_serve.numerics import P_HAT_EXP, operands
 from flamia_serve.numerics.formats import exp2i
 from flamia_serve.numerics.operands import KernelDO, KernelQKV
@@ -117,6 +121,7 @@ DQ_VEC = 4
 _BAR_AMAX = 1
 _BAR_DS = 3
 _BAR_DQ = 5
+_BAR_DS_CTA = 7  # both consumer warpgroups (joint dQ)
 
 
 class FlamiaBwdSm90:
@@ -156,6 +161,9 @@ class FlamiaBwdSm90:
         # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
         # half, promoted); box = one 64-column piece of a step
         self.bf16_kv = bf16_kv
+        # dQ per CTA step: warpgroup w adds head-dim piece w over both warpgroups' keys
+        self.joint_dq = self.halves == NUM_WG
+        self.ds_bufs = 2 if self.joint_dq else 1  # dŜ tiles double-buffered by step parity
         self.kv_b_dtype = BF16 if self.bf16_kv else FP8
         self.kv_b_box = (self.step_q, 64) if self.bf16_kv else (64, self.step_q)
         # lanes staging the halves' exponent factors: dÔ's, and (E4M3 B operands) Ĝ's
@@ -223,11 +231,11 @@ class FlamiaBwdSm90:
             self.kv_b_dtype, LayoutEnum.ROW_MAJOR, self.kv_b_box, self.num_stages * halves
         )
         ds_layout = sm90_utils.make_smem_layout(
-            FP8, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS), NUM_WG
+            FP8, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS), NUM_WG * self.ds_bufs
         )
         # dQᵀ pieces in the accumulators' fragment order (``dq_fragment_index``): per warpgroup,
         # (64·step values of a piece, piece)
-        dq_layout = cute.make_layout((64 * self.step_q, halves, NUM_WG))
+        dq_layout = cute.make_layout((64 * self.step_q, 1 if self.joint_dq else halves, NUM_WG))
         # (dK block | dQ block, half, warp, warpgroup)
         amax_layout = cute.make_layout((2, 2, 4, NUM_WG))
         # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5 per half h: 2^e_dÔ at
@@ -283,6 +291,7 @@ class FlamiaBwdSm90:
             mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
             sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
+            sDqFac: cute.struct.MemRange[Float32, 2 * NUM_WG * 2]
             sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
             sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
@@ -376,7 +385,7 @@ class FlamiaBwdSm90:
         ]  # fmt: skip
         # dŜ's tile as 32-bit words: the same 64-byte swizzle in 4-byte units
         ds_words_layout = sm90_utils.make_smem_layout(
-            Int32, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS // 4), NUM_WG
+            Int32, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS // 4), NUM_WG * self.ds_bufs
         )
         smem_tensors.append(
             storage.sDS.get_tensor(
@@ -385,7 +394,10 @@ class FlamiaBwdSm90:
         )
         sDQ = storage.sDQ.get_tensor(dq_layout)
         sAmax = storage.sAmax.get_tensor(amax_layout)
+        # joint dQ: each warpgroup's dQ factors 2^eb·softmax_scale per (half, warpgroup, parity)
+        sDqFac = storage.sDqFac.get_tensor(cute.make_layout((2, NUM_WG, 2)))
         sStats = storage.sStats.get_tensor(stats_layout)
+        smem_tensors.append(sDqFac)
         pipes = (pipe_kv, pipe_step, pipe_stats)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -434,7 +446,7 @@ class FlamiaBwdSm90:
         pipe_kv, pipe_step, pipe_stats = pipes
         tma_k, tma_v, tma_kt, tma_q, tma_do, tma_qt, tma_gt = tmas
         atom_k, atom_v, atom_kt, atom_q, atom_do, atom_qt, atom_gt = atoms
-        sK, sV, sKt, sQ, sDO, sQt, sGt, _, _ = smem
+        sK, sV, sKt, sQ, sDO, sQt, sGt, _, _, _ = smem
         doc_start, vt_start, hk, key0 = w["doc_start"], w["vt_start"], w["hk"], w["key0"]
         halves = self.halves
 
@@ -532,7 +544,7 @@ class FlamiaBwdSm90:
     ):  # fmt: skip
         """The two key warpgroups: every step of every head of the group, then dK/dV."""
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq, tiled_mma_qk = mmas
-        sK, sV, sKt, sQ, sDO, sQt, sGt, sDS, sDSw = smem
+        sK, sV, sKt, sQ, sDO, sQt, sGt, sDS, sDSw, sDqFac = smem
         pipe_kv, pipe_step, pipe_stats = pipes
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -562,7 +574,8 @@ class FlamiaBwdSm90:
             cute.make_layout(128), cute.make_layout(DQ_VEC),
         )  # fmt: skip
         tDQs = [
-            dq_copy.get_slice(t).partition_D(sDQ[None, hf, wg]) for hf in range(self.halves)
+            dq_copy.get_slice(t).partition_D(sDQ[None, hf, wg])
+            for hf in range(1 if self.joint_dq else self.halves)
         ]
         acc_dk = []
         acc_dv = []
@@ -622,7 +635,9 @@ class FlamiaBwdSm90:
             tPrV=tPrV, tPrDO=tPrDO, frag_p=frag_p, frag_ds=frag_ds, tVrG=tVrG, tKrQ=tKrQ,
             tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS, sDSw=sDSw,
             sDQ=sDQ, tDQs=tDQs, sAmax=sAmax, mmas=mmas, seqlen=seqlen, key0=key0,
+            sDqFac=sDqFac,
         )  # fmt: skip
+        other_key0 = w["key0"] + (1 - wg) * WG_KEYS  # the other warpgroup's first key
         for g in cutlass.range(self.group, unroll=1):
             h = hk * self.group + g
             for i in cutlass.range(n_steps, unroll=1):
@@ -637,10 +652,21 @@ class FlamiaBwdSm90:
                 inside = i0 + self.step_q <= seqlen and key0 + WG_KEYS <= seqlen
                 if const_expr(self.causal):
                     inside = inside and i0 >= key0 + WG_KEYS - 1
+                parity = (g * n_steps + i) & 1
+                other_live = other_key0 < seqlen
+                if const_expr(self.causal):
+                    other_live = other_live and i0 + self.step_q > other_key0
                 if live and inside:
-                    self.step(ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, False)
+                    self.step(
+                        ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, False, parity
+                    )
                 elif live:
-                    self.step(ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, True)
+                    self.step(
+                        ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, True, parity
+                    )
+                elif other_live:  # only the other warpgroup's keys: its dŜ, my dQ piece
+                    if const_expr(self.joint_dq):
+                        self.dq_only(ctx, h, i0, mDQ, parity)
                 pipe_stats.consumer_release(state)
                 pipe_step.consumer_release(state)
                 state.advance()
@@ -650,7 +676,8 @@ class FlamiaBwdSm90:
 
     @cute.jit
     def step(
-        self, ctx, stage, h, i0, sStats, mDQ, mDbg, softmax_scale, masked: cutlass.Constexpr
+        self, ctx, stage, h, i0, sStats, mDQ, mDbg, softmax_scale, masked: cutlass.Constexpr,
+        parity,
     ):  # fmt: skip
         """One step (one or two 32-query halves) of one head for this warpgroup's 64 keys
         (``masked``: some keys or queries lie outside the document or, causal, a key
@@ -829,6 +856,9 @@ class FlamiaBwdSm90:
         # its accumulator (k0 = its first key); the lane 4 apart holds k0 ± 1. The thread with
         # the even key writes the pair's word of the first query, the other the second's.
         sDS_w = ctx["sDSw"]
+        ds_buf = wg
+        if const_expr(self.joint_dq):
+            ds_buf = parity * NUM_WG + wg
         ds_words = cute.recast_tensor(ds8, Int32)
         odd = Int32(tScS[0, 0][0]) & 1
         sel = Int32(0x6240) if odd == 0 else Int32(0x3715)
@@ -837,74 +867,136 @@ class FlamiaBwdSm90:
             other = cute.arch.shuffle_sync_bfly(mine, offset=4)
             word = Int32(cute.arch.prmt(mine, other, sel))
             q = tScS[0, 2 * n][1] + odd
-            sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, wg] = word
+            sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, ds_buf] = word
         if ctx["t"] == 0:  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
-        # (E4M3 dK/dV: dK += (dŜᵀ·Q̂)·2^ek per half) and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column
-        # already scaled by its half's 2^-eb), in pieces of 64 head-dimension columns, two
-        # products in flight
-        dq_fac = [pow2(eb[hb]) * softmax_scale for hb in range(n_halves)]
-        if const_expr(self.bf16_kv):
-            # dK's products done before the dQᵀ pieces: two of those beside them are more
-            # registers than ptxas can give a wgmma pipeline (it then waits after every
-            # wgmma of the kernel, C7512; H200: 315 -> 342 -> 357 TFLOP/s at T = 8192)
-            warpgroup.wait_group(0)
-            order = [("q", 0, hf) for hf in range(halves)]
+        if const_expr(self.joint_dq):
+            sDqFac = ctx["sDqFac"]  # (written through a local: not through ctx in a branch)
+            if ctx["t"] == 0:
+                for hb in cutlass.range_constexpr(n_halves):
+                    sDqFac[hb, wg, parity] = pow2(eb[hb]) * softmax_scale
+            warpgroup.wait_group(0)  # dK's products done (their registers, see below)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_DS_CTA, number_of_threads=256)
+            self.dq_joint(ctx, h, i0, mDQ, parity)
         else:
-            # E4M3 dK products per half (promoted with its 2^ek) interleaved with dQᵀ's
-            order = [
-                item
-                for hf in range(halves)
-                for item in [("k", 0, hf), ("q", 0, hf)]
-                + [("k", hb, hf) for hb in range(1, n_halves)]
-            ]
-        ek_fac = [pow2(ek[hb]) for hb in range(n_halves)]
-        accs = [None] * len(order)
-
-        def issue(n):
-            kind, hb, hf = order[n]
-            if const_expr(kind == "k"):
-                accs[n] = self.issue_kv_piece(ctx, frag_ds, ctx["tKrQ"], stage, hb, hf)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
+            # (E4M3 dK/dV: dK += (dŜᵀ·Q̂)·2^ek per half) and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column
+            # already scaled by its half's 2^-eb), in pieces of 64 head-dimension columns, two
+            # products in flight
+            dq_fac = [pow2(eb[hb]) * softmax_scale for hb in range(n_halves)]
+            if const_expr(self.bf16_kv):
+                # dK's products done before the dQᵀ pieces (see the joint form above)
+                warpgroup.wait_group(0)
+                order = [("q", 0, hf) for hf in range(halves)]
             else:
-                accs[n] = sm90_utils.gemm_zero_init(
-                    tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
-                    A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
+                # E4M3 dK products per half (promoted with its 2^ek) interleaved with dQᵀ's
+                order = [
+                    item
+                    for hf in range(halves)
+                    for item in [("k", 0, hf), ("q", 0, hf)]
+                    + [("k", hb, hf) for hb in range(1, n_halves)]
+                ]
+            ek_fac = [pow2(ek[hb]) for hb in range(n_halves)]
+            accs = [None] * len(order)
+
+            def issue(n):
+                kind, hb, hf = order[n]
+                if const_expr(kind == "k"):
+                    accs[n] = self.issue_kv_piece(ctx, frag_ds, ctx["tKrQ"], stage, hb, hf)
+                else:
+                    accs[n] = sm90_utils.gemm_zero_init(
+                        tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
+                        A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
+                    )  # fmt: skip
+
+            def finish(n):
+                kind, hb, hf = order[n]
+                if const_expr(kind == "k"):
+                    self.promote(ctx["acc_dk"][hf], accs[n], ek_fac[hb])
+                else:
+                    # value e of the fragment is query column 8·(e // 4) + …: its half's factor,
+                    # then the values in register order (``dq_fragment_index`` reads them back)
+                    acc = accs[n]
+                    per_half = cute.size(acc) // n_halves
+                    for e in cutlass.range_constexpr(cute.size(acc)):
+                        acc[e] = acc[e] * dq_fac[e // per_half]
+                    _stage(acc, ctx["tDQs"][hf])
+
+            depth = 2  # products in flight
+            for n in cutlass.range_constexpr(depth):
+                if const_expr(n < len(order)):
+                    issue(n)
+            for n in cutlass.range_constexpr(len(order)):
+                warpgroup.wait_group(depth - 1 if const_expr(n + depth - 1 < len(order)) else 0)
+                finish(n)
+                if const_expr(n + depth < len(order)):
+                    issue(n + depth)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
+            # the whole tile by one bulk reduce-add into the step's block of ``dq_acc`` (queries
+            # past the document land in its own padding columns' block values, never read back)
+            if ctx["t"] == 0:
+                copy_utils.cpasync_reduce_bulk_add_f32(
+                    ctx["sDQ"][None, None, wg].iterator,
+                    mDQ[h, (w["vt_start"] + i0) // self.step_q, None].iterator,
+                    self.step_q * self.d * 4,
                 )  # fmt: skip
+                cute.arch.cp_async_bulk_commit_group()
 
-        def finish(n):
-            kind, hb, hf = order[n]
-            if const_expr(kind == "k"):
-                self.promote(ctx["acc_dk"][hf], accs[n], ek_fac[hb])
-            else:
-                # value e of the fragment is query column 8·(e // 4) + …: its half's factor,
-                # then the values in register order (``dq_fragment_index`` reads them back)
-                acc = accs[n]
-                per_half = cute.size(acc) // n_halves
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    acc[e] = acc[e] * dq_fac[e // per_half]
-                dst = ctx["tDQs"][hf]
-                cute.autovec_copy(cute.make_tensor(acc.iterator, cute.make_layout(dst.shape)), dst)
+    @cute.jit
+    def dq_only(self, ctx, h, i0, mDQ, parity) -> None:
+        """Joint dQ in a step where only the other warpgroup's keys are live: this warpgroup's
+        dŜ tile zero (factor 0), then its dQ piece from the other's."""
+        wg = ctx["wg"]
+        t = ctx["t"]
+        sDS_w = ctx["sDSw"]
+        words = self.step_q * WG_KEYS // 4
+        for n in cutlass.range_constexpr(words // 128):
+            at = n * 128 + t
+            sDS_w[at // (WG_KEYS // 4), at % (WG_KEYS // 4), parity * NUM_WG + wg] = Int32(0)
+        sDqFac = ctx["sDqFac"]
+        if t == 0:
+            for hb in cutlass.range_constexpr(self.step_q // HALF):
+                sDqFac[hb, wg, parity] = Float32(0.0)
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_DS_CTA, number_of_threads=256)
+        self.dq_joint(ctx, h, i0, mDQ, parity)
 
-        depth = 2  # products in flight
-        for n in cutlass.range_constexpr(depth):
-            if const_expr(n < len(order)):
-                issue(n)
-        for n in cutlass.range_constexpr(len(order)):
-            warpgroup.wait_group(depth - 1 if const_expr(n + depth - 1 < len(order)) else 0)
-            finish(n)
-            if const_expr(n + depth < len(order)):
-                issue(n + depth)
+    @cute.jit
+    def dq_joint(self, ctx, h, i0, mDQ, parity) -> None:
+        """dQ piece ``wg`` (64 head-dim columns) over both warpgroups' keys: 2^eb0·K̂ᵀ₀·dŜᵀ₀ +
+        2^eb1·K̂ᵀ₁·dŜᵀ₁ (each 64-key block keeps its own exponents, as in the per-warpgroup
+        form), staged and bulk-added once per CTA step (16 KB per warpgroup)."""
+        wg = ctx["wg"]
+        w = ctx["w"]
+        tiled_mma_dq = ctx["mmas"][2]
+        n_halves = self.step_q // HALF
+        accs = [
+            sm90_utils.gemm_zero_init(
+                tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
+                A_idx=kb * self.halves + wg, B_idx=parity * NUM_WG + kb, wg_wait=-1,
+            )
+            for kb in range(NUM_WG)
+        ]  # fmt: skip
+        fac = [[ctx["sDqFac"][hb, kb, parity] for hb in range(n_halves)] for kb in range(NUM_WG)]
+        warpgroup.wait_group(0)
+        acc = accs[0]
+        per_half = cute.size(acc) // n_halves
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            hb = e // per_half
+            acc[e] = acc[e] * fac[0][hb] + accs[1][e] * fac[1][hb]
+        _stage(acc, ctx["tDQs"][0])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
-        # the whole tile by one bulk reduce-add into the step's block of ``dq_acc`` (queries
-        # past the document land in its own padding columns' block values, never read back)
         if ctx["t"] == 0:
+            piece = 64 * self.step_q
             copy_utils.cpasync_reduce_bulk_add_f32(
-                ctx["sDQ"][None, None, wg].iterator,
-                mDQ[h, (w["vt_start"] + i0) // self.step_q, None].iterator,
-                self.step_q * self.d * 4,
+                ctx["sDQ"][None, 0, wg].iterator,
+                mDQ[h, (w["vt_start"] + i0) // self.step_q, None].iterator + wg * piece,
+                piece * 4,
             )  # fmt: skip
             cute.arch.cp_async_bulk_commit_group()
 
@@ -966,6 +1058,12 @@ class FlamiaBwdSm90:
                         dv_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
                             dv_mn[r, c] * vinv, dv_mn[r, c + 1] * vinv, mDV.element_type
                         )
+
+
+@cute.jit
+def _stage(acc: cute.Tensor, dst: cute.Tensor) -> None:
+    """A dQᵀ accumulator to its staging tile as it lies in registers (16-byte stores)."""
+    cute.autovec_copy(cute.make_tensor(acc.iterator, cute.make_layout(dst.shape)), dst)
 
 
 def _rows_copy(atom, tma, head, box, smem, doc_start):
@@ -1097,7 +1195,10 @@ def attn_bwd_sm90(
     if total:
         _COMPILED[key](*kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv)
     dq = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
-    at = dq_fragment_index(operands.v_t_key(qkv.key_columns()), step, d)
+    at = pack_constant(  # where dq_acc holds each token's dQ (the pack fixes it)
+        workspace, ("dq_index", step, d),
+        lambda: dq_fragment_index(operands.v_t_key(qkv.key_columns()), step, d),
+    )  # fmt: skip
     dq_heads = torch.index_select(dq_acc.view(heads_q, -1), 1, at).view(heads_q, total, d)
     dq.copy_(dq_heads.permute(1, 0, 2))
     return dq, dk, dv
