@@ -39,12 +39,12 @@ KERNEL = Path(__file__).resolve().parents[1] / "flamia_serve/kernels/attn_bwd/cu
 
 # the kernel's text that the ablations change (each must occur exactly once); the step has
 # two forms of the dK/dV products (``FlamiaBwdSm90.bf16_kv``: BF16 at d = 128, E4M3 promoted
-# per half at d = 64), and each ablation changes both
+# per half at d = 64) and two of dQ (``joint_dq``: once per CTA step at d = 128, per
+# warpgroup at d = 64), and each ablation changes both
 _BULK_ADD = '        if ctx["t"] == 0:\n            copy_utils.cpasync_reduce_bulk_add_f32(\n'
 _DV_BF16 = '            self.accumulate_kv(ctx, ctx["acc_dv"], frag_p, ctx["tVrG"], stage)\n'
 _DK_BF16 = '            self.accumulate_kv(ctx, ctx["acc_dk"], frag_ds, ctx["tKrQ"], stage)\n'
 _DV_FP8 = "            dv_order = [(hb, hf) for hb in range(n_halves) for hf in range(halves)]\n"
-_ORDER_BF16 = '            order = [("q", 0, hf) for hf in range(halves)]\n'
 _ORDER_FP8 = """\
             order = [
                 item
@@ -54,16 +54,12 @@ _ORDER_FP8 = """\
             ]
 """
 _K_ONLY = '            order = [("k", hb, hf) for hf in range(halves) for hb in range(n_halves)]\n'
-_DQ_BARRIER = """\
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
-"""
+_CTA_BARRIER = "cute.arch.barrier(barrier_id=_BAR_DS_CTA, number_of_threads=256)\n"
+_JOINT_CALL = "self.dq_joint(ctx, h, i0, mDQ, parity)\n"
+_JOINT_IN_STEP = f"            {_CTA_BARRIER}            {_JOINT_CALL}"
+_JOINT_IN_DQ_ONLY = f"        {_CTA_BARRIER}        {_JOINT_CALL}"
 _DS_WORD_STORE = """\
-            sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, wg] = word
-"""
-_DS_BARRIER = """\
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
+            sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, ds_buf] = word
 """
 
 
@@ -75,29 +71,24 @@ def _never(text: str) -> str:
 
 _NO_ADD = (_BULK_ADD, _BULK_ADD.replace(" == 0:", " < 0:"))
 _NO_DQ = [
-    # (dK's products waited here: left in flight into the next step, ptxas serializes the
-    # kernel's wgmma, C7512)
-    (_ORDER_BF16, "            order = []\n            warpgroup.wait_group(0)\n"),
+    (_JOINT_IN_STEP, f"            {_CTA_BARRIER}"),  # the barriers stay
+    (_JOINT_IN_DQ_ONLY, f"        {_CTA_BARRIER}"),
     (_ORDER_FP8, _K_ONLY),
-    (_DQ_BARRIER, ""),
     _NO_ADD,
 ]
 #: name -> (text, replacement) pairs applied to the CuTe backward's source: timing-only
 #: versions without one part of the step (H200, T=8192 d=128 causal, TFLOP/s; 2026-12-02, E4M3
 #: dK/dV: current 277, noadd 323, nodq 389, nodq_nods 419, noamaxbar 279, nodv 288, nodk 315;
 #: 2026-12-03, BF16 dK/dV with byte dŜ stores: current 288, noadd 333, nodq 410, nodv 338,
-#: nodk 323)
+#: nodk 323; 2026-12-03, pipelined wgmma, one dQ piece in flight: current 341, noadd 383, nodq
+#: 497, nodq_nods 501, noamaxbar 341, nodv 349, nodk 358)
 ABLATIONS: dict[str, list[tuple[str, str]]] = {
     # dQ staged, never added to dq_acc (the bulk reduce-adds)
     "noadd": [_NO_ADD],
     # no dQ products, staging or adds
     "nodq": _NO_DQ,
-    # and no dŜ to shared memory (nor its barrier)
-    "nodq_nods": [
-        *_NO_DQ,
-        (_DS_WORD_STORE, _never(_DS_WORD_STORE)),
-        (_DS_BARRIER, ""),
-    ],
+    # and no dŜ to shared memory (its barriers stay)
+    "nodq_nods": [*_NO_DQ, (_DS_WORD_STORE, _never(_DS_WORD_STORE))],
     # the warpgroup barrier of the dS exponent exchange (exponents then read early)
     "noamaxbar": [
         ("        cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)\n", ""),

@@ -682,7 +682,7 @@ class FlamiaBwdSm90:
         """One step (one or two 32-query halves) of one head for this warpgroup's 64 keys
         (``masked``: some keys or queries lie outside the document or, causal, a key
         follows a query)."""
-        tiled_mma_s, _, tiled_mma_dq, tiled_mma_qk = ctx["mmas"]
+        tiled_mma_s, _, _, tiled_mma_qk = ctx["mmas"]
         w = ctx["w"]
         wg = ctx["wg"]
         doc_start = w["doc_start"]
@@ -882,68 +882,70 @@ class FlamiaBwdSm90:
         else:
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=_BAR_DS + wg, number_of_threads=128)
-            # (E4M3 dK/dV: dK += (dŜᵀ·Q̂)·2^ek per half) and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column
-            # already scaled by its half's 2^-eb), in pieces of 64 head-dimension columns, two
-            # products in flight
-            dq_fac = [pow2(eb[hb]) * softmax_scale for hb in range(n_halves)]
-            if const_expr(self.bf16_kv):
-                # dK's products done before the dQᵀ pieces (see the joint form above)
-                warpgroup.wait_group(0)
-                order = [("q", 0, hf) for hf in range(halves)]
+            self.dq_per_warpgroup(ctx, stage, h, i0, mDQ, eb, ek, frag_ds, softmax_scale)
+
+    @cute.jit
+    def dq_per_warpgroup(self, ctx, stage, h, i0, mDQ, eb, ek, frag_ds, softmax_scale) -> None:
+        """dQ of this warpgroup's keys, all head-dim pieces (d = 64), and with E4M3 dK/dV the
+        dK products: ``(dŜᵀ·Q̂)·2^ek`` per half, promoted, interleaved with the dQᵀ pieces."""
+        wg = ctx["wg"]
+        tiled_mma_dq = ctx["mmas"][2]
+        halves = self.halves
+        n_halves = self.step_q // HALF
+        # (E4M3 dK/dV: dK += (dŜᵀ·Q̂)·2^ek per half) and dQᵀ = K̂ᵀ·dŜᵀ (both halves, each column
+        # already scaled by its half's 2^-eb), in pieces of 64 head-dimension columns, two
+        # products in flight
+        dq_fac = [pow2(eb[hb]) * softmax_scale for hb in range(n_halves)]
+        if const_expr(self.bf16_kv):
+            # dK's products done before the dQᵀ pieces (see the joint form above)
+            warpgroup.wait_group(0)
+            order = [("q", 0, hf) for hf in range(halves)]
+        else:
+            # E4M3 dK products per half (promoted with its 2^ek) interleaved with dQᵀ's
+            order = [
+                item
+                for hf in range(halves)
+                for item in [("k", 0, hf), ("q", 0, hf)]
+                + [("k", hb, hf) for hb in range(1, n_halves)]
+            ]
+        ek_fac = [pow2(ek[hb]) for hb in range(n_halves)]
+        accs = [None] * len(order)
+
+        def issue(n):
+            kind, hb, hf = order[n]
+            if const_expr(kind == "k"):
+                accs[n] = self.issue_kv_piece(ctx, frag_ds, ctx["tKrQ"], stage, hb, hf)
             else:
-                # E4M3 dK products per half (promoted with its 2^ek) interleaved with dQᵀ's
-                order = [
-                    item
-                    for hf in range(halves)
-                    for item in [("k", 0, hf), ("q", 0, hf)]
-                    + [("k", hb, hf) for hb in range(1, n_halves)]
-                ]
-            ek_fac = [pow2(ek[hb]) for hb in range(n_halves)]
-            accs = [None] * len(order)
-
-            def issue(n):
-                kind, hb, hf = order[n]
-                if const_expr(kind == "k"):
-                    accs[n] = self.issue_kv_piece(ctx, frag_ds, ctx["tKrQ"], stage, hb, hf)
-                else:
-                    accs[n] = sm90_utils.gemm_zero_init(
-                        tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
-                        A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
-                    )  # fmt: skip
-
-            def finish(n):
-                kind, hb, hf = order[n]
-                if const_expr(kind == "k"):
-                    self.promote(ctx["acc_dk"][hf], accs[n], ek_fac[hb])
-                else:
-                    # value e of the fragment is query column 8·(e // 4) + …: its half's factor,
-                    # then the values in register order (``dq_fragment_index`` reads them back)
-                    acc = accs[n]
-                    per_half = cute.size(acc) // n_halves
-                    for e in cutlass.range_constexpr(cute.size(acc)):
-                        acc[e] = acc[e] * dq_fac[e // per_half]
-                    _stage(acc, ctx["tDQs"][hf])
-
-            depth = 2  # products in flight
-            for n in cutlass.range_constexpr(depth):
-                if const_expr(n < len(order)):
-                    issue(n)
-            for n in cutlass.range_constexpr(len(order)):
-                warpgroup.wait_group(depth - 1 if const_expr(n + depth - 1 < len(order)) else 0)
-                finish(n)
-                if const_expr(n + depth < len(order)):
-                    issue(n + depth)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
-            # the whole tile by one bulk reduce-add into the step's block of ``dq_acc`` (queries
-            # past the document land in its own padding columns' block values, never read back)
-            if ctx["t"] == 0:
-                copy_utils.cpasync_reduce_bulk_add_f32(
-                    ctx["sDQ"][None, None, wg].iterator,
-                    mDQ[h, (w["vt_start"] + i0) // self.step_q, None].iterator,
-                    self.step_q * self.d * 4,
+                accs[n] = sm90_utils.gemm_zero_init(
+                    tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
+                    A_idx=wg * halves + hf, B_idx=wg, wg_wait=-1,
                 )  # fmt: skip
-                cute.arch.cp_async_bulk_commit_group()
+
+        def finish(n):
+            kind, hb, hf = order[n]
+            if const_expr(kind == "k"):
+                self.promote(ctx["acc_dk"][hf], accs[n], ek_fac[hb])
+            else:
+                # value e of the fragment is query column 8·(e // 4) + …: its half's factor,
+                # then the values in register order (``dq_fragment_index`` reads them back)
+                acc = accs[n]
+                per_half = cute.size(acc) // n_halves
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    acc[e] = acc[e] * dq_fac[e // per_half]
+                _stage(acc, ctx["tDQs"][hf])
+
+        depth = 2  # products in flight
+        for n in cutlass.range_constexpr(depth):
+            if const_expr(n < len(order)):
+                issue(n)
+        for n in cutlass.range_constexpr(len(order)):
+            warpgroup.wait_group(depth - 1 if const_expr(n + depth - 1 < len(order)) else 0)
+            finish(n)
+            if const_expr(n + depth < len(order)):
+                issue(n + depth)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
+        self.add_dq(ctx, ctx["sDQ"][None, None, wg], mDQ, h, i0, 0, self.step_q * self.d)
 
     @cute.jit
     def dq_only(self, ctx, h, i0, mDQ, parity) -> None:
@@ -971,7 +973,6 @@ class FlamiaBwdSm90:
         2^eb1·K̂ᵀ₁·dŜᵀ₁ (each 64-key block keeps its own exponents, as in the per-warpgroup
         form), staged and bulk-added once per CTA step (16 KB per warpgroup)."""
         wg = ctx["wg"]
-        w = ctx["w"]
         tiled_mma_dq = ctx["mmas"][2]
         n_halves = self.step_q // HALF
         accs = [
@@ -991,12 +992,19 @@ class FlamiaBwdSm90:
         _stage(acc, ctx["tDQs"][0])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
+        piece = 64 * self.step_q
+        self.add_dq(ctx, ctx["sDQ"][None, 0, wg], mDQ, h, i0, wg * piece, piece)
+
+    @cute.jit
+    def add_dq(self, ctx, src, mDQ, h, i0, offset, count) -> None:
+        """``count`` staged FP32 values to the step's block of ``dq_acc`` from ``offset`` on, by
+        one bulk reduce-add (queries past the document land in its own padding columns'
+        block, never read back)."""
         if ctx["t"] == 0:
-            piece = 64 * self.step_q
             copy_utils.cpasync_reduce_bulk_add_f32(
-                ctx["sDQ"][None, 0, wg].iterator,
-                mDQ[h, (w["vt_start"] + i0) // self.step_q, None].iterator + wg * piece,
-                piece * 4,
+                src.iterator,
+                mDQ[h, (ctx["w"]["vt_start"] + i0) // self.step_q, None].iterator + offset,
+                count * 4,
             )  # fmt: skip
             cute.arch.cp_async_bulk_commit_group()
 
