@@ -3,7 +3,8 @@
 #   bash benchmarks/run_train_gpu.sh smoke,bench,host,numerics    # or tests,tune,pretrain,packs,
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
 #                                                   # host-baseline, mixed, quant, fwd-pv,
-#                                                   # fused-q, fused-q-bench, windows-two-pass
+#                                                   # fused-q, fused-q-bench, windows-two-pass,
+#                                                   # bwd-bench, bwd-profile
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -139,5 +140,15 @@ if [[ $steps == *,pretrain,* ]]; then  # three attention choices, same seed and 
 fi
 if [[ $steps == *,tune,* ]]; then
   run tune_bwd 240 python benchmarks/tune_bwd.py --workloads W3
+fi
+if [[ $steps == *,bwd-bench,* ]]; then  # the training backward next to FA4 on W1-W9
+  run train_attention_bwd 120 python benchmarks/train_attention.py --quick \
+    --passes fwd+bwd,bwd --impls flamia-mxfp8,fa4 --name train_attention_bwd
+fi
+if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
+  run ncu_bwd 240 ncu --set full -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
+    -o /tmp/ncu_bwd python benchmarks/profile_bwd.py --kernel cute --once
+  ncu -i /tmp/ncu_bwd.ncu-rep --page details > "$OUT/ncu_cute_bwd_details.txt" 2>&1
+  run ncu_bwd_source 90 python benchmarks/ncu_source_top.py /tmp/ncu_bwd.ncu-rep
 fi
 ls -la "$OUT"
