@@ -34,6 +34,9 @@ CASES = [
     ((257, 64, 700), 4, 4, 128, False, False),
     ((500, 3, 77, 128), 8, 2, 64, False, True),
     ((2048, 1, 130), 16, 4, 128, True, True),
+    # d = 128 non-causal with the second warpgroup's keys partly inside the document (dQ once
+    # per CTA step reads both warpgroups' dŜ; added 2026-12-03, not yet run on a GPU)
+    ((100, 230, 1), 4, 2, 128, False, False),
 ]
 
 
