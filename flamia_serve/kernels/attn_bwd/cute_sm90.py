@@ -971,7 +971,8 @@ class FlamiaBwdSm90:
     def dq_joint(self, ctx, h, i0, mDQ, parity) -> None:
         """dQ piece ``wg`` (64 head-dim columns) over both warpgroups' keys: 2^eb0·K̂ᵀ₀·dŜᵀ₀ +
         2^eb1·K̂ᵀ₁·dŜᵀ₁ (each 64-key block keeps its own exponents, as in the per-warpgroup
-        form), staged and bulk-added once per CTA step (16 KB per warpgroup)."""
+        form), staged and bulk-added once per CTA step (64·step FP32 values per warpgroup:
+        16 KB at 64-query steps)."""
         wg = ctx["wg"]
         tiled_mma_dq = ctx["mmas"][2]
         n_halves = self.step_q // HALF
