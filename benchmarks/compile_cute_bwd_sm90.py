@@ -64,20 +64,23 @@ def main() -> None:
     keep = compile_parser(__doc__).parse_args().keep
     with FakeTensorMode():
         torch.set_default_device("cuda")
-        # the default config at d = 128 / 64, causal or not; then the mixed recipes' (BF16 Sᵀ)
-        for d, causal, wide in (
-            (128, True, False), (64, True, False), (128, False, False), (128, True, True),
-            (64, False, True),
+        # the default config (block exponents) at d = 128 / 64, causal or not, and with
+        # per-token exponents (exact_causal); then the mixed recipes' (BF16 Sᵀ)
+        for d, causal, wide, block in (
+            (128, True, False, True), (64, True, False, True), (128, False, False, True),
+            (128, True, False, False), (128, True, True, True), (64, False, True, True),
         ):  # fmt: skip
             kernel = FlamiaBwdSm90(
-                d, 8, 2, causal, 32, 2, False, wide, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS
+                d, 8, 2, causal, 32, 2, False, wide, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS,
+                block_exponents=block,
             )
-            name = f"bwd_d{d}_causal{int(causal)}{'_wide' if wide else ''}.cubin"
+            tag = ("_wide" if wide else "") + ("" if block else "_exact")
+            name = f"bwd_d{d}_causal{int(causal)}{tag}.cubin"
             compiled = compile_and_keep(
                 kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Float32(0.1), Int32(1),
                 keep=keep, name=name,
             )  # fmt: skip
-            print(f"cute backward d={d} causal={causal} wide={wide}: compiled")
+            print(f"cute backward d={d} causal={causal} wide={wide} block={block}: compiled")
             del compiled
 
 

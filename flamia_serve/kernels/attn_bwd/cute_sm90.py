@@ -138,6 +138,7 @@ class FlamiaBwdSm90:
         debug_p: bool,
         qk_wide: bool = False,
         bf16_kv: bool = False,
+        block_exponents: bool = False,
     ) -> None:
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64 and 128")
@@ -168,6 +169,12 @@ class FlamiaBwdSm90:
         self.kv_b_box = (self.step_q, 64) if self.bf16_kv else (64, self.step_q)
         # lanes staging the halves' exponent factors: dÔ's, and (E4M3 B operands) Ĝ's
         self.exp_lanes = 2 if self.bf16_kv else 4
+        # the E4M3 Q/K exponents are per 32-token block (not per token, ``exact_causal``): one
+        # 2^eQ per half and one 2^eK per thread's keys (a warp's 16 keys lie in one block),
+        # so dS's two block maxima come from one running maximum, and (E4M3 scores) a
+        # column's score factor is one product
+        self.block_exponents = block_exponents
+        self.uniform_kfac = block_exponents and not qk_wide
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -699,7 +706,7 @@ class FlamiaBwdSm90:
             tiled_mma_s, (WG_KEYS, self.step_q), ctx["tPrV"], ctx["tPrDO"], A_idx=wg, B_idx=stage,
             wg_wait=-1,
         )  # fmt: skip
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs on while P̂ is rebuilt
         s_mn = layout_utils.reshape_acc_to_mn(acc_s)
         dp_mn = layout_utils.reshape_acc_to_mn(acc_dp)
         # column by column: the query's statistics (staged in shared memory by the producer
@@ -709,9 +716,12 @@ class FlamiaBwdSm90:
             q = i0 + c
             qfac = sStats[0, c, stage]  # qk_scale · 2^eQ
             ref = sStats[2, c, stage]  # M − 8
+            qk = qfac * ctx["kfac"][0]  # (uniform_kfac: the same product for every row)
             for r in cutlass.range_constexpr(n_rows):
                 key = ctx["key"][r]
-                y = s_mn[r, j] * (qfac * ctx["kfac"][r]) + ctx["ev"][r]
+                if const_expr(not self.uniform_kfac):
+                    qk = qfac * ctx["kfac"][r]
+                y = s_mn[r, j] * qk + ctx["ev"][r]
                 if const_expr(masked):
                     ok = key < seqlen and q < seqlen
                     if const_expr(self.causal):
@@ -752,10 +762,19 @@ class FlamiaBwdSm90:
             if const_expr(n + 1 < len(dv_order)):
                 issue_dv(n + 1)
 
+        # dPᵀ done (BF16 dK/dV: the dV products just issued may still run)
+        if const_expr(self.bf16_kv):
+            warpgroup.wait_group(halves)
+        else:
+            warpgroup.wait_group(0)
         # dS in place of dP; amax of dS·2^eQ (dK's blocks) and dS·2^eK (dQ's) per half: the
-        # power-of-two factors are applied to the column / row maxima of |dS|
+        # power-of-two factors are applied to the column / row maxima of |dS| (with block
+        # exponents both to one maximum). Where P̂ is 0, dS is 0: a select, so that a masked
+        # key's or query's non-finite dP stays out; interior steps (one document, nothing
+        # masked) leave that to the product, as the contract allows inside a document.
         amax_k = [Float32(0.0)] * n_halves
         amax_q = [Float32(0.0)] * n_halves
+        q_exp_fac = [Float32(1.0)] * n_halves  # block exponents: the half's 2^eQ
         for hb in cutlass.range_constexpr(n_halves):
             dp_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eV · 2^e_dÔ per key row
             row_amax = cute.make_rmem_tensor(n_rows, Float32)
@@ -763,6 +782,7 @@ class FlamiaBwdSm90:
             for r in cutlass.range_constexpr(n_rows):
                 dp_fac[r] = ctx["vfac"][r] * do_fac
                 row_amax[r] = Float32(0.0)
+            block_amax = Float32(0.0)
             for jj in cutlass.range_constexpr(cols_per_half):
                 j = hb * cols_per_half + jj
                 c = ctx["col0"] + column_offset(j)
@@ -772,13 +792,25 @@ class FlamiaBwdSm90:
                 for r in cutlass.range_constexpr(n_rows):
                     pv = s_mn[r, j]
                     ds = pv * ctx["vinv"][r] * f * (dp_mn[r, j] * dp_fac[r] - delta)
-                    ds = Float32(0.0) if pv == Float32(0.0) else ds
+                    if const_expr(masked):
+                        ds = Float32(0.0) if pv == Float32(0.0) else ds
                     dp_mn[r, j] = ds
-                    col_amax = fa_utils.fmax(col_amax, abs(ds))
-                    row_amax[r] = fa_utils.fmax(row_amax[r], abs(ds))
-                amax_k[hb] = fa_utils.fmax(amax_k[hb], col_amax * sStats[1, c, stage])  # ·2^eQ
-            for r in cutlass.range_constexpr(n_rows):
-                amax_q[hb] = fa_utils.fmax(amax_q[hb], row_amax[r] * ctx["kdq"][r])
+                    if const_expr(self.block_exponents):
+                        block_amax = fa_utils.fmax(block_amax, abs(ds))
+                    else:
+                        col_amax = fa_utils.fmax(col_amax, abs(ds))
+                        row_amax[r] = fa_utils.fmax(row_amax[r], abs(ds))
+                if const_expr(not self.block_exponents):
+                    amax_k[hb] = fa_utils.fmax(amax_k[hb], col_amax * sStats[1, c, stage])
+            if const_expr(self.block_exponents):
+                # a query past the document stages 2^0, its dS is 0: the half's first
+                # query is inside the document whenever any of its dS is not 0
+                q_exp_fac[hb] = sStats[1, hb * HALF, stage]
+                amax_k[hb] = block_amax * q_exp_fac[hb]
+                amax_q[hb] = block_amax * ctx["kdq"][0]  # (row 0 is inside if any row is)
+            else:
+                for r in cutlass.range_constexpr(n_rows):
+                    amax_q[hb] = fa_utils.fmax(amax_q[hb], row_amax[r] * ctx["kdq"][r])
         # (the first E4M3 dV product runs during the exponent exchange; issued earlier, it
         # would hold its accumulator beside P̂ and dS and spill)
         if const_expr(len(dv_order) > 0):
@@ -821,9 +853,12 @@ class FlamiaBwdSm90:
             row_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eK · 2^-eb
             for r in cutlass.range_constexpr(n_rows):
                 row_fac[r] = ctx["kdq"][r] * pow2(-eb[hb])
+            half_fac = q_exp_fac[hb] * k_inv  # block exponents: 2^eQ·2^-ek
             for jj in cutlass.range_constexpr(cols_per_half):
                 j = hb * cols_per_half + jj
-                col_fac = sStats[1, ctx["col0"] + column_offset(j), stage] * k_inv  # 2^eQ·2^-ek
+                col_fac = half_fac
+                if const_expr(not self.block_exponents):
+                    col_fac = sStats[1, ctx["col0"] + column_offset(j), stage] * k_inv
                 for r in cutlass.range_constexpr(n_rows):
                     ds = dp_mn[r, j]
                     s_mn[r, j] = ds * col_fac
@@ -1192,11 +1227,13 @@ def attn_bwd_sm90(
         (lse_rows.contiguous(), 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),
         (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),
     )  # fmt: skip
+    block_exponents = qkv.k_exp_block % HALF == 0  # Q/K share the block (1: per token)
     key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, out_dtype,
-           wide, bf16_kv)  # fmt: skip
+           wide, bf16_kv, block_exponents)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaBwdSm90(
-            d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, wide, bf16_kv
+            d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, wide, bf16_kv,
+            block_exponents,
         )
         _COMPILED[key] = compile_kernel(
             kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)
