@@ -78,6 +78,7 @@ from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
+from flamia_serve.kernels.columns import dq_from_fragments, rows_from_columns
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
@@ -1213,10 +1214,8 @@ def attn_bwd_sm90(
     dv = torch.empty_like(dk)
     v_shape = (total, heads_kv, d)  # token-major V codes, gathered from the column layout
     v_bytes = workspace.empty("v_codes", v_shape, torch.uint8) if workspace is not None else None
-    v_bytes = torch.index_select(
-        qkv.v_t.view(torch.uint8).permute(2, 0, 1), 0, qkv.key_columns(), out=v_bytes
-    )
-    v_codes = v_bytes.view(torch.float8_e4m3fn)
+    v_codes = rows_from_columns(qkv.v_t, qkv.key_columns(), out=v_bytes)
+    v_codes = v_codes.view(torch.float8_e4m3fn)
     q_b, g_b = _kv_b_operands(qkv, qdo, bf16_kv)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
     aligned = (
@@ -1240,11 +1239,8 @@ def attn_bwd_sm90(
         )
     if total:
         _COMPILED[key](*kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv)
-    dq = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
     at = pack_constant(  # where dq_acc holds each token's dQ (the pack fixes it)
         workspace, ("dq_index", step, d),
         lambda: dq_fragment_index(operands.v_t_key(qkv.key_columns()), step, d),
     )  # fmt: skip
-    dq_heads = torch.index_select(dq_acc.view(heads_q, -1), 1, at).view(heads_q, total, d)
-    dq.copy_(dq_heads.permute(1, 0, 2))
-    return dq, dk, dv
+    return dq_from_fragments(dq_acc, at, d, out_dtype), dk, dv

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from flamia_serve.kernels._common import TritonLaunch, interpreted, sm_count
+from flamia_serve.kernels.columns import columns_from_rows
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
 from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
 from flamia_serve.kernels.workspace import PackWorkspace
@@ -80,7 +81,7 @@ class _Buffers:
         zeros in every other column (document padding, slack)."""
         _total, heads, d = codes.shape
         out = self.zeros(name, (heads, d, t_pad), torch.uint8)
-        out.permute(2, 0, 1).index_put_((columns,), codes.view(torch.uint8))
+        columns_from_rows(codes.view(torch.uint8), columns, out)
         return out.view(torch.float8_e4m3fn)
 
 

@@ -1,0 +1,157 @@
+"""Copies between token-major tensors and the column layout, and the CuTe backward's dQ
+read-back, as Triton kernels beside their torch twins.
+
+The column layout keeps each head's codes ``[H, d, t_pad]``, tokens along the last axis at
+their columns (``KernelQKV.key_columns``). torch's indexed copies into or out of it
+(``index_put_`` on a permuted view, ``index_select`` of one) touch one byte per
+``t_pad``-strided address: on the H200 they took ~0.6 ms per 32k-token pack, where these
+kernels move a tile of tokens x head-dim per program (bytes consecutive along tokens on the
+column side, along the head dimension on the token side). ``dq_from_fragments`` reads the
+backward's FP32 ``dq_acc`` at ``dq_layout.dq_fragment_index`` and writes dQ in the output
+dtype in one pass (torch: a gather, then a permuted copy).
+
+Each function runs its kernel on CUDA tensors and under Triton's CPU interpreter; its
+``*_torch`` twin is the plain-torch definition (tests compare them bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flamia_serve.kernels._common import TritonLaunch, interpreted, to_out
+
+#: tokens per program
+BLOCK_T = 64
+
+
+@triton.jit
+def _rows_from_columns_kernel(
+    src_ptr, cols_ptr, out_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``out[t, h, c] = src[h, c, cols[t]]`` for one block of tokens and one head."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    ok = t < n_tokens
+    col = tl.load(cols_ptr + t, mask=ok, other=0).to(tl.int64)
+    c = tl.arange(0, D)
+    x = tl.load(src_ptr + (h * D + c[None, :]).to(tl.int64) * t_pad + col[:, None],
+                mask=ok[:, None])  # fmt: skip
+    tl.store(out_ptr + (t[:, None].to(tl.int64) * H + h) * D + c[None, :], x, mask=ok[:, None])
+
+
+@triton.jit
+def _columns_from_rows_kernel(
+    rows_ptr, cols_ptr, out_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``out[h, c, cols[t]] = rows[t, h, c]`` for one block of tokens and one head."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    ok = t < n_tokens
+    col = tl.load(cols_ptr + t, mask=ok, other=0).to(tl.int64)
+    c = tl.arange(0, D)
+    x = tl.load(rows_ptr + (t[:, None].to(tl.int64) * H + h) * D + c[None, :], mask=ok[:, None])
+    tl.store(out_ptr + (h * D + c[None, :]).to(tl.int64) * t_pad + col[:, None], x,
+             mask=ok[:, None])  # fmt: skip
+
+
+@triton.jit
+def _dq_from_fragments_kernel(
+    acc_ptr, at_ptr, out_ptr, n_tokens, row_len, HQ: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``out[t, h, c] = acc[h, at[t·D + c]]`` (in ``out``'s dtype, round to nearest even)
+    for one block of tokens, every head (the index is read once)."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < n_tokens
+    c = tl.arange(0, D)
+    at = tl.load(at_ptr + t[:, None].to(tl.int64) * D + c[None, :], mask=ok[:, None], other=0)
+    out_at = t[:, None].to(tl.int64) * (HQ * D) + c[None, :]
+    for h in range(HQ):
+        x = tl.load(acc_ptr + h * row_len + at, mask=ok[:, None], other=0.0)
+        tl.store(out_ptr + out_at + h * D, to_out(x, out_ptr, INTERPRET), mask=ok[:, None])
+
+
+_LAUNCH_ROWS = TritonLaunch(_rows_from_columns_kernel)
+_LAUNCH_COLUMNS = TritonLaunch(_columns_from_rows_kernel)
+_LAUNCH_DQ = TritonLaunch(_dq_from_fragments_kernel)
+
+
+def _check(cols: torch.Tensor, t_pad: int) -> None:
+    if cols.dtype not in (torch.int32, torch.int64) or cols.dim() != 1:
+        raise ValueError(f"columns must be a 1-D int32/int64 tensor, got {cols.dtype}")
+    if t_pad >= 2**31:
+        raise ValueError(f"t_pad {t_pad}: the column layout must have < 2^31 columns")
+
+
+def rows_from_columns(
+    src: torch.Tensor, columns: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Token-major ``[T, H, d]`` copy of the column-layout ``src`` ``[H, d, t_pad]`` (a
+    1-byte dtype) at ``columns [T]``; ``out``: where to write it (else a new tensor)."""
+    heads, d, t_pad = src.shape
+    _check(columns, t_pad)
+    if not src.is_contiguous():
+        raise ValueError("src must be a contiguous [H, d, t_pad] tensor")
+    n = columns.numel()
+    if out is None:
+        out = torch.empty(n, heads, d, dtype=src.dtype, device=src.device)
+    if n:
+        grid = (triton.cdiv(n, BLOCK_T), heads)
+        _LAUNCH_ROWS(grid, src.view(torch.uint8), columns, out.view(torch.uint8), n, t_pad,
+                     H=heads, D=d, BLOCK=BLOCK_T)  # fmt: skip
+    return out
+
+
+def rows_from_columns_torch(src: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`rows_from_columns`."""
+    return src.permute(2, 0, 1)[columns.long()].contiguous()
+
+
+def columns_from_rows(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor) -> None:
+    """Write token-major ``rows`` ``[T, H, d]`` (a 1-byte dtype) into the column layout
+    ``out`` ``[H, d, t_pad]`` at ``columns [T]``; other columns are left as they are."""
+    n, heads, d = rows.shape
+    _check(columns, out.shape[2])
+    if out.shape[:2] != (heads, d) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{heads}, {d}, t_pad] tensor")
+    if n:
+        grid = (triton.cdiv(n, BLOCK_T), heads)
+        _LAUNCH_COLUMNS(grid, rows.contiguous().view(torch.uint8), columns,
+                        out.view(torch.uint8), n, out.shape[2], H=heads, D=d,
+                        BLOCK=BLOCK_T)  # fmt: skip
+
+
+def columns_from_rows_torch(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor) -> None:
+    """Twin of :func:`columns_from_rows`."""
+    out.permute(2, 0, 1)[columns.long()] = rows
+
+
+def dq_from_fragments(
+    dq_acc: torch.Tensor, at: torch.Tensor, d: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """dQ ``[T, Hq, d]`` in ``out_dtype`` from the CuTe backward's FP32 accumulator
+    ``dq_acc`` (``[Hq, ...]``, contiguous) and its int32 index ``at [T·d]``
+    (``attn_bwd.dq_layout.dq_fragment_index``)."""
+    heads = dq_acc.shape[0]
+    if at.numel() % d or not dq_acc.is_contiguous():
+        raise ValueError(f"at must hold T·{d} offsets and dq_acc be contiguous")
+    n_tokens = at.numel() // d
+    out = torch.empty(n_tokens, heads, d, dtype=out_dtype, device=dq_acc.device)
+    if n_tokens:
+        row_len = dq_acc[0].numel()
+        _LAUNCH_DQ((triton.cdiv(n_tokens, BLOCK_T // 2),), dq_acc, at, out, n_tokens, row_len,
+                   HQ=heads, D=d, BLOCK=BLOCK_T // 2, INTERPRET=interpreted())  # fmt: skip
+    return out
+
+
+def dq_from_fragments_torch(
+    dq_acc: torch.Tensor, at: torch.Tensor, d: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Twin of :func:`dq_from_fragments`."""
+    heads = dq_acc.shape[0]
+    picked = torch.index_select(dq_acc.reshape(heads, -1), 1, at).view(heads, -1, d)
+    return picked.permute(1, 0, 2).to(out_dtype).contiguous()

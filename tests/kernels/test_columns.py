@@ -1,0 +1,80 @@
+"""The column-layout copies and the dQ read-back against their torch twins, bit for bit
+(CPU: Triton's interpreter; GPU: the kernels)."""
+
+import pytest
+import torch
+
+from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
+from flamia_serve.kernels.columns import (
+    columns_from_rows,
+    columns_from_rows_torch,
+    dq_from_fragments,
+    dq_from_fragments_torch,
+    rows_from_columns,
+    rows_from_columns_torch,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _columns(lens: list[int], align: int = 128) -> tuple[torch.Tensor, int]:
+    """Each document's tokens at consecutive columns from a multiple of ``align``."""
+    cols, start = [torch.zeros(0, dtype=torch.int64)], 0
+    for n in lens:
+        cols.append(torch.arange(start, start + n))
+        start += -(-n // align) * align
+    return torch.cat(cols).to(device=DEV, dtype=torch.int64), start + align
+
+
+def _codes(shape: tuple[int, ...]) -> torch.Tensor:
+    """Random E4M3 bytes, NaN codes included (a copy must move them bit for bit)."""
+    return torch.randint(0, 256, shape, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "d"), [((5, 130, 1), 2, 64), ((70,), 1, 128), ((), 2, 64)]
+)
+def test_column_copies_match_torch(lens, heads, d) -> None:
+    cols, t_pad = _columns(list(lens))
+    src = _codes((heads, d, t_pad))
+    got = rows_from_columns(src, cols.to(torch.int32))
+    assert torch.equal(got.view(torch.uint8), rows_from_columns_torch(src, cols).view(torch.uint8))
+    rows = _codes((cols.numel(), heads, d))
+    fill = _codes((heads, d, t_pad))
+    out, want = fill.clone(), fill.clone()
+    columns_from_rows(rows, cols, out)
+    columns_from_rows_torch(rows, cols, want)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))  # others untouched
+
+
+def test_dq_from_fragments_refuses_bad_arguments() -> None:
+    at = dq_fragment_index(torch.arange(3, device=DEV), 64, 128)
+    with pytest.raises(ValueError, match="at must hold"):
+        dq_from_fragments(torch.zeros(2, 1, 64 * 128, device=DEV), at[:-1], 128, torch.float32)
+    with pytest.raises(ValueError, match="contiguous"):
+        dq_from_fragments(torch.zeros(2, 1, 2 * 64 * 128, device=DEV)[:, :, ::2], at, 128,
+                          torch.float32)  # fmt: skip
+
+
+def test_column_copies_refuse_bad_arguments() -> None:
+    cols, t_pad = _columns([4])
+    with pytest.raises(ValueError, match="columns must be"):
+        rows_from_columns(_codes((1, 64, t_pad)), cols.float())
+    with pytest.raises(ValueError, match="out must be"):
+        columns_from_rows(_codes((4, 1, 64)), cols, _codes((2, 64, t_pad)))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    ("lens", "step", "d"),
+    [((3, 200, 61), 64, 128), ((33,), 32, 128), ((9, 70), 64, 64), ((), 64, 128)],
+)
+def test_dq_from_fragments_matches_torch(lens, step, d, out_dtype) -> None:
+    cols, t_pad = _columns(list(lens))
+    heads = 3
+    acc = torch.randn(heads, t_pad // step, step * d, device=DEV) * 1e3
+    at = dq_fragment_index(cols, step, d)
+    got = dq_from_fragments(acc, at, d, out_dtype)
+    want = dq_from_fragments_torch(acc, at, d, out_dtype)
+    assert got.shape == (cols.numel(), heads, d) and got.dtype == out_dtype
+    assert torch.equal(got, want)
