@@ -27,19 +27,28 @@ BLOCK_T = 64
 
 
 @triton.jit
-def _rows_from_columns_kernel(
-    src_ptr, cols_ptr, out_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    """``out[t, h, c] = src[h, c, cols[t]]`` for one block of tokens and one head."""
+def _tile(cols_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets of program (token block, head)'s ``[BLOCK, D]`` tile in ``[T, H, D]`` rows and in
+    the ``[H, D, t_pad]`` column layout, and which of its tokens exist."""
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.program_id(1)
     ok = t < n_tokens
     col = tl.load(cols_ptr + t, mask=ok, other=0).to(tl.int64)
     c = tl.arange(0, D)
-    x = tl.load(src_ptr + (h * D + c[None, :]).to(tl.int64) * t_pad + col[:, None],
-                mask=ok[:, None])  # fmt: skip
-    tl.store(out_ptr + (t[:, None].to(tl.int64) * H + h) * D + c[None, :], x, mask=ok[:, None])
+    at_rows = (t[:, None].to(tl.int64) * H + h) * D + c[None, :]
+    at_cols = (h * D + c[None, :]).to(tl.int64) * t_pad + col[:, None]
+    return at_rows, at_cols, ok[:, None]
+
+
+@triton.jit
+def _rows_from_columns_kernel(
+    src_ptr, cols_ptr, out_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``out[t, h, c] = src[h, c, cols[t]]`` for one block of tokens and one head."""
+    at_rows, at_cols, ok = _tile(cols_ptr, n_tokens, t_pad, H, D, BLOCK)
+    x = tl.load(src_ptr + at_cols, mask=ok)
+    tl.store(out_ptr + at_rows, x, mask=ok)
 
 
 @triton.jit
@@ -48,14 +57,9 @@ def _columns_from_rows_kernel(
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``out[h, c, cols[t]] = rows[t, h, c]`` for one block of tokens and one head."""
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    h = tl.program_id(1)
-    ok = t < n_tokens
-    col = tl.load(cols_ptr + t, mask=ok, other=0).to(tl.int64)
-    c = tl.arange(0, D)
-    x = tl.load(rows_ptr + (t[:, None].to(tl.int64) * H + h) * D + c[None, :], mask=ok[:, None])
-    tl.store(out_ptr + (h * D + c[None, :]).to(tl.int64) * t_pad + col[:, None], x,
-             mask=ok[:, None])  # fmt: skip
+    at_rows, at_cols, ok = _tile(cols_ptr, n_tokens, t_pad, H, D, BLOCK)
+    x = tl.load(rows_ptr + at_rows, mask=ok)
+    tl.store(out_ptr + at_cols, x, mask=ok)
 
 
 @triton.jit
