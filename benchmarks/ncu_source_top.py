@@ -6,9 +6,11 @@
 
 Runs ``ncu -i REPORT --page source --csv --print-source sass``, keeps that CSV beside the
 report (``REPORT.source.csv``) and prints the share of "Warp Stall Sampling (All Samples)" per
-opcode and the ``--top`` lines with the most samples, in program order. Written 2026-12-03
-for the CuTe backward; not yet run on the device (the session's device time ran out first),
-so the column names are those of ncu 2025's documentation: check the printed header.
+opcode and the ``--top`` lines with the most samples, in program order. First run on the
+H200 on 2026-12-03 (``results/ncu_cute_bwd_joint_source_top_2026-12-03.txt``); the CSV also
+has one column per stall reason (``stall_barrier``, ``stall_wait``, ...), which that
+session's summary of the backward read (``benchmarks/NOTES.md``). The CuTe kernels carry no
+line info, so lines are SASS only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
 #                                                   # host-baseline, mixed, quant, fwd-pv,
 #                                                   # fused-q, fused-q-bench, windows-two-pass,
-#                                                   # bwd-bench, bwd-profile
+#                                                   # bwd-bench, bwd-profile, bwd-pass
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -145,8 +145,11 @@ if [[ $steps == *,bwd-bench,* ]]; then  # the training backward next to FA4 on W
   run train_attention_bwd 120 python benchmarks/train_attention.py --quick \
     --passes fwd+bwd,bwd --impls flamia-mxfp8,fa4 --name train_attention_bwd
 fi
+if [[ $steps == *,bwd-pass,* ]]; then  # a training backward's GPU time, kernel by kernel
+  run profile_bwd_pass 120 python benchmarks/profile_bwd_pass.py --workloads W3,W6,W7
+fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
-  run ncu_bwd 240 ncu --set full -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
+  run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
     -o /tmp/ncu_bwd python benchmarks/profile_bwd.py --kernel cute --once
   ncu -i /tmp/ncu_bwd.ncu-rep --page details > "$OUT/ncu_cute_bwd_details.txt" 2>&1
   run ncu_bwd_source 90 python benchmarks/ncu_source_top.py /tmp/ncu_bwd.ncu-rep
