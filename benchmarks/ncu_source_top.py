@@ -59,6 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     hottest = sorted(range(len(body)), key=lambda i: -_number(body[i][samples]))[: args.top]
     for i in sorted(hottest):
         print(f"{i:5d} {100 * _number(body[i][samples]) / total:5.2f}%  {body[i][src][:100]}")
+    # stall reasons (all samples, issued or not): shares, then each large one's top lines
+    reasons = [i for i, c in enumerate(header) if c.startswith("stall_") and "(" not in c]
+    by_reason = {header[i]: sum(_number(r[i]) for r in body) for i in reasons}
+    n_all = sum(by_reason.values()) or 1.0
+    ranked = sorted(by_reason.items(), key=lambda kv: -kv[1])
+    print("stall reasons (%):", ", ".join(f"{k[6:]} {100 * v / n_all:.1f}" for k, v in ranked))
+    for name, _n in ranked[:5]:
+        col = header.index(name)
+        top = sorted(range(len(body)), key=lambda i: -_number(body[i][col]))[:6]
+        print(f"== {name}")
+        for i in sorted(top):
+            print(f"{i:5d} {100 * _number(body[i][col]) / n_all:5.2f}%  {body[i][src][:90]}")
     return 0
 
 
