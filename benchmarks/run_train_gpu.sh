@@ -147,6 +147,7 @@ if [[ $steps == *,bwd-bench,* ]]; then  # the training backward next to FA4 on W
 fi
 if [[ $steps == *,bwd-pass,* ]]; then  # a training backward's GPU time, kernel by kernel
   run profile_bwd_pass 120 python benchmarks/profile_bwd_pass.py --workloads W3,W6,W7
+  run profile_fwd_pass 90 python benchmarks/profile_bwd_pass.py --workloads W1,W4,W7 --pass fwd
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
