@@ -74,9 +74,11 @@ def _dq_from_fragments_kernel(
     c = tl.arange(0, D)
     at = tl.load(at_ptr + t[:, None].to(tl.int64) * D + c[None, :], mask=ok[:, None], other=0)
     out_at = t[:, None].to(tl.int64) * (HQ * D) + c[None, :]
+    acc_row = acc_ptr  # head h's row (a pointer: 64-bit however long the rows)
     for h in range(HQ):
-        x = tl.load(acc_ptr + h * row_len + at, mask=ok[:, None], other=0.0)
+        x = tl.load(acc_row + at, mask=ok[:, None], other=0.0)
         tl.store(out_ptr + out_at + h * D, to_out(x, out_ptr, INTERPRET), mask=ok[:, None])
+        acc_row += row_len
 
 
 _LAUNCH_ROWS = TritonLaunch(_rows_from_columns_kernel)
