@@ -86,9 +86,11 @@ _LAUNCH_COLUMNS = TritonLaunch(_columns_from_rows_kernel)
 _LAUNCH_DQ = TritonLaunch(_dq_from_fragments_kernel)
 
 
-def _check(cols: torch.Tensor, t_pad: int) -> None:
+def _check(cols: torch.Tensor, t_pad: int, d: int) -> None:
     if cols.dtype not in (torch.int32, torch.int64) or cols.dim() != 1:
         raise ValueError(f"columns must be a 1-D int32/int64 tensor, got {cols.dtype}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head dim {d}: the copies need a power of two >= 16")
     if t_pad >= 2**31:
         raise ValueError(f"t_pad {t_pad}: the column layout must have < 2^31 columns")
 
@@ -99,7 +101,7 @@ def rows_from_columns(
     """Token-major ``[T, H, d]`` copy of the column-layout ``src`` ``[H, d, t_pad]`` (a
     1-byte dtype) at ``columns [T]``; ``out``: where to write it (else a new tensor)."""
     heads, d, t_pad = src.shape
-    _check(columns, t_pad)
+    _check(columns, t_pad, d)
     if not src.is_contiguous():
         raise ValueError("src must be a contiguous [H, d, t_pad] tensor")
     n = columns.numel()
@@ -121,7 +123,7 @@ def columns_from_rows(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tens
     """Write token-major ``rows`` ``[T, H, d]`` (a 1-byte dtype) into the column layout
     ``out`` ``[H, d, t_pad]`` at ``columns [T]``; other columns are left as they are."""
     n, heads, d = rows.shape
-    _check(columns, out.shape[2])
+    _check(columns, out.shape[2], d)
     if out.shape[:2] != (heads, d) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{heads}, {d}, t_pad] tensor")
     if n:
@@ -143,6 +145,8 @@ def dq_from_fragments(
     ``dq_acc`` (``[Hq, ...]``, contiguous) and its int32 index ``at [T·d]``
     (``attn_bwd.dq_layout.dq_fragment_index``)."""
     heads = dq_acc.shape[0]
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head dim {d}: the read-back needs a power of two >= 16")
     if at.numel() % d or not dq_acc.is_contiguous():
         raise ValueError(f"at must hold T·{d} offsets and dq_acc be contiguous")
     n_tokens = at.numel() // d
