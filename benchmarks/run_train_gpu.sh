@@ -30,9 +30,10 @@ for recipe in ("mxfp8", "mixed_nvfp4"):
     print(recipe, "kernel vs reference rel err O/dQ/dK/dV:", [f"{r:.2e}" for r in rel])
 PY
 fi
-if [[ $steps == *,cutebwd,* ]]; then  # the CuTe backward against the reference and Triton
-  run pytest_gpu_cute_bwd "${FLAMIA_TEST_SECS:-200}" python -m pytest -q -m gpu -W ignore::DeprecationWarning \
-    tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py
+if [[ $steps == *,cutebwd,* ]]; then  # the CuTe backward against the reference and Triton,
+  # and its column copies / dQ read-back (kernels/columns.py) against their twins
+  run pytest_gpu_cute_bwd "${FLAMIA_TEST_SECS:-200}" python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py tests/kernels/test_columns.py
 fi
 if [[ $steps == *,mixed,* ]]; then  # the mixed recipes on the CuTe kernels (BF16 scores), the
   # backward tests on the CuTe layout, the serving no-recompile test
