@@ -296,6 +296,26 @@ def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Pat
     return path
 
 
+def cuda_kernel_times(call: Callable[[], object], reps: int = 20) -> dict[str, float]:
+    """Mean GPU microseconds per call of each CUDA kernel ``call`` launches (torch.profiler,
+    no CUDA graph; one call first, outside the profile), by kernel name (90 characters)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:90]
+            totals[name] = totals.get(name, 0.0) + event.device_time / reps
+    return totals
+
+
 def _json_safe(obj: Any) -> Any:
     """Replace NaN / inf floats by None (strict JSON), recursively."""
     if isinstance(obj, float) and not math.isfinite(obj):

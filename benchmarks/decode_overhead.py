@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import copy_bandwidth, graph_time, write_results
+from benchmarks.common import copy_bandwidth, cuda_kernel_times, graph_time, write_results
 from benchmarks.serving import make_serving_batch, planned_call
 
 
@@ -31,24 +31,6 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares ``(intercept, slope)`` of ``ys`` over ``xs``."""
     slope, intercept = statistics.linear_regression(xs, ys)
     return intercept, slope
-
-
-def kernel_times(call, reps: int = 20) -> dict[str, float]:
-    """Mean GPU microseconds per call of each kernel ``call`` launches (no CUDA graph)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:80]
-            totals[name] = totals.get(name, 0.0) + event.device_time / reps
-    return totals
 
 
 def main() -> int:
@@ -91,7 +73,7 @@ def main() -> int:
                        "ms_clean_l2": clean,
                        "pct_copy_clean_l2": gbps_clean / copy_clean["gbps"]}  # fmt: skip
                 if f"{b}x{length}" == args.profile:
-                    row["kernels_us"] = kernel_times(call)
+                    row["kernels_us"] = cuda_kernel_times(call)
                     print(f"B{b}-L{length} {dtype} kernels:", {
                         k: round(v, 1) for k, v in row["kernels_us"].items()})
                 rows.append(row)

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import write_results
+from benchmarks.common import cuda_kernel_times, write_results
 from benchmarks.train_attention import make_inputs
 from benchmarks.workloads import training_workload
 
@@ -52,17 +50,8 @@ def kernel_times(workload_name: str, iters: int, recipe: str, pass_: str = "bwd"
         else:
             torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
 
-    for _ in range(2):  # compile outside the profile
-        one_call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            one_call()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[evt.name[:90]] += evt.device_time / iters
+    one_call()  # compile outside the profile
+    per_kernel = cuda_kernel_times(one_call, iters)
     total = sum(per_kernel.values())
     return {
         "workload": workload_name,
