@@ -27,39 +27,24 @@ BLOCK_T = 64
 
 
 @triton.jit
-def _tile(cols_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    """Offsets of program (token block, head)'s ``[BLOCK, D]`` tile in ``[T, H, D]`` rows and in
-    the ``[H, D, t_pad]`` column layout, and which of its tokens exist."""
+def _copy_kernel(
+    src_ptr, cols_ptr, out_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr, TO_COLUMNS: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK, D]`` tile (token block, head) between ``[T, H, D]`` rows and the ``[H, D,
+    t_pad]`` column layout: ``out[h, c, cols[t]] = src[t, h, c]`` (``TO_COLUMNS``), else
+    ``out[t, h, c] = src[h, c, cols[t]]``."""
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.program_id(1)
-    ok = t < n_tokens
-    col = tl.load(cols_ptr + t, mask=ok, other=0).to(tl.int64)
+    ok = (t < n_tokens)[:, None]
+    col = tl.load(cols_ptr + t, mask=t < n_tokens, other=0).to(tl.int64)
     c = tl.arange(0, D)
     at_rows = (t[:, None].to(tl.int64) * H + h) * D + c[None, :]
     at_cols = (h * D + c[None, :]).to(tl.int64) * t_pad + col[:, None]
-    return at_rows, at_cols, ok[:, None]
-
-
-@triton.jit
-def _rows_from_columns_kernel(
-    src_ptr, cols_ptr, out_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    """``out[t, h, c] = src[h, c, cols[t]]`` for one block of tokens and one head."""
-    at_rows, at_cols, ok = _tile(cols_ptr, n_tokens, t_pad, H, D, BLOCK)
-    x = tl.load(src_ptr + at_cols, mask=ok)
-    tl.store(out_ptr + at_rows, x, mask=ok)
-
-
-@triton.jit
-def _columns_from_rows_kernel(
-    rows_ptr, cols_ptr, out_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    """``out[h, c, cols[t]] = rows[t, h, c]`` for one block of tokens and one head."""
-    at_rows, at_cols, ok = _tile(cols_ptr, n_tokens, t_pad, H, D, BLOCK)
-    x = tl.load(rows_ptr + at_rows, mask=ok)
-    tl.store(out_ptr + at_cols, x, mask=ok)
+    if TO_COLUMNS:
+        tl.store(out_ptr + at_cols, tl.load(src_ptr + at_rows, mask=ok), mask=ok)
+    else:
+        tl.store(out_ptr + at_rows, tl.load(src_ptr + at_cols, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -81,8 +66,7 @@ def _dq_from_fragments_kernel(
         acc_row += row_len
 
 
-_LAUNCH_ROWS = TritonLaunch(_rows_from_columns_kernel)
-_LAUNCH_COLUMNS = TritonLaunch(_columns_from_rows_kernel)
+_LAUNCH_COPY = TritonLaunch(_copy_kernel)
 _LAUNCH_DQ = TritonLaunch(_dq_from_fragments_kernel)
 
 
@@ -109,8 +93,8 @@ def rows_from_columns(
         out = torch.empty(n, heads, d, dtype=src.dtype, device=src.device)
     if n:
         grid = (triton.cdiv(n, BLOCK_T), heads)
-        _LAUNCH_ROWS(grid, src.view(torch.uint8), columns, out.view(torch.uint8), n, t_pad,
-                     H=heads, D=d, BLOCK=BLOCK_T)  # fmt: skip
+        _LAUNCH_COPY(grid, src.view(torch.uint8), columns, out.view(torch.uint8), n, t_pad,
+                     H=heads, D=d, BLOCK=BLOCK_T, TO_COLUMNS=False)  # fmt: skip
     return out
 
 
@@ -128,9 +112,8 @@ def columns_from_rows(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tens
         raise ValueError(f"out must be a contiguous [{heads}, {d}, t_pad] tensor")
     if n:
         grid = (triton.cdiv(n, BLOCK_T), heads)
-        _LAUNCH_COLUMNS(grid, rows.contiguous().view(torch.uint8), columns,
-                        out.view(torch.uint8), n, out.shape[2], H=heads, D=d,
-                        BLOCK=BLOCK_T)  # fmt: skip
+        _LAUNCH_COPY(grid, rows.contiguous().view(torch.uint8), columns, out.view(torch.uint8),
+                     n, out.shape[2], H=heads, D=d, BLOCK=BLOCK_T, TO_COLUMNS=True)  # fmt: skip
 
 
 def columns_from_rows_torch(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor) -> None:

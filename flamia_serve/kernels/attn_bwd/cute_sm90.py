@@ -717,7 +717,8 @@ class FlamiaBwdSm90:
             q = i0 + c
             qfac = sStats[0, c, stage]  # qk_scale · 2^eQ
             ref = sStats[2, c, stage]  # M − 8
-            qk = qfac * ctx["kfac"][0]  # (uniform_kfac: the same product for every row)
+            if const_expr(self.uniform_kfac):  # the same product for every row
+                qk = qfac * ctx["kfac"][0]
             for r in cutlass.range_constexpr(n_rows):
                 key = ctx["key"][r]
                 if const_expr(not self.uniform_kfac):
@@ -1166,7 +1167,7 @@ def _kv_b_operands(
             if qdo.g_t is None:
                 raise ValueError("qdo has neither g_rows nor g_t: quantize_do wrote no Ĝ")
             cols = qkv.key_columns()
-            codes = torch.index_select(qdo.g_t.view(torch.uint8).permute(2, 0, 1), 0, cols)
+            codes = rows_from_columns(qdo.g_t, cols)
             factor = exp2i(torch.index_select(qdo.g_exp.t(), 0, cols))
             g_values = codes.view(torch.float8_e4m3fn).float() * factor[..., None]
             g_rows = _rows_by_column(g_values, qkv)
