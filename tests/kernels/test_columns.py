@@ -64,6 +64,8 @@ def test_column_copies_refuse_bad_arguments() -> None:
         columns_from_rows(_codes((4, 1, 64)), cols, _codes((2, 64, t_pad)))
     with pytest.raises(ValueError, match="head dim 96"):
         rows_from_columns(_codes((1, 96, t_pad)), cols)
+    with pytest.raises(ValueError, match="src must be"):
+        rows_from_columns(_codes((1, t_pad, 64)).transpose(1, 2), cols)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
