@@ -16,14 +16,20 @@ Each function runs its kernel on CUDA tensors and under Triton's CPU interpreter
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import TritonLaunch, interpreted, to_out
+from flamia_serve.kernels._common import TritonLaunch, interpreted, sm_count, to_out
 
-#: tokens per program
+#: tokens per program of the copies
 BLOCK_T = 64
+#: the dQ read-back's tokens per program; heads per program: all, halved while the grid has
+#: fewer than ``DQ_PROGRAMS_PER_SM`` programs per SM (H200, ``tune_bwd_pass.py``: W7's 8192
+#: tokens 86 µs with all 32 heads per program, 68 with 8; W3's 32k tokens best with all 32)
+DQ_BLOCK_T, DQ_PROGRAMS_PER_SM = 32, 6
 
 
 @triton.jit
@@ -50,17 +56,18 @@ def _copy_kernel(
 @triton.jit
 def _dq_from_fragments_kernel(
     acc_ptr, at_ptr, out_ptr, n_tokens, row_len, HQ: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK: tl.constexpr, HEADS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """``out[t, h, c] = acc[h, at[t·D + c]]`` (in ``out``'s dtype, round to nearest even)
-    for one block of tokens, every head (the index is read once)."""
+    for one block of tokens and ``HEADS`` heads (the index is read once for them)."""
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h0 = tl.program_id(1) * HEADS
     ok = t < n_tokens
     c = tl.arange(0, D)
     at = tl.load(at_ptr + t[:, None].to(tl.int64) * D + c[None, :], mask=ok[:, None], other=0)
-    out_at = t[:, None].to(tl.int64) * (HQ * D) + c[None, :]
-    acc_row = acc_ptr  # head h's row (a pointer: 64-bit however long the rows)
-    for h in range(HQ):
+    out_at = t[:, None].to(tl.int64) * (HQ * D) + h0 * D + c[None, :]
+    acc_row = acc_ptr + h0.to(tl.int64) * row_len  # head h's row (64-bit however long)
+    for h in range(HEADS):
         x = tl.load(acc_row + at, mask=ok[:, None], other=0.0)
         tl.store(out_ptr + out_at + h * D, to_out(x, out_ptr, INTERPRET), mask=ok[:, None])
         acc_row += row_len
@@ -121,12 +128,26 @@ def columns_from_rows_torch(rows: torch.Tensor, columns: torch.Tensor, out: torc
     out.permute(2, 0, 1)[columns.long()] = rows
 
 
+def dq_heads_per_program(n_tokens: int, heads: int, device: torch.device) -> int:
+    """The read-back's heads per program: a divisor of ``heads``, all of them unless the
+    grid would then have fewer than ``DQ_PROGRAMS_PER_SM`` programs per SM."""
+    if device.type != "cuda":
+        return heads
+    target = DQ_PROGRAMS_PER_SM * sm_count(device)
+    group = heads
+    while group > 1 and triton.cdiv(n_tokens, DQ_BLOCK_T) * (heads // group) < target:
+        group = math.gcd(heads, group // 2)
+    return group
+
+
 def dq_from_fragments(
-    dq_acc: torch.Tensor, at: torch.Tensor, d: int, out_dtype: torch.dtype
-) -> torch.Tensor:
+    dq_acc: torch.Tensor, at: torch.Tensor, d: int, out_dtype: torch.dtype,
+    *, block_t: int = DQ_BLOCK_T, heads_per_program: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """dQ ``[T, Hq, d]`` in ``out_dtype`` from the CuTe backward's FP32 accumulator
     ``dq_acc`` (``[Hq, ...]``, contiguous) and its int32 index ``at [T·d]``
-    (``attn_bwd.dq_layout.dq_fragment_index``)."""
+    (``attn_bwd.dq_layout.dq_fragment_index``). A program reads ``block_t`` tokens of
+    ``heads_per_program`` heads (its gcd with Hq; default :func:`dq_heads_per_program`)."""
     heads = dq_acc.shape[0]
     if d < 16 or d & (d - 1):
         raise ValueError(f"head dim {d}: the read-back needs a power of two >= 16")
@@ -135,9 +156,12 @@ def dq_from_fragments(
     n_tokens = at.numel() // d
     out = torch.empty(n_tokens, heads, d, dtype=out_dtype, device=dq_acc.device)
     if n_tokens:
-        row_len = dq_acc[0].numel()
-        _LAUNCH_DQ((triton.cdiv(n_tokens, BLOCK_T // 2),), dq_acc, at, out, n_tokens, row_len,
-                   HQ=heads, D=d, BLOCK=BLOCK_T // 2, INTERPRET=interpreted())  # fmt: skip
+        if heads_per_program is None:
+            heads_per_program = dq_heads_per_program(n_tokens, heads, dq_acc.device)
+        group = math.gcd(heads, heads_per_program)
+        grid = (triton.cdiv(n_tokens, block_t), heads // group)
+        _LAUNCH_DQ(grid, dq_acc, at, out, n_tokens, dq_acc[0].numel(), HQ=heads, D=d,
+                   BLOCK=block_t, HEADS=group, INTERPRET=interpreted())  # fmt: skip
     return out
 
 

@@ -73,12 +73,31 @@ def test_column_copies_refuse_bad_arguments() -> None:
     ("lens", "step", "d"),
     [((3, 200, 61), 64, 128), ((33,), 32, 128), ((9, 70), 64, 64), ((), 64, 128)],
 )
-def test_dq_from_fragments_matches_torch(lens, step, d, out_dtype) -> None:
+@pytest.mark.parametrize(
+    ("heads", "per_program", "block_t"), [(3, None, 32), (3, 4, 32), (8, 4, 64), (6, 2, 32)]
+)
+def test_dq_from_fragments_matches_torch(
+    lens, step, d, out_dtype, heads, per_program, block_t
+) -> None:
     cols, t_pad = _columns(list(lens))
-    heads = 3
     acc = torch.randn(heads, t_pad // step, step * d, device=DEV) * 1e3
     at = dq_fragment_index(cols, step, d)
-    got = dq_from_fragments(acc, at, d, out_dtype)
+    got = dq_from_fragments(acc, at, d, out_dtype, block_t=block_t, heads_per_program=per_program)
     want = dq_from_fragments_torch(acc, at, d, out_dtype)
     assert got.shape == (cols.numel(), heads, d) and got.dtype == out_dtype
     assert torch.equal(got, want)
+
+
+def test_dq_heads_per_program_divides_heads_and_fills_the_gpu(monkeypatch) -> None:
+    from flamia_serve.kernels import columns
+
+    monkeypatch.setattr(columns, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    # H200-sized grids: 32k tokens keep all heads per program, 8k tokens take 8
+    assert columns.dq_heads_per_program(32768, 32, cuda) == 32
+    assert columns.dq_heads_per_program(8192, 32, cuda) == 8
+    for tokens, heads in [(1, 32), (100, 12), (8192, 24), (5000, 7), (10**6, 64)]:
+        group = columns.dq_heads_per_program(tokens, heads, cuda)
+        assert heads % group == 0
+        programs = -(-tokens // columns.DQ_BLOCK_T) * (heads // group)
+        assert group == 1 or programs >= columns.DQ_PROGRAMS_PER_SM * 132

@@ -134,8 +134,9 @@ def quantize_qkv_kernel(
     Q_ROWS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
-    item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
+    """Persistent programs stride over (head, block slot) items, Q heads then K/V heads;
+    each item quantizes one 32-token block of one head (of K and V both for a K/V head).
+    Empty slots (length 0) store nothing.
     ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it). ``Q_ROWS``: Q's
     codes also as BF16 (exact), one row per column of the layout with each document's tokens
     in order (``v_t_key`` of the column), the padding left as it is (zero).
@@ -164,6 +165,9 @@ def quantize_qkv_kernel(
         h = item // n_slots
         slot = item % n_slots
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
+        # V's tile is loaded before K's is quantized: both tiles' bytes in flight at once
+        x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
+        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         e, _codes = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
@@ -172,12 +176,6 @@ def quantize_qkv_kernel(
         # the score operand's K factor (E4M3: a token block's exponent; NVFP4: per token)
         factor_at = kv_factor_ptr + h * 3 * t_pad + col
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
-    for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
-        h = item // n_slots
-        slot = item % n_slots
-        tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
-        x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
-        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         codes, e = fp8_rows(x, True, INTERPRET)
         vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
         pad_ok = _padded_rows(block_len_ptr, slot, rows)
@@ -236,18 +234,20 @@ def quantize_do_kernel(
         tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
         pad_ok = _padded_rows(block_len_ptr, slot, rows)
         mask2 = row_ok[:, None]
+        row_off = tok * HQ + h
+        # every load first (the stores below could alias them for the compiler: loads
+        # issued after a store wait for it, so the item's bytes would arrive in two trips)
         d_out = tl.load(do_ptr + tok[:, None] * stride_dt + h * stride_dh + cols[None, :],
                         mask=mask2, other=0.0).to(tl.float32)  # fmt: skip
-        codes, e = fp8_rows(d_out, False, INTERPRET)
-        row_off = tok * HQ + h
-        tl.store(do8_ptr + row_off[:, None] * D + cols[None, :], codes, mask=mask2)
-        tl.store(do_exp_ptr + h * n_tokens + tok, e.to(do_exp_ptr.dtype.element_ty), mask=row_ok)
         out = tl.load(o_ptr + tok[:, None] * stride_ot + h * stride_oh + cols[None, :],
                       mask=mask2, other=0.0).to(tl.float32)  # fmt: skip
-        delta = tl.sum(codes.to(tl.float32) * exp2i(e)[:, None] * out, axis=1)
-        tl.store(delta_ptr + h * n_tokens + tok, delta, mask=row_ok)
         m_row = tl.load(m_ptr + row_off, mask=row_ok, other=0.0)
         lse_row = tl.load(lse_ptr + row_off, mask=row_ok, other=0.0)
+        codes, e = fp8_rows(d_out, False, INTERPRET)
+        tl.store(do8_ptr + row_off[:, None] * D + cols[None, :], codes, mask=mask2)
+        tl.store(do_exp_ptr + h * n_tokens + tok, e.to(do_exp_ptr.dtype.element_ty), mask=row_ok)
+        delta = tl.sum(codes.to(tl.float32) * exp2i(e)[:, None] * out, axis=1)
+        tl.store(delta_ptr + h * n_tokens + tok, delta, mask=row_ok)
         f = tl.math.exp2(m_row - P_HAT_EXP - lse_row)
         tl.store(f_ptr + h * n_tokens + tok, f, mask=row_ok)
         g_codes, g_e = fp8_rows(d_out * f[:, None], False, INTERPRET)
