@@ -8,8 +8,9 @@ checks its dQ/dK/dV against the Triton kernel on ``check_bwd_kernels``' packs (t
 processes run at once: compiling is CPU-bound and the machine has 16 cores), then waits
 for a file lock and times T = 8192 and 16384 at d = 128 and T = 8192 at d = 64, causal,
 so timings never overlap. Writes ``bwd_variants.json`` (one entry per version:
-accuracy rows, speed rows, or the error). Five versions took ~90 s of device time on
-2026-12-01.
+accuracy rows, speed rows, or the error; a version still running after ``--timeout``
+seconds, e.g. one whose barriers never meet, is killed and reported as such). Five
+versions took ~90 s of device time on 2026-12-01.
 
 ``--ablate all`` (or ``noadd,nodq,...``) adds copies of the package's kernel with one part of
 the step removed (``ABLATIONS``; their gradients are wrong, their accuracy rows say so): how
@@ -26,6 +27,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variants", nargs="*", help="NAME=PATH of a copy of cute_sm90.py")
     ap.add_argument("--ablate", default="", help=f"'all' or some of {', '.join(ABLATIONS)}")
+    ap.add_argument("--timeout", type=float, default=400.0,
+                    help="seconds for all versions; one still running then is killed")  # fmt: skip
     ap.add_argument("--one", nargs=4, metavar=("NAME", "PATH", "LOCK", "OUT"),
                     help=argparse.SUPPRESS)  # fmt: skip
     args = ap.parse_args(argv)
@@ -173,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in versions.items()
     }
     result: dict = {"env": env_info(), "variants": {}}
+    deadline = time.monotonic() + args.timeout
     for name, proc in procs.items():
-        proc.wait()
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # a version that hangs (a barrier never met)
+            proc.kill()
+            proc.wait()
         out = tmp / f"{name}.json"
         row = json.loads(out.read_text()) if out.exists() else {"error": f"exit {proc.returncode}"}
         result["variants"][name] = row

@@ -4,7 +4,7 @@
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
 #                                                   # host-baseline, mixed, quant, fwd-pv,
 #                                                   # fused-q, fused-q-bench, windows-two-pass,
-#                                                   # bwd-bench, bwd-profile, bwd-pass
+#                                                   # bwd-bench, bwd-profile, bwd-pass, stagger
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -149,6 +149,17 @@ fi
 if [[ $steps == *,bwd-pass,* ]]; then  # a training backward's GPU time, kernel by kernel
   run profile_bwd_pass 120 python benchmarks/profile_bwd_pass.py --workloads W3,W6,W7
   run profile_fwd_pass 90 python benchmarks/profile_bwd_pass.py --workloads W1,W4,W7 --pass fwd
+fi
+if [[ $steps == *,stagger,* ]]; then  # the staggered joint dQ (experiments/cute-bwd-stagger.patch,
+  # compile-checked only): both forms against the Triton kernel and timed beside the current one
+  mkdir -p scratch/stagger_run
+  cp flamia_serve/kernels/attn_bwd/cute_sm90.py scratch/stagger_run/s1.py
+  patch -s scratch/stagger_run/s1.py benchmarks/experiments/cute-bwd-stagger.patch ||
+    sed 's|flamia_serve/kernels/attn_bwd/cute_sm90.py|scratch/stagger_run/s1.py|' \
+      benchmarks/experiments/cute-bwd-stagger.patch | git apply -  # (no patch(1) there)
+  sed 's/^STAGGER = 1$/STAGGER = 2/' scratch/stagger_run/s1.py > scratch/stagger_run/s2.py
+  run bwd_variants_stagger 420 python benchmarks/bwd_variants.py --timeout 380 \
+    stagger=scratch/stagger_run/s1.py stagger_start=scratch/stagger_run/s2.py
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
