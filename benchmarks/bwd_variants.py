@@ -91,6 +91,12 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "nodq": _NO_DQ,
     # and no dŜ to shared memory (its barriers stay)
     "nodq_nods": [*_NO_DQ, (_DS_WORD_STORE, _never(_DS_WORD_STORE))],
+    # the barrier of both warpgroups before the joint dQ (each then reads the other's dŜ
+    # tile whenever it gets there: the cost of the lockstep, an upper bound for a stagger)
+    "nocta": [
+        (_JOINT_IN_STEP, f"            {_JOINT_CALL}"),
+        (_JOINT_IN_DQ_ONLY, f"        {_JOINT_CALL}"),
+    ],
     # the warpgroup barrier of the dS exponent exchange (exponents then read early)
     "noamaxbar": [
         ("        cute.arch.barrier(barrier_id=_BAR_AMAX + wg, number_of_threads=128)\n", ""),

@@ -158,7 +158,7 @@ if [[ $steps == *,stagger,* ]]; then  # the staggered joint dQ (experiments/cute
     sed 's|flamia_serve/kernels/attn_bwd/cute_sm90.py|scratch/stagger_run/s1.py|' \
       benchmarks/experiments/cute-bwd-stagger.patch | git apply -  # (no patch(1) there)
   sed 's/^STAGGER = 1$/STAGGER = 2/' scratch/stagger_run/s1.py > scratch/stagger_run/s2.py
-  run bwd_variants_stagger 420 python benchmarks/bwd_variants.py --timeout 380 \
+  run bwd_variants_stagger 420 python benchmarks/bwd_variants.py --timeout 380 --ablate nocta \
     stagger=scratch/stagger_run/s1.py stagger_start=scratch/stagger_run/s2.py
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
