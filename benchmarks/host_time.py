@@ -92,7 +92,7 @@ def _profile(name: str, fn, n: int = 100) -> None:
 
 def _breakdown(q, k, v, cu, plan, d_out) -> None:
     """Host time of each piece of a forward+backward, called alone (printed)."""
-    from flamia_serve.kernels.attn_bwd.ops import attn_bwd, default_bwd_config
+    from flamia_serve.kernels.attn_bwd.ops import attn_bwd, bwd_reads_rows, default_bwd_config
     from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config
     from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 
@@ -102,10 +102,13 @@ def _breakdown(q, k, v, cu, plan, d_out) -> None:
     work = plan.work_list(cfg.block_m, cfg.block_n, True)
     bwork = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, True)
     ws = plan.workspace(q.device, torch.cuda.current_stream().cuda_stream)
+    # the operand forms the eager backward quantizes for this backward (custom_ops)
+    rows = bwd_reads_rows(bcfg, q.shape[2])
 
     def quantize(transposed: bool = False, workspace=None):
+        forms = dict(q_transposed=not rows, q_rows=rows) if transposed else {}
         return quantize_qkv(q, k, v, cu, blocks=blocks, column_align=align, columns=columns,
-                            with_transposed=transposed, workspace=workspace)  # fmt: skip
+                            with_transposed=transposed, workspace=workspace, **forms)  # fmt: skip
 
     def forward(qkv, workspace=None):
         return attn_fwd(qkv, cu, heads_q=32, causal=True, softmax_scale=0.088, config=cfg,
@@ -113,7 +116,7 @@ def _breakdown(q, k, v, cu, plan, d_out) -> None:
 
     def quantize_grad(workspace=None):
         return quantize_do(d_out, out, m, lse, cu, blocks=blocks, column_align=align,
-                           workspace=workspace)  # fmt: skip
+                           workspace=workspace, g_columns=not rows, g_rows=rows)  # fmt: skip
 
     def backward(workspace=None):
         return attn_bwd(qkv, qdo, m, lse, cu, heads_q=32, causal=True, softmax_scale=0.088,
