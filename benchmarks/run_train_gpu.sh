@@ -4,7 +4,8 @@
 #                                                   # cutebwd, cutebwd-check, variants, workspace,
 #                                                   # host-baseline, mixed, quant, fwd-pv,
 #                                                   # fused-q, fused-q-bench, windows-two-pass,
-#                                                   # bwd-bench, bwd-profile, bwd-pass, stagger
+#                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
+#                                                   # quant-tune
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -149,6 +150,10 @@ fi
 if [[ $steps == *,bwd-pass,* ]]; then  # a training backward's GPU time, kernel by kernel
   run profile_bwd_pass 120 python benchmarks/profile_bwd_pass.py --workloads W3,W6,W7
   run profile_fwd_pass 90 python benchmarks/profile_bwd_pass.py --workloads W1,W4,W7 --pass fwd
+fi
+if [[ $steps == *,quant-tune,* ]]; then  # the quantizers around the kernels (warps, programs
+  # per SM, the block table read ahead) and the dQ read-back, W3 / W7 / P3
+  RUN_TAIL="-n 80" run tune_bwd_pass 300 python benchmarks/tune_bwd_pass.py
 fi
 if [[ $steps == *,stagger,* ]]; then  # the staggered joint dQ (experiments/cute-bwd-stagger.patch,
   # compile-checked only): both forms against the Triton kernel and timed beside the current one

@@ -1,7 +1,8 @@
 """Sweep the memory-bound launches around the CuTe backward kernel (H200): the backward's
-Q/K/V re-quantization, dO's quantization, the dQ accumulator's fill and its read-back.
+Q/K/V re-quantization, dO's quantization, the dQ accumulator's fill and its read-back; and
+the forward's K/V quantization (its only launch beside the attention kernel).
 
-    python benchmarks/tune_bwd_pass.py [--workloads W3,W7]
+    python benchmarks/tune_bwd_pass.py [--workloads W3,W7,P3]
 
 Each launch is timed replayed from a CUDA graph (L2 flushed before each call, median), as
 the backward calls it (the pack's workspace, the CuTe backward's operand forms), with GB/s
@@ -24,7 +25,9 @@ from benchmarks.common import copy_bandwidth, graph_time, write_results
 from benchmarks.train_attention import make_inputs
 from benchmarks.workloads import training_workload
 
-QUANT_SWEEP = [(4, 32), (4, 16), (8, 8), (8, 16), (4, 8), (2, 32)]  # num_warps, programs/SM
+#: num_warps, programs per SM, block-table entries read one item ahead (``prefetch``)
+QUANT_SWEEP = [(4, 32, False), (4, 32, True), (4, 16, True), (2, 32, False), (2, 32, True),
+               (8, 8, False)]  # fmt: skip
 DQ_SWEEP = [(32, 32), (32, 8), (32, 4), (32, 2), (16, 4), (64, 4), (64, 2), (128, 1)]
 
 
@@ -61,32 +64,44 @@ def tune_workload(name: str, copy_gbps: float) -> list[dict]:
         gbps = nbytes / (us * 1e-6) / 1e9
         rows.append({"workload": name, "piece": piece, "setting": setting, "us": us,
                      "gbps": gbps, "of_copy": gbps / copy_gbps})  # fmt: skip
-        print(f"{name} {piece:14s} {setting:22s} {us:8.1f} µs {gbps:6.0f} GB/s "
+        print(f"{name} {piece:15s} {setting:28s} {us:8.1f} µs {gbps:6.0f} GB/s "
               f"({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
 
-    def quant(warps: int, per_sm: int):
+    def quant(warps: int, per_sm: int, prefetch: bool):
         return quantize_qkv(
             q, k, v, cu, blocks=blocks, with_transposed=True, column_align=align,
             columns=columns, workspace=ws, widen=True, q_transposed=not reads_rows,
-            q_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm,
+            q_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm, prefetch=prefetch,
         )  # fmt: skip
 
-    def quant_do(warps: int, per_sm: int):
+    def quant_fwd(warps: int, per_sm: int, prefetch: bool):
+        return quantize_qkv(
+            q, k, v, cu, blocks=blocks, column_align=align, columns=columns, workspace=ws,
+            widen=True, defer_q=True, num_warps=warps, programs_per_sm=per_sm,
+            prefetch=prefetch,
+        )  # fmt: skip
+
+    def quant_do(warps: int, per_sm: int, prefetch: bool):
         return quantize_do(
             d_out, out, m, lse, cu, blocks=blocks, column_align=align, workspace=ws,
             g_columns=not reads_rows, g_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm,
+            prefetch=prefetch,
         )  # fmt: skip
 
     # Q/K/V read (BF16); K codes, V̂ᵀ and K̂ᵀ written (E4M3), Q as BF16 rows (else E4M3)
     wide = 2 if reads_rows else 1
     qkv_bytes = 2 * t * (hq + 2 * hkv) * d + 3 * t * hkv * d + wide * t * hq * d
+    # the forward's (Q left to the CuTe forward): K/V read, K codes and V̂ᵀ written
+    fwd_bytes = 2 * 2 * t * hkv * d + 2 * t * hkv * d
     # dO and O read (BF16); dÔ (E4M3) and Ĝ (BF16 rows, else E4M3 columns) written
     do_bytes = 4 * t * hq * d + t * hq * d + wide * t * hq * d
-    for warps, per_sm in QUANT_SWEEP:
-        setting = f"warps {warps}, {per_sm}/SM"
-        record("quantize_qkv", setting, lambda w=warps, p=per_sm: quant(w, p), qkv_bytes)
-        record("quantize_do", setting, lambda w=warps, p=per_sm: quant_do(w, p), do_bytes)
-    qkv = quant(4, 32)
+    for warps, per_sm, ahead in QUANT_SWEEP:
+        setting = f"warps {warps}, {per_sm}/SM{', prefetch' if ahead else ''}"
+        for piece, fn, nbytes in (("quantize_qkv", quant, qkv_bytes),
+                                  ("quantize_kv fwd", quant_fwd, fwd_bytes),
+                                  ("quantize_do", quant_do, do_bytes)):  # fmt: skip
+            record(piece, setting, lambda f=fn, w=warps, p=per_sm, a=ahead: f(w, p, a), nbytes)
+    qkv = quant(4, 32, False)
     step = 64
     acc = torch.randn(hq, qkv.v_t.shape[2] // step, step * d, device=dev)
     at = dq_fragment_index(operands.v_t_key(qkv.key_columns()), step, d)
@@ -103,7 +118,7 @@ def tune_workload(name: str, copy_gbps: float) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="W3,W7")
+    ap.add_argument("--workloads", default="W3,W7,P3")
     args = ap.parse_args(argv)
     copy_gbps = copy_bandwidth(torch.device("cuda"))["gbps"]
     rows = []

@@ -326,3 +326,44 @@ def test_bad_column_align_is_refused(align) -> None:
         quantize_qkv(q, k, v, cu, column_align=align)
     with pytest.raises(ValueError, match="column_align"):
         token_block_table(cu, 12, align=align)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "exact", "form"),
+    [("mxfp8", False, "backward"), ("mxfp8", True, "forward"), ("mixed_nvfp4", False, "backward")],
+)
+def test_prefetched_block_table_writes_the_same_bits(recipe, exact, form, device) -> None:
+    """``prefetch=True`` (each program reads its next item's block-table entry one item
+    ahead) writes what ``prefetch=False`` writes, in the forward's and the backward's forms
+    and for dO; the packs hold many more items than programs, so every program wraps."""
+    from flamia_serve.kernels.attn_fwd.ops import attn_fwd
+    from flamia_serve.kernels.quant.ops import quantize_do
+
+    lens = (1, 63, 100, 37, 0, 5, 200, 31)
+    q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=11, device=device)
+    if form == "backward":
+        kw = dict(with_transposed=True, q_rows=True, q_transposed=recipe == "mxfp8")
+    else:
+        kw = dict(defer_q=True)
+    a, b = (
+        quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact, prefetch=p, **kw)
+        for p in (False, True)
+    )
+    cols = a.key_columns()
+    for name in ("k_codes", "v_t", "q_rows", "q_t", "k_t") + (() if kw.get("defer_q") else
+                                                               ("q_codes", "q_exp")):  # fmt: skip
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert _same(x, y), name
+    for name in ("k_exp", "v_exp", "kv_factors"):
+        assert _same(getattr(a, name)[..., cols], getattr(b, name)[..., cols]), name
+    if recipe == "mxfp8" and form == "backward":
+        out, m, lse = attn_fwd(a, cu, heads_q=4, causal=True, softmax_scale=0.125)
+        d_out = torch.randn_like(out)
+        x, y = (
+            quantize_do(d_out, out, m, lse, cu, g_rows=True, prefetch=p) for p in (False, True)
+        )
+        for name in ("do_codes", "do_exp", "g_t", "g_rows", "delta", "row_factor"):
+            assert _same(getattr(x, name), getattr(y, name)), name
+        assert _same(x.g_exp[:, cols], y.g_exp[:, cols])

@@ -66,25 +66,46 @@ def _quantize_qk_head(
 
 
 @triton.jit
-def _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows):
-    """Tokens of block ``slot`` (int64) taken in v_t's key order (row ``r`` is the block's
-    token ``v_t_key(r)``: ``v_t`` columns, exponents and factors are then stored as
-    contiguous vectors), which of them exist, and their v_t columns. Quantization is per
-    row or per block, so the row order does not change any code."""
+def _slot_entry(block_start_ptr, block_len_ptr, block_v_t_ptr, slot):
+    """Block ``slot``'s table entry: first token (int64), tokens, first v_t column (int64)."""
     start = tl.load(block_start_ptr + slot).to(tl.int64)
-    keys = v_t_key(rows)
-    row_ok = keys < tl.load(block_len_ptr + slot)
-    col = tl.load(block_v_t_ptr + slot).to(tl.int64) + rows
-    return start + keys, row_ok, col
+    return start, tl.load(block_len_ptr + slot), tl.load(block_v_t_ptr + slot).to(tl.int64)
 
 
 @triton.jit
-def _padded_rows(block_len_ptr, slot, rows):
-    """Rows of block ``slot`` to store in a column layout: its tokens and the document's
-    padding up to the next 16-aligned column, which get zero codes (the values load as 0
-    there), so whole tiles read past a document's end stay finite."""
-    n_rows = tl.load(block_len_ptr + slot)
-    return rows < (n_rows + V_T_ALIGN - 1) // V_T_ALIGN * V_T_ALIGN
+def _item_entry(block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
+                nxt_start, nxt_len, nxt_col, PREFETCH: tl.constexpr):  # fmt: skip
+    """The table entry of ``item``'s slot, and (``PREFETCH``) the prefetched one of the
+    program's next item: ``(start, len, col, nxt_start, nxt_len, nxt_col)``. With
+    ``PREFETCH`` the entry was loaded one item earlier (``nxt_*``), so the tile's load does
+    not wait for the table's."""
+    if PREFETCH:
+        start, length, col = nxt_start, nxt_len, nxt_col
+        nxt_start, nxt_len, nxt_col = _slot_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, (item + n_prog) % n_slots
+        )
+    else:
+        start, length, col = _slot_entry(block_start_ptr, block_len_ptr, block_v_t_ptr,
+                                         item % n_slots)  # fmt: skip
+    return start, length, col, nxt_start, nxt_len, nxt_col
+
+
+@triton.jit
+def _block_rows(start, length, col0, rows):
+    """Tokens of a block (int64) taken in v_t's key order (row ``r`` is the block's token
+    ``v_t_key(r)``: ``v_t`` columns, exponents and factors are then stored as contiguous
+    vectors), which of them exist, and their v_t columns. Quantization is per row or per
+    block, so the row order does not change any code."""
+    keys = v_t_key(rows)
+    return start + keys, keys < length, col0 + rows
+
+
+@triton.jit
+def _padded_rows(length, rows):
+    """Rows of a block of ``length`` tokens to store in a column layout: its tokens and the
+    document's padding up to the next 16-aligned column, which get zero codes (the values
+    load as 0 there), so whole tiles read past a document's end stay finite."""
+    return rows < (length + V_T_ALIGN - 1) // V_T_ALIGN * V_T_ALIGN
 
 
 @triton.jit
@@ -133,25 +154,34 @@ def quantize_qkv_kernel(
     SKIP_Q: tl.constexpr,
     Q_ROWS: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
-    """Persistent programs stride over (head, block slot) items, Q heads then K/V heads;
-    each item quantizes one 32-token block of one head (of K and V both for a K/V head).
-    Empty slots (length 0) store nothing.
+    """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
+    item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
     ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it). ``Q_ROWS``: Q's
     codes also as BF16 (exact), one row per column of the layout with each document's tokens
     in order (``v_t_key`` of the column), the padding left as it is (zero).
 
     Not software-pipelined (``num_stages=1``): staging the next items' tiles through shared
     memory measured 2-3x slower on the H200 than many resident programs each streaming its
-    own items (``benchmarks/results/tune_quant_persistent_stages.json``)."""
+    own items (``benchmarks/results/tune_quant_persistent_stages.json``); nor are K's and V's
+    tiles of a block loaded together (one item for both measured the same on the H200 and
+    took 128 registers, 64 separately: ``benchmarks/NOTES.md``). ``PREFETCH``: each item's
+    block-table entry is loaded one item ahead (one global round trip less per item)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
+    nxt_start, nxt_len, nxt_col = _slot_entry(
+        block_start_ptr, block_len_ptr, block_v_t_ptr, pid % n_slots
+    )
     for item in tl.range(pid, 0 if SKIP_Q else HQ * n_slots, n_prog, num_stages=1):
         h = item // n_slots
-        slot = item % n_slots
-        tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
+        start, length, col0, nxt_start, nxt_len, nxt_col = _item_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
+            nxt_start, nxt_len, nxt_col, PREFETCH,
+        )  # fmt: skip
+        tok, row_ok, col = _block_rows(start, length, col0, rows)
         _e, codes = _quantize_qk_head(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
             q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
@@ -161,13 +191,16 @@ def quantize_qkv_kernel(
             q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
             q_values = codes.to(tl.float32).to(q_rows_ptr.dtype.element_ty)
             tl.store(q_at, q_values, mask=row_ok[:, None])
+    nxt_start, nxt_len, nxt_col = _slot_entry(
+        block_start_ptr, block_len_ptr, block_v_t_ptr, pid % n_slots
+    )
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
-        slot = item % n_slots
-        tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
-        # V's tile is loaded before K's is quantized: both tiles' bytes in flight at once
-        x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
-        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        start, length, col0, nxt_start, nxt_len, nxt_col = _item_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
+            nxt_start, nxt_len, nxt_col, PREFETCH,
+        )  # fmt: skip
+        tok, row_ok, col = _block_rows(start, length, col0, rows)
         e, _codes = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
@@ -176,9 +209,21 @@ def quantize_qkv_kernel(
         # the score operand's K factor (E4M3: a token block's exponent; NVFP4: per token)
         factor_at = kv_factor_ptr + h * 3 * t_pad + col
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
+    nxt_start, nxt_len, nxt_col = _slot_entry(
+        block_start_ptr, block_len_ptr, block_v_t_ptr, pid % n_slots
+    )
+    for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
+        h = item // n_slots
+        start, length, col0, nxt_start, nxt_len, nxt_col = _item_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
+            nxt_start, nxt_len, nxt_col, PREFETCH,
+        )  # fmt: skip
+        tok, row_ok, col = _block_rows(start, length, col0, rows)
+        x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
+        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         codes, e = fp8_rows(x, True, INTERPRET)
         vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
-        pad_ok = _padded_rows(block_len_ptr, slot, rows)
+        pad_ok = _padded_rows(length, rows)
         tl.store(vt_ptrs, tl.trans(codes), mask=pad_ok[None, :])
         tl.store(v_exp_ptr + h * t_pad + col, e.to(v_exp_ptr.dtype.element_ty), mask=row_ok)
         factor_at = kv_factor_ptr + (h * 3 + 1) * t_pad + col
@@ -215,6 +260,7 @@ def quantize_do_kernel(
     INTERPRET: tl.constexpr,
     G_COLUMNS: tl.constexpr = True,
     G_ROWS: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """The backward's dO operands in one pass (twin: ``reference.quantize_do``): per item
     (head, 32-token block) dÔ = E4M3 with a token-block exponent, ``D = rowsum(dÔ ∘ O)``
@@ -223,16 +269,22 @@ def quantize_do_kernel(
     its values ``code·2^eG`` in BF16 (``G_ROWS``, exact: the CuTe backward's BF16 operand), one
     row per column of the layout with each document's tokens in order (``v_t_key`` of the
     column: no permutation) and the padding left as it is (zero). Persistent programs stride over
-    the items."""
+    the items (``PREFETCH`` as in ``quantize_qkv_kernel``)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
+    nxt_start, nxt_len, nxt_col = _slot_entry(
+        block_start_ptr, block_len_ptr, block_v_t_ptr, pid % n_slots
+    )
     for item in tl.range(pid, HQ * n_slots, n_prog, num_stages=1):
         h = item // n_slots
-        slot = item % n_slots
-        tok, row_ok, col = _block_rows(block_start_ptr, block_len_ptr, block_v_t_ptr, slot, rows)
-        pad_ok = _padded_rows(block_len_ptr, slot, rows)
+        start, length, col0, nxt_start, nxt_len, nxt_col = _item_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
+            nxt_start, nxt_len, nxt_col, PREFETCH,
+        )  # fmt: skip
+        tok, row_ok, col = _block_rows(start, length, col0, rows)
+        pad_ok = _padded_rows(length, rows)
         mask2 = row_ok[:, None]
         row_off = tok * HQ + h
         # every load first (the stores below could alias them for the compiler: loads
