@@ -5,18 +5,23 @@ Same setup as ``compile_cute_sm90.py`` (a Python 3.12 venv with the CuTe DSL / F
     FLASH_ATTENTION_ARCH=sm_90 CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD \\
         /tmp/cute312/bin/python benchmarks/compile_cute_bwd_sm90.py [--keep DIR]
 
-Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there (for
-``cuobjdump -res-usage``: registers and spill stack).
+Prints one line per compiled configuration (with ``$PTXAS``: whether its ``wgmma`` are
+pipelined, registers, spills); ``--keep DIR`` keeps each cubin there (for ``cuobjdump``);
+``--variant PATH`` compiles the ``FlamiaBwdSm90`` of a copy of ``cute_sm90.py`` instead (a
+patched experiment, e.g. ``experiments/cute-bwd-stagger.patch`` applied to a copy) before
+its device time is spent.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from cutlass import Float32, Int32
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from benchmarks.compile_cute_sm90 import compile_and_keep, compile_parser
-from flamia_serve.kernels.attn_bwd.cute_sm90 import FlamiaBwdSm90
+from flamia_serve.kernels.attn_bwd import cute_sm90
 from flamia_serve.kernels.attn_bwd.ops import CUTE_BF16_KV_HEAD_DIMS
 
 
@@ -61,7 +66,14 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = Fal
 
 
 def main() -> None:
-    keep = compile_parser(__doc__).parse_args().keep
+    parser = compile_parser(__doc__)
+    parser.add_argument("--variant", default=None, help="a copy of cute_sm90.py to compile")
+    args = parser.parse_args()
+    keep, module = args.keep, cute_sm90
+    if args.variant:
+        spec = importlib.util.spec_from_file_location("cute_sm90_variant", args.variant)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     with FakeTensorMode():
         torch.set_default_device("cuda")
         # the default config (block exponents) at d = 128 / 64, causal or not, and with
@@ -70,7 +82,7 @@ def main() -> None:
             (128, True, False, True), (64, True, False, True), (128, False, False, True),
             (128, True, False, False), (128, True, True, True), (64, False, True, True),
         ):  # fmt: skip
-            kernel = FlamiaBwdSm90(
+            kernel = module.FlamiaBwdSm90(
                 d, 8, 2, causal, 32, 2, False, wide, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS,
                 block_exponents=block,
             )
