@@ -152,7 +152,9 @@ if [[ $steps == *,bwd-pass,* ]]; then  # a training backward's GPU time, kernel 
   run profile_fwd_pass 90 python benchmarks/profile_bwd_pass.py --workloads W1,W4,W7 --pass fwd
 fi
 if [[ $steps == *,quant-tune,* ]]; then  # the quantizers around the kernels (warps, programs
-  # per SM, the block table read ahead) and the dQ read-back, W3 / W7 / P3
+  # per SM, the block table read ahead) and the dQ read-back, W3 / W7 / P3; first their bits
+  run pytest_gpu_quant_tune "${FLAMIA_TEST_SECS:-200}" python -m pytest -q \
+    -W ignore::DeprecationWarning tests/kernels/test_quant.py tests/kernels/test_columns.py
   RUN_TAIL="-n 80" run tune_bwd_pass 300 python benchmarks/tune_bwd_pass.py
 fi
 if [[ $steps == *,stagger,* ]]; then  # the staggered joint dQ (experiments/cute-bwd-stagger.patch,
