@@ -11,6 +11,7 @@ quantization, the backward kernel, the dQ read-back and copies). Beside the kern
 ``wall_us - total_us`` is time the GPU waited for the host; and ``host_us``, the host time
 per call of calls queued behind a busy GPU (a host read inside the call shows up here as
 the GPU's backlog). Writes ``profile_<pass>_pass.json`` to ``FLAMIA_RESULTS_DIR``.
+``--once``: two calls per workload and nothing else (the second one for ``ncu``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from benchmarks.train_attention import make_inputs
 from benchmarks.workloads import training_workload
 
 
-def kernel_times(workload_name: str, iters: int, recipe: str, pass_: str = "bwd") -> dict:
-    """GPU µs per backward (``pass_``: ``"fwd"``, ``"fwd+bwd"``) call by kernel name
-    (averaged over ``iters`` calls), with the call's wall and host time."""
+def make_call(workload_name: str, recipe: str, pass_: str) -> Callable[[], None]:
+    """One backward (``pass_``: ``"fwd"``, ``"fwd+bwd"``) call on the workload's inputs, a
+    plan built outside."""
     import flamia_serve
 
     wl = training_workload(workload_name)
@@ -58,6 +59,14 @@ def kernel_times(workload_name: str, iters: int, recipe: str, pass_: str = "bwd"
         else:
             torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
 
+    return one_call
+
+
+def kernel_times(workload_name: str, iters: int, recipe: str, pass_: str = "bwd") -> dict:
+    """GPU µs per backward (``pass_``: ``"fwd"``, ``"fwd+bwd"``) call by kernel name
+    (averaged over ``iters`` calls), with the call's wall and host time."""
+    wl = training_workload(workload_name)
+    one_call = make_call(workload_name, recipe, pass_)
     one_call()  # compile outside the timings
     host = host_us(one_call)  # before the profiler: CUPTI left attached slows launches
     wall = 1e3 * time_ms(one_call)["ms"]
@@ -93,7 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--recipe", default="mxfp8")
     ap.add_argument("--pass", dest="pass_", choices=["bwd", "fwd", "fwd+bwd"], default="bwd")
+    ap.add_argument("--once", action="store_true",
+                    help="two calls per workload, nothing timed (a driver for ncu)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.once:
+        for name in args.workloads.split(","):
+            one_call = make_call(name, args.recipe, args.pass_)
+            one_call()
+            one_call()
+            torch.cuda.synchronize()
+        return 0
     rows = []
     for name in args.workloads.split(","):
         row = kernel_times(name, args.iters, args.recipe, args.pass_)

@@ -5,7 +5,7 @@
 #                                                   # host-baseline, mixed, quant, fwd-pv,
 #                                                   # fused-q, fused-q-bench, windows-two-pass,
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
-#                                                   # quant-tune
+#                                                   # quant-tune, quant-profile
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -156,6 +156,13 @@ if [[ $steps == *,quant-tune,* ]]; then  # the quantizers around the kernels (wa
   run pytest_gpu_quant_tune "${FLAMIA_TEST_SECS:-200}" python -m pytest -q \
     -W ignore::DeprecationWarning tests/kernels/test_quant.py tests/kernels/test_columns.py
   RUN_TAIL="-n 80" run tune_bwd_pass 300 python benchmarks/tune_bwd_pass.py
+fi
+if [[ $steps == *,quant-profile,* ]]; then  # ncu of the three quantization launches of one
+  # W7 training step (the forward's K/V, the backward's Q/K/V, dO): the second call's
+  run ncu_quant 240 ncu -k regex:quantize --launch-skip 3 --launch-count 3 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python benchmarks/profile_bwd_pass.py --workloads W7 \
+    --pass fwd+bwd --once
 fi
 if [[ $steps == *,stagger,* ]]; then  # the staggered joint dQ (experiments/cute-bwd-stagger.patch,
   # compile-checked only): both forms against the Triton kernel and timed beside the current one
