@@ -159,7 +159,7 @@ if [[ $steps == *,quant-tune,* ]]; then  # the quantizers around the kernels (wa
 fi
 if [[ $steps == *,quant-profile,* ]]; then  # ncu of the three quantization launches of one
   # W7 training step (the forward's K/V, the backward's Q/K/V, dO): the second call's (the
-  # plan's first forward and the first call make 4 before it)
+  # forward that make_call runs for its output, and the first call, make 4 before it)
   run ncu_quant 240 ncu -k regex:quantize --launch-skip 4 --launch-count 3 --section SpeedOfLight \
     --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis python benchmarks/profile_bwd_pass.py --workloads W7 \
