@@ -34,6 +34,7 @@ DQ_SWEEP = [(32, 32), (32, 8), (32, 4), (32, 2), (16, 4), (64, 4), (64, 2), (128
 def tune_workload(name: str, copy_gbps: float) -> list[dict]:
     """Rows of every setting of every launch on workload ``name``."""
     import flamia_serve
+    from flamia_serve.kernels.attn_bwd.cute_sm90 import step_queries
     from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
     from flamia_serve.kernels.attn_bwd.ops import bwd_reads_rows, default_bwd_config
     from flamia_serve.kernels.attn_fwd.ops import default_config
@@ -102,7 +103,7 @@ def tune_workload(name: str, copy_gbps: float) -> list[dict]:
                                   ("quantize_do", quant_do, do_bytes)):  # fmt: skip
             record(piece, setting, lambda f=fn, w=warps, p=per_sm, a=ahead: f(w, p, a), nbytes)
     qkv = quant(4, 32, False)
-    step = 64
+    step = step_queries(d, qk_wide=False)  # the CuTe backward's dq_acc blocks (mxfp8)
     acc = torch.randn(hq, qkv.v_t.shape[2] // step, step * d, device=dev)
     at = dq_fragment_index(operands.v_t_key(qkv.key_columns()), step, d)
     record("dq_acc fill", "zero_()", acc.zero_, 4 * acc.numel())

@@ -151,6 +151,10 @@ def dq_from_fragments(
     heads = dq_acc.shape[0]
     if d < 16 or d & (d - 1):
         raise ValueError(f"head dim {d}: the read-back needs a power of two >= 16")
+    if block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(f"block_t {block_t}: tokens per program must be a power of two")
+    if heads_per_program is not None and heads_per_program < 1:
+        raise ValueError(f"heads_per_program {heads_per_program}: must be at least 1")
     if at.numel() % d or not dq_acc.is_contiguous():
         raise ValueError(f"at must hold T·{d} offsets and dq_acc be contiguous")
     n_tokens = at.numel() // d

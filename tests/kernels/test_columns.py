@@ -54,6 +54,11 @@ def test_dq_from_fragments_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         dq_from_fragments(torch.zeros(2, 1, 2 * 64 * 128, device=DEV)[:, :, ::2], at, 128,
                           torch.float32)  # fmt: skip
+    acc = torch.zeros(2, 1, 64 * 128, device=DEV)
+    with pytest.raises(ValueError, match="block_t 24"):
+        dq_from_fragments(acc, at, 128, torch.float32, block_t=24)
+    with pytest.raises(ValueError, match="heads_per_program 0"):
+        dq_from_fragments(acc, at, 128, torch.float32, heads_per_program=0)
 
 
 def test_column_copies_refuse_bad_arguments() -> None:
