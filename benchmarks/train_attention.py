@@ -67,6 +67,7 @@ from benchmarks.common import (
     write_results,
 )
 from benchmarks.workloads import (
+    EQUAL_PACKS,
     HEAD_DIM,
     HKV,
     HQ,
@@ -631,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--workloads", default=",".join(WORKLOADS),
-        help=f"e.g. W1,W4,W7; also the pack families {','.join(PACK_FAMILIES)}",
+        help=f"e.g. W1,W4,W7; also the pack families {','.join(PACK_FAMILIES + EQUAL_PACKS)}",
     )  # fmt: skip
     ap.add_argument("--impls", default=",".join(IMPLS), help=", ".join(IMPLS))
     ap.add_argument("--passes", default="fwd", help="comma list of fwd, fwd+bwd, bwd")
@@ -642,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         "--flex-workloads", default="W3,W6,W9", help="flex-docmask recompiles: limit its workloads"
     )
     args = ap.parse_args(argv)
-    workloads = _csv(args.workloads, WORKLOADS + PACK_FAMILIES, "workloads")
+    workloads = _csv(args.workloads, WORKLOADS + PACK_FAMILIES + EQUAL_PACKS, "workloads")
     names = _csv(args.impls, tuple(IMPLS), "impls")
     passes = _csv(args.passes, ("fwd", "fwd+bwd", "bwd"), "passes")
     if not torch.cuda.is_available():
@@ -668,7 +669,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             extra["check_cos_vs_fp32"] = check_impls(impls, device)
         copy_row = copy_bandwidth(device)
-        flex_only = set(_csv(args.flex_workloads, WORKLOADS + PACK_FAMILIES, "workloads"))
+        flex_only = set(
+            _csv(args.flex_workloads, WORKLOADS + PACK_FAMILIES + EQUAL_PACKS, "workloads")
+        )
         for name in workloads:
             chosen = [i for i in impls if i.name != "flex-docmask" or name in flex_only]
             if "fwd" in passes:

@@ -28,6 +28,10 @@ and head dim:
 | P4 | 32/8, 128 | 32768 | heavy-tailed: power law on [1, 8192], alpha 1.5 |
 | P5 | 32/8, 128 | 65536 | one |
 
+Documents per pack (``E1``, ``E4``, ``E16``, ``E64``, ``E128``): T = 16384 cut into that many
+documents of one length (16384 .. 128 tokens), Hq/Hkv 32/8, d = 128. Fitting a kernel's time
+against key tiles and items over them separates what an item costs beside its key tiles.
+
 Imports only numpy and torch (no GPU, no triton needed).
 """
 
@@ -70,6 +74,11 @@ _FAMILIES: dict[str, tuple[int, str, int, int, int]] = {
     "P5": (65536, "single", 32, 8, 128),
 }
 PACK_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+
+#: documents per pack, all of one length (issue 16: what an item costs beside its key
+#: tiles): ``E<n>`` is T = 16384 in n equal documents, Hq/Hkv 32/8, d = 128
+EQUAL_TOKENS = 16384
+EQUAL_PACKS: tuple[str, ...] = ("E1", "E4", "E16", "E64", "E128")
 
 
 @dataclass
@@ -152,11 +161,15 @@ def training_workload(name: str) -> Workload:
     if name in _TABLE:
         total, kind = _TABLE[name]
         heads = (HQ, HKV, HEAD_DIM)
+    elif name in EQUAL_PACKS:
+        n = int(name[1:])
+        return Workload(name, EQUAL_TOKENS, [EQUAL_TOKENS // n] * n, "equal")
     elif name in _FAMILIES:
         total, kind, *heads = _FAMILIES[name]
     else:
         raise ValueError(
-            f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS + PACK_FAMILIES)}"
+            f"unknown workload {name!r}; expected one of "
+            f"{', '.join(WORKLOADS + PACK_FAMILIES + EQUAL_PACKS)}"
         )
     lens = document_lengths(total, kind)
     assert sum(lens) == total and min(lens) >= 1
@@ -164,7 +177,7 @@ def training_workload(name: str) -> Workload:
 
 
 if __name__ == "__main__":
-    for _name in WORKLOADS + PACK_FAMILIES:
+    for _name in WORKLOADS + PACK_FAMILIES + EQUAL_PACKS:
         _w = training_workload(_name)
         print(
             f"{_w.name}: T={_w.total_tokens:6d} kind={_w.kind:8s} docs={_w.num_docs:4d} "

@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.workloads import HEAD_DIM, HKV, HQ, PACK_FAMILIES, WORKLOADS, training_workload
+from benchmarks.workloads import (
+    EQUAL_PACKS,
+    HEAD_DIM,
+    HKV,
+    HQ,
+    PACK_FAMILIES,
+    WORKLOADS,
+    training_workload,
+)
 from flamia_serve.kernels.attn_fwd.ops import SHORT_DOCUMENTS
 
 
-@pytest.mark.parametrize("name", WORKLOADS + PACK_FAMILIES)
+@pytest.mark.parametrize("name", WORKLOADS + PACK_FAMILIES + EQUAL_PACKS)
 def test_workloads_fill_their_tokens_deterministically(name: str) -> None:
     wl = training_workload(name)
     assert sum(wl.seqlens) == wl.total_tokens and min(wl.seqlens) >= 1
@@ -37,6 +45,16 @@ def test_pack_families_have_their_shapes() -> None:
     assert p4.num_docs > 300 and p4.total_tokens / p4.num_docs >= SHORT_DOCUMENTS
     assert all(n % 2 == 1 for n in p3.seqlens[:-1])  # odd lengths (the last one is cut)
     assert training_workload("P2").num_docs == training_workload("P5").num_docs == 1
+
+
+def test_equal_packs_cut_16k_tokens_into_equal_documents() -> None:
+    for name in EQUAL_PACKS:
+        wl = training_workload(name)
+        n = int(name[1:])
+        assert wl.seqlens == [16384 // n] * n
+        assert (wl.hq, wl.hkv, wl.head_dim) == (HQ, HKV, HEAD_DIM)
+    # the shortest stays on the CuTe path (windows start below SHORT_DOCUMENTS on average)
+    assert min(16384 // int(n[1:]) for n in EQUAL_PACKS) >= SHORT_DOCUMENTS
 
 
 def test_unknown_workload_is_refused_by_name() -> None:
