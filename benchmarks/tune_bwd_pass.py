@@ -25,9 +25,7 @@ from benchmarks.common import copy_bandwidth, graph_time, write_results
 from benchmarks.train_attention import make_inputs
 from benchmarks.workloads import training_workload
 
-#: num_warps, programs per SM, block-table entries read one item ahead (``prefetch``)
-QUANT_SWEEP = [(4, 32, False), (4, 32, True), (4, 16, True), (2, 32, False), (2, 32, True),
-               (8, 8, False)]  # fmt: skip
+QUANT_SWEEP = [(4, 32), (4, 16), (2, 32), (8, 8)]  # num_warps, programs per SM
 DQ_SWEEP = [(32, 32), (32, 8), (32, 4), (32, 2), (16, 4), (64, 4), (64, 2), (128, 1)]
 
 
@@ -68,25 +66,23 @@ def tune_workload(name: str, copy_gbps: float) -> list[dict]:
         print(f"{name} {piece:15s} {setting:28s} {us:8.1f} µs {gbps:6.0f} GB/s "
               f"({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
 
-    def quant(warps: int, per_sm: int, prefetch: bool):
+    def quant(warps: int, per_sm: int):
         return quantize_qkv(
             q, k, v, cu, blocks=blocks, with_transposed=True, column_align=align,
             columns=columns, workspace=ws, widen=True, q_transposed=not reads_rows,
-            q_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm, prefetch=prefetch,
+            q_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm,
         )  # fmt: skip
 
-    def quant_fwd(warps: int, per_sm: int, prefetch: bool):
+    def quant_fwd(warps: int, per_sm: int):
         return quantize_qkv(
             q, k, v, cu, blocks=blocks, column_align=align, columns=columns, workspace=ws,
             widen=True, defer_q=True, num_warps=warps, programs_per_sm=per_sm,
-            prefetch=prefetch,
         )  # fmt: skip
 
-    def quant_do(warps: int, per_sm: int, prefetch: bool):
+    def quant_do(warps: int, per_sm: int):
         return quantize_do(
             d_out, out, m, lse, cu, blocks=blocks, column_align=align, workspace=ws,
             g_columns=not reads_rows, g_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm,
-            prefetch=prefetch,
         )  # fmt: skip
 
     # Q/K/V read (BF16); K codes, V̂ᵀ and K̂ᵀ written (E4M3), Q as BF16 rows (else E4M3)
@@ -96,13 +92,13 @@ def tune_workload(name: str, copy_gbps: float) -> list[dict]:
     fwd_bytes = 2 * 2 * t * hkv * d + 2 * t * hkv * d
     # dO and O read (BF16); dÔ (E4M3) and Ĝ (BF16 rows, else E4M3 columns) written
     do_bytes = 4 * t * hq * d + t * hq * d + wide * t * hq * d
-    for warps, per_sm, ahead in QUANT_SWEEP:
-        setting = f"warps {warps}, {per_sm}/SM{', prefetch' if ahead else ''}"
+    for warps, per_sm in QUANT_SWEEP:
+        setting = f"warps {warps}, {per_sm}/SM"
         for piece, fn, nbytes in (("quantize_qkv", quant, qkv_bytes),
                                   ("quantize_kv fwd", quant_fwd, fwd_bytes),
                                   ("quantize_do", quant_do, do_bytes)):  # fmt: skip
-            record(piece, setting, lambda f=fn, w=warps, p=per_sm, a=ahead: f(w, p, a), nbytes)
-    qkv = quant(4, 32, False)
+            record(piece, setting, lambda f=fn, w=warps, p=per_sm: f(w, p), nbytes)
+    qkv = quant(4, 32)
     step = step_queries(d, qk_wide=False)  # the CuTe backward's dq_acc blocks (mxfp8)
     acc = torch.randn(hq, qkv.v_t.shape[2] // step, step * d, device=dev)
     at = dq_fragment_index(operands.v_t_key(qkv.key_columns()), step, d)

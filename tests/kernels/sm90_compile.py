@@ -88,16 +88,13 @@ def quant_variants() -> None:
             (False, False, False, False, False, False, True),
             (True, True, True, True, False, False, True),
         ):  # fmt: skip
-            # the block table read one item ahead: the forward's and the backward's E4M3 forms
-            for prefetch in (False, True) if d == 128 and (skip_q or q_rows) else (False,):
-                consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
-                              HADAMARD=had, LOG2_D=d.bit_length() - 1, WIDE=wide,
-                              SCORES_ONLY=scores_only, SKIP_Q=skip_q, Q_ROWS=q_rows,
-                              INTERPRET=False, PREFETCH=prefetch)  # fmt: skip
-                _compile(quantize_qkv_kernel, ptrs, consts, 4)
-                print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide} "
-                      f"scores_only={scores_only} skip_q={skip_q} q_rows={q_rows} "
-                      f"prefetch={prefetch}: ok")  # fmt: skip
+            consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
+                          HADAMARD=had, LOG2_D=d.bit_length() - 1, WIDE=wide,
+                          SCORES_ONLY=scores_only, SKIP_Q=skip_q, Q_ROWS=q_rows,
+                          INTERPRET=False)  # fmt: skip
+            _compile(quantize_qkv_kernel, ptrs, consts, 4)
+            print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide} "
+                  f"scores_only={scores_only} skip_q={skip_q} q_rows={q_rows}: ok")  # fmt: skip
 
 
 def fwd_variants() -> None:
@@ -146,13 +143,10 @@ def do_quant_variants() -> None:
         "gt_ptr": FP8, "g_rows_ptr": BF16, "g_exp_ptr": I16, "delta_ptr": F32, "f_ptr": F32,
     }  # fmt: skip
     for d in (64, 128, 256):
-        # the Triton / the CuTe backward's Ĝ (and the latter with the table read ahead)
-        for cols, rows, prefetch in ((True, False, False), (False, True, False),
-                                     *(((False, True, True),) if d == 128 else ())):  # fmt: skip
-            consts = dict(HQ=32, D=d, BLOCK=32, INTERPRET=False, G_COLUMNS=cols, G_ROWS=rows,
-                          PREFETCH=prefetch)  # fmt: skip
+        for cols, rows in ((True, False), (False, True)):  # the Triton / the CuTe backward's Ĝ
+            consts = dict(HQ=32, D=d, BLOCK=32, INTERPRET=False, G_COLUMNS=cols, G_ROWS=rows)
             _compile(quantize_do_kernel, ptrs, consts, 4)
-            print(f"quant_do d={d} g_columns={cols} g_rows={rows} prefetch={prefetch}: ok")
+            print(f"quant_do d={d} g_columns={cols} g_rows={rows}: ok")
 
 
 def bwd_variants(verbose: bool = False) -> None:

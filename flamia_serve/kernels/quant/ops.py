@@ -119,7 +119,6 @@ def quantize_qkv(
     defer_q: bool = False,
     q_transposed: bool = True,
     q_rows: bool = False,
-    prefetch: bool = False,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
@@ -148,8 +147,6 @@ def quantize_qkv(
     backward's dK = dSᵀ·Q̂: ``q_t`` (the column copy, unless ``q_transposed=False``) and/or
     ``q_rows`` (``q_rows=True``: BF16 rows by column, written by the kernel; the CuTe
     backward's operand where it multiplies dK in BF16, ``KernelQKV.q_rows``).
-    ``prefetch``: each program loads its next item's block-table entry one item ahead
-    (kernel ``PREFETCH``; same codes; not yet timed on the GPU, so off by default).
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -213,7 +210,7 @@ def quantize_qkv(
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, WIDE=widen, SCORES_ONLY=bool(scores_only),
             SKIP_Q=bool(defer_q), Q_ROWS=q_rows, INTERPRET=interpreted(),
-            PREFETCH=bool(prefetch), num_warps=num_warps,
+            num_warps=num_warps,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
     q_t = k_t = None
@@ -247,7 +244,6 @@ def quantize_do(
     workspace: PackWorkspace | None = None,
     g_columns: bool = True,
     g_rows: bool = False,
-    prefetch: bool = False,
 ) -> KernelDO:
     """The backward's dO operands in one launch (``quantize_do_kernel``): dÔ, Ĝ, D.
 
@@ -258,7 +254,7 @@ def quantize_do(
     documents). Ĝ goes to ``g_t`` (E4M3 codes in the column layout: the Triton backward's)
     with ``g_columns``, and to ``g_rows`` (``code·2^eG`` in BF16, exact, a row per column with
     the documents' tokens in order and zero padding: the CuTe backward's) with ``g_rows``; at
-    least one of them. ``prefetch`` as in :func:`quantize_qkv`.
+    least one of them.
     """
     if not (g_columns or g_rows):
         raise ValueError("quantize_do: g_columns and g_rows are both False (Ĝ written nowhere)")
@@ -290,7 +286,7 @@ def quantize_do(
             d_out.stride(0), d_out.stride(1), out.stride(0), out.stride(1),
             t_pad, total, blocks.num_slots,
             HQ=heads_q, D=d, BLOCK=rec.token_block, INTERPRET=interpreted(),
-            G_COLUMNS=g_columns, G_ROWS=g_rows, PREFETCH=bool(prefetch), num_warps=num_warps,
+            G_COLUMNS=g_columns, G_ROWS=g_rows, num_warps=num_warps,
         )  # fmt: skip
     return KernelDO(
         do_codes, do_exp, g_t, g_exp, delta, row_factor, blocks.doc_v_t_start, cu_seqlens,

@@ -73,24 +73,6 @@ def _slot_entry(block_start_ptr, block_len_ptr, block_v_t_ptr, slot):
 
 
 @triton.jit
-def _item_entry(block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
-                nxt_start, nxt_len, nxt_col, PREFETCH: tl.constexpr):  # fmt: skip
-    """The table entry of ``item``'s slot, and (``PREFETCH``) the prefetched one of the
-    program's next item: ``(start, len, col, nxt_start, nxt_len, nxt_col)``. With
-    ``PREFETCH`` the entry was loaded one item earlier (``nxt_*``), so the tile's load does
-    not wait for the table's."""
-    if PREFETCH:
-        start, length, col = nxt_start, nxt_len, nxt_col
-        nxt_start, nxt_len, nxt_col = _slot_entry(
-            block_start_ptr, block_len_ptr, block_v_t_ptr, (item + n_prog) % n_slots
-        )
-    else:
-        start, length, col = _slot_entry(block_start_ptr, block_len_ptr, block_v_t_ptr,
-                                         item % n_slots)  # fmt: skip
-    return start, length, col, nxt_start, nxt_len, nxt_col
-
-
-@triton.jit
 def _block_rows(start, length, col0, rows):
     """Tokens of a block (int64) taken in v_t's key order (row ``r`` is the block's token
     ``v_t_key(r)``: ``v_t`` columns, exponents and factors are then stored as contiguous
@@ -154,7 +136,6 @@ def quantize_qkv_kernel(
     SKIP_Q: tl.constexpr,
     Q_ROWS: tl.constexpr,
     INTERPRET: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
     item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
@@ -166,21 +147,16 @@ def quantize_qkv_kernel(
     memory measured 2-3x slower on the H200 than many resident programs each streaming its
     own items (``benchmarks/results/tune_quant_persistent_stages.json``); nor are K's and V's
     tiles of a block loaded together (one item for both measured the same on the H200 and
-    took 128 registers, 64 separately: ``benchmarks/NOTES.md``). ``PREFETCH``: each item's
-    block-table entry is loaded one item ahead (one global round trip less per item)."""
+    took 128 registers, 64 separately: ``benchmarks/NOTES.md``)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
-    nxt_start, nxt_len, nxt_col = _slot_entry(
-        block_start_ptr, block_len_ptr, block_v_t_ptr, pid % n_slots
-    )
     for item in tl.range(pid, 0 if SKIP_Q else HQ * n_slots, n_prog, num_stages=1):
         h = item // n_slots
-        start, length, col0, nxt_start, nxt_len, nxt_col = _item_entry(
-            block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
-            nxt_start, nxt_len, nxt_col, PREFETCH,
-        )  # fmt: skip
+        start, length, col0 = _slot_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
+        )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
         _e, codes = _quantize_qk_head(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
@@ -191,15 +167,11 @@ def quantize_qkv_kernel(
             q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
             q_values = codes.to(tl.float32).to(q_rows_ptr.dtype.element_ty)
             tl.store(q_at, q_values, mask=row_ok[:, None])
-    nxt_start, nxt_len, nxt_col = _slot_entry(
-        block_start_ptr, block_len_ptr, block_v_t_ptr, pid % n_slots
-    )
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
-        start, length, col0, nxt_start, nxt_len, nxt_col = _item_entry(
-            block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
-            nxt_start, nxt_len, nxt_col, PREFETCH,
-        )  # fmt: skip
+        start, length, col0 = _slot_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
+        )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
         e, _codes = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
@@ -209,15 +181,11 @@ def quantize_qkv_kernel(
         # the score operand's K factor (E4M3: a token block's exponent; NVFP4: per token)
         factor_at = kv_factor_ptr + h * 3 * t_pad + col
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
-    nxt_start, nxt_len, nxt_col = _slot_entry(
-        block_start_ptr, block_len_ptr, block_v_t_ptr, pid % n_slots
-    )
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
-        start, length, col0, nxt_start, nxt_len, nxt_col = _item_entry(
-            block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
-            nxt_start, nxt_len, nxt_col, PREFETCH,
-        )  # fmt: skip
+        start, length, col0 = _slot_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
+        )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
         x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -260,7 +228,6 @@ def quantize_do_kernel(
     INTERPRET: tl.constexpr,
     G_COLUMNS: tl.constexpr = True,
     G_ROWS: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """The backward's dO operands in one pass (twin: ``reference.quantize_do``): per item
     (head, 32-token block) dÔ = E4M3 with a token-block exponent, ``D = rowsum(dÔ ∘ O)``
@@ -269,20 +236,16 @@ def quantize_do_kernel(
     its values ``code·2^eG`` in BF16 (``G_ROWS``, exact: the CuTe backward's BF16 operand), one
     row per column of the layout with each document's tokens in order (``v_t_key`` of the
     column: no permutation) and the padding left as it is (zero). Persistent programs stride over
-    the items (``PREFETCH`` as in ``quantize_qkv_kernel``)."""
+    the items."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
-    nxt_start, nxt_len, nxt_col = _slot_entry(
-        block_start_ptr, block_len_ptr, block_v_t_ptr, pid % n_slots
-    )
     for item in tl.range(pid, HQ * n_slots, n_prog, num_stages=1):
         h = item // n_slots
-        start, length, col0, nxt_start, nxt_len, nxt_col = _item_entry(
-            block_start_ptr, block_len_ptr, block_v_t_ptr, item, n_slots, n_prog,
-            nxt_start, nxt_len, nxt_col, PREFETCH,
-        )  # fmt: skip
+        start, length, col0 = _slot_entry(
+            block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
+        )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
         pad_ok = _padded_rows(length, rows)
         mask2 = row_ok[:, None]
