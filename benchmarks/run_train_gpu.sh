@@ -5,7 +5,7 @@
 #                                                   # host-baseline, mixed, quant, fwd-pv,
 #                                                   # fused-q, fused-q-bench, windows-two-pass,
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
-#                                                   # quant-tune, quant-profile
+#                                                   # quant-tune, quant-profile, items
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -152,7 +152,7 @@ if [[ $steps == *,bwd-pass,* ]]; then  # a training backward's GPU time, kernel 
   run profile_fwd_pass 90 python benchmarks/profile_bwd_pass.py --workloads W1,W4,W7 --pass fwd
 fi
 if [[ $steps == *,quant-tune,* ]]; then  # the quantizers around the kernels (warps, programs
-  # per SM, the block table read ahead) and the dQ read-back, W3 / W7 / P3; first their bits
+  # per SM) and the dQ read-back, W3 / W7 / P3; first their bits
   run pytest_gpu_quant_tune "${FLAMIA_TEST_SECS:-200}" python -m pytest -q \
     -W ignore::DeprecationWarning tests/kernels/test_quant.py tests/kernels/test_columns.py
   RUN_TAIL="-n 80" run tune_bwd_pass 300 python benchmarks/tune_bwd_pass.py
@@ -175,6 +175,14 @@ if [[ $steps == *,stagger,* ]]; then  # the staggered joint dQ (experiments/cute
   sed 's/^STAGGER = 1$/STAGGER = 2/' scratch/stagger_run/s1.py > scratch/stagger_run/s2.py
   run bwd_variants_stagger 420 python benchmarks/bwd_variants.py --timeout 380 --ablate nocta \
     stagger=scratch/stagger_run/s1.py stagger_start=scratch/stagger_run/s2.py
+fi
+if [[ $steps == *,items,* ]]; then  # what a forward work item costs beside its key tiles
+  # (fwd_items.py: fit over W1, W3 and 16k tokens in 1..128 equal documents, FA4 beside,
+  # timing-only ablations), then those packs' forward and forward+backward next to FA4
+  RUN_TAIL="-n 30" run fwd_items 300 python benchmarks/fwd_items.py --ablate noepi,noqq
+  run train_attention_equal 240 python benchmarks/train_attention.py --quick \
+    --workloads E1,E4,E16,E64,E128 --passes fwd,fwd+bwd --impls flamia-mxfp8,fa4 \
+    --name train_attention_equal
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
