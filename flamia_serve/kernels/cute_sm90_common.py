@@ -11,8 +11,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import from_dlpack
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 FP8 = cutlass.Float8E4M3FN
 TVM_FFI = "--enable-tvm-ffi"
@@ -104,3 +106,54 @@ def accumulator_to_a(acc: cute.Tensor, frag: cute.Tensor) -> None:
         cute.make_layout((((2, 2), 2, 2), 1, k_blocks), stride=(((1, 2), 4, 8), 0, 16)),
     )
     a.store(acc_as_a.load().to(FP8))
+
+
+# ---------------------------------------------------------------- PTX helpers
+def _asm(result, args, text: str, constraints: str, side_effects: bool = False):
+    """Inline PTX; ``side_effects``: kept, and in order with the other such statements."""
+    return llvm.inline_asm(
+        result, args, text, constraints, has_side_effects=side_effects, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
+def _mlir(ty):
+    return T.i32() if ty is Int32 else T.f32()
+
+
+def _fields(res, ty, n: int, loc, ip) -> list:
+    return [ty(llvm.extractvalue(_mlir(ty), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+def _load_words(op: str, addr, addr_c: str, n: int, side_effects: bool, loc,
+                ip) -> list[Int32]:  # fmt: skip
+    """``n`` (1, 2 or 4) 32-bit words by the load ``op`` (``ld.global.nc``, ``ld.shared``) at
+    the address value ``addr`` (constraint ``addr_c``)."""
+    if n == 1:
+        return [Int32(_asm(T.i32(), [addr], f"{op}.u32 $0, [$1];", f"=r,{addr_c}",
+                           side_effects))]  # fmt: skip
+    regs = ", ".join(f"${i}" for i in range(n))
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * n), [addr],
+        f"{op}.v{n}.u32 {{{regs}}}, [${n}];", ",".join(["=r"] * n) + f",{addr_c}", side_effects,
+    )  # fmt: skip
+    return _fields(res, Int32, n, loc, ip)
+
+
+@dsl_user_op
+def load_shared_words(addr: Int32, n: int, *, loc=None, ip=None) -> list[Int32]:
+    """``n`` (1, 2 or 4) 32-bit words at shared-memory address ``addr`` (aligned to ``4n``);
+    ordered after the barriers (``cp.async`` waits, warp or named barriers) that precede
+    it."""
+    return _load_words("ld.shared", Int32(addr).ir_value(loc=loc, ip=ip), "r", n, True,
+                       loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def store_global_words(addr: Int64, words: list, *, loc=None, ip=None) -> None:
+    """Store four 32-bit ``words`` at global byte address ``addr`` (16-byte aligned), one
+    ``st.global.v4``."""
+    args = [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip)
+                                                     for w in words]  # fmt: skip
+    _asm(None, args, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+         side_effects=True)  # fmt: skip

@@ -39,7 +39,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 import torch
-from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass import Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils import LayoutEnum
@@ -55,7 +55,9 @@ from flamia_serve.kernels.cute_sm90_common import (
     compile_kernel,
     e4m3_exponent,
     kernel_tensors,
+    load_shared_words,
     pow2,
+    store_global_words,
 )
 from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.kernels.workspace import PackWorkspace, zero_counter
@@ -75,6 +77,10 @@ _BAR_KV_GATE = 8
 _MITCHELL_BIAS = float(P_E4M3.bias << P_E4M3.mant_bits)
 _E4M3_TO_F32 = (127 - P_E4M3.bias) << P_E4M3.mant_bits
 _WORK_STAGES = 2  # work items the producer warp may publish ahead of the consumers
+#: 32-bit words per row of the epilogue's staging tile: 64 pairs of output values (128
+#: columns, one d_chunk) and 4 words of padding, so that the eight rows a warp's pair
+#: stores reach fall on distinct banks
+_O_ROW = 64 + 4
 
 
 class FlamiaFwdSm90:
@@ -97,6 +103,7 @@ class FlamiaFwdSm90:
         qk_wide: bool = False,
         promote_pv: bool = True,
         q_block: int = 0,
+        stage_o: bool = True,
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
@@ -146,6 +153,10 @@ class FlamiaFwdSm90:
         self.q_block = q_block
         self.num_wg = self.tile_m // 64
         assert self.num_wg in (1, 2, 3)
+        # O leaves through shared memory in 16-byte row pieces (``epilogue``; needs O's token
+        # and head strides in multiples of 8 elements) up to d = 128; at d = 256 the staging
+        # tile would cost the main loop registers (local sm_90a build: +56 B of stack)
+        self.stage_o = stage_o and head_dim <= 128
         self.num_threads = 128 * (self.num_wg + 1)
         self.gate_threads = 32 + 128 * self.num_wg  # _BAR_KV_GATE: producer warp, consumers
         self.mma_regs, self.producer_regs = {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.num_wg]
@@ -240,6 +251,10 @@ class FlamiaFwdSm90:
             sQin: cute.struct.Align[cute.struct.MemRange[q_in, q_in_elems], 1024]
             sQe: cute.struct.MemRange[Int32, self.tile_m]
             sAmax: cute.struct.MemRange[Float32, 4 * self.num_wg]
+            # each warpgroup's 64 output rows of one d_chunk, as pairs of output values
+            sO: cute.struct.Align[
+                cute.struct.MemRange[Int32, self.num_wg * 64 * _O_ROW if self.stage_o else 4], 128
+            ]
 
         self.kernel(
             tma_q, tma_k, tma_v, tma_f, atom_q, atom_k, atom_v, atom_f, mQexp, mCu, mCuK,
@@ -324,6 +339,9 @@ class FlamiaFwdSm90:
         q_scratch = SimpleNamespace(
             sQin=sQin, sQe=storage.sQe.get_tensor(cute.make_layout(self.tile_m)),
             sAmax=storage.sAmax.get_tensor(cute.make_layout(4 * self.num_wg)),
+            sO=storage.sO.get_tensor(
+                cute.make_layout((self.num_wg, 64, _O_ROW), stride=(64 * _O_ROW, _O_ROW, 1))
+            ),
         )  # fmt: skip
 
         # work items w = item * Hq + head (items longest first): CTA b takes item b first,
@@ -540,7 +558,7 @@ class FlamiaFwdSm90:
             m_run=cute.make_rmem_tensor(n_rows, Float32),
             l_run=cute.make_rmem_tensor(n_rows, Float32),
             alpha=cute.make_rmem_tensor(n_rows, Float32),
-            sQ=sQ, sQe=q_scratch.sQe, sAmax=q_scratch.sAmax, sQin=q_scratch.sQin,
+            sQ=sQ, sQe=q_scratch.sQe, sAmax=q_scratch.sAmax, sQin=q_scratch.sQin, sO=q_scratch.sO,
             tid_wg=tidx - wg * 128,
         )  # fmt: skip
         if const_expr(self.num_wg > 1):
@@ -930,27 +948,56 @@ class FlamiaFwdSm90:
     @cute.jit
     def epilogue(self, acc_O, thr_mma_pv, ctx, mO, mM, mLSE, w):
         """O = acc / l in the output dtype, the row reference M and base-2 lse, for the rows
-        inside the document."""
+        inside the document. Up to d = 128 (``stage_o``) O goes through shared memory
+        (``sO``: the warpgroup's 64 rows, as the accumulator holds them), then out in 16-byte
+        row pieces, each row written whole: the accumulator's own pair stores reach 16 bytes
+        in each of eight rows per warp store (partial sectors), which took ~20% of a
+        short-document pack's forward on the H200 (``fwd_items.py --ablate noepi``)."""
         ctx.l_run.store(fa_utils.warp_reduce(ctx.l_run.load(), lambda a, b: a + b, width=4))
         tOcO = layout_utils.reshape_acc_to_mn(
             thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d_chunk)))
         )
         out_pairs = cute.recast_tensor(mO, Int32)  # two adjacent output columns per store
+        sO = ctx.sO[ctx.wg, None, None]  # (64 rows, _O_ROW words)
+        if const_expr(self.stage_o):
+            self.wg_sync(ctx.wg)  # the previous item's reads of sO are done
         for r in cutlass.range_constexpr(cute.size(ctx.m_run)):
+            inv = cute.arch.rcp_approx(ctx.l_run[r])
+            acc_mn = layout_utils.reshape_acc_to_mn(acc_O[0])
+            if const_expr(self.stage_o):  # rows past the document are written, not stored
+                row = tOcO[r, 0][0] - ctx.wg * 64
+                for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+                    sO[row, tOcO[0, c][1] // 2] = fa_utils.cvt_f16x2_f32(
+                        acc_mn[r, c] * inv, acc_mn[r, c + 1] * inv, mO.element_type
+                    )
             if ctx.row[r] < w.seqlen:
-                inv = cute.arch.rcp_approx(ctx.l_run[r])
                 tok = w.q_base + ctx.row[r]
-                for h in cutlass.range_constexpr(self.n_chunks):
-                    acc_mn = layout_utils.reshape_acc_to_mn(acc_O[h])
-                    for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-                        col = h * self.d_chunk + tOcO[0, c][1]
-                        out_pairs[tok, w.head, col // 2] = fa_utils.cvt_f16x2_f32(
-                            acc_mn[r, c] * inv, acc_mn[r, c + 1] * inv, mO.element_type
-                        )
+                if const_expr(not self.stage_o):
+                    for h in cutlass.range_constexpr(self.n_chunks):
+                        acc_mn = layout_utils.reshape_acc_to_mn(acc_O[h])
+                        for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+                            col = h * self.d_chunk + tOcO[0, c][1]
+                            out_pairs[tok, w.head, col // 2] = fa_utils.cvt_f16x2_f32(
+                                acc_mn[r, c] * inv, acc_mn[r, c + 1] * inv, mO.element_type
+                            )
                 if tOcO[0, 0][1] == 0:
                     m = ctx.m_run[r]
                     mM[tok, w.head] = m
                     mLSE[tok, w.head] = m - P_HAT_EXP + cute.math.log2(ctx.l_run[r], fastmath=True)
+        if const_expr(self.stage_o):
+            self.wg_sync(ctx.wg)
+            pieces = self.d // 8  # 16-byte pieces of a row
+            first_row = w.q_offset + w.tile * self.tile_m + ctx.wg * 64  # among the keys
+            s_base = sO.iterator.toint()
+            o_at = mO.iterator.toint() + Int64(w.head) * (mO.layout.stride[1] * 2)
+            for k in cutlass.range_constexpr(64 * pieces // 128):
+                idx = ctx.tid_wg + 128 * k
+                row = idx // pieces
+                piece = idx - row * pieces
+                if first_row + row < w.seqlen:
+                    words = load_shared_words(s_base + (row * _O_ROW + piece * 4) * 4, 4)
+                    tok = Int64(w.q_base + first_row + row)
+                    store_global_words(o_at + tok * (mO.layout.stride[0] * 2) + piece * 16, words)
 
 
 def _factor_offset(j: int) -> int:
@@ -1015,12 +1062,14 @@ def attn_fwd_sm90(
         (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]
+    stage_o = out.stride(0) % 8 == 0 and out.stride(1) % 8 == 0
     key = (d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
-           ticket, out.dtype, extend, exp_mode, wide, promote_pv, q_block, q_in.dtype)  # fmt: skip
+           ticket, out.dtype, extend, exp_mode, wide, promote_pv, q_block, q_in.dtype,
+           stage_o)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
-            ticket, extend, exp_mode, wide, promote_pv, q_block,
+            ticket, extend, exp_mode, wide, promote_pv, q_block, stage_o,
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     sms = sm_count(out.device)

@@ -49,8 +49,13 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flamia_serve.kernels.cute_sm90_common import (
+    _asm,
+    _fields,
+    _load_words,
+    _mlir,
     compile_kernel,
     kernel_tensors,
+    load_shared_words,
     pow2,
     pow2_exponent_ceil,
 )
@@ -83,22 +88,6 @@ P_SCALE = float(2**P_HAT_EXP)
 
 
 # ---------------------------------------------------------------- PTX helpers
-def _asm(result, args, text: str, constraints: str, side_effects: bool = False):
-    """Inline PTX; ``side_effects``: kept, and in order with the other such statements."""
-    return llvm.inline_asm(
-        result, args, text, constraints, has_side_effects=side_effects, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )  # fmt: skip
-
-
-def _mlir(ty):
-    return T.i32() if ty is Int32 else T.f32()
-
-
-def _fields(res, ty, n: int, loc, ip) -> list:
-    return [ty(llvm.extractvalue(_mlir(ty), res, [i], loc=loc, ip=ip)) for i in range(n)]
-
-
 def _asm1(ty, args: list, text: str, constraints: str, loc, ip):
     """One-result inline PTX over DSL scalars ``args`` (typed: Int32, Int64, Float32), its
     result as ``ty`` (Int32 or Float32)."""
@@ -117,21 +106,6 @@ def _mma(shape_types: str, a: list, b: list, c: list, loc, ip) -> list[Float32]:
         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
     )  # fmt: skip
     return _fields(res, Float32, 4, loc, ip)
-
-
-def _load_words(op: str, addr, addr_c: str, n: int, side_effects: bool, loc,
-                ip) -> list[Int32]:  # fmt: skip
-    """``n`` (1, 2 or 4) 32-bit words by the load ``op`` (``ld.global.nc``, ``ld.shared``) at
-    the address value ``addr`` (constraint ``addr_c``)."""
-    if n == 1:
-        return [Int32(_asm(T.i32(), [addr], f"{op}.u32 $0, [$1];", f"=r,{addr_c}",
-                           side_effects))]  # fmt: skip
-    regs = ", ".join(f"${i}" for i in range(n))
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * n), [addr],
-        f"{op}.v{n}.u32 {{{regs}}}, [${n}];", ",".join(["=r"] * n) + f",{addr_c}", side_effects,
-    )  # fmt: skip
-    return _fields(res, Int32, n, loc, ip)
 
 
 def _load_bytes(op: str, addr, addr_c: str, n: int, side_effects: bool) -> Int32:
@@ -155,14 +129,6 @@ def load_bytes(addr: Int64, n: int, *, loc=None, ip=None) -> Int32:
     if n == 4:
         return load_words(addr, 1, loc=loc, ip=ip)[0]
     return _load_bytes("ld.global.nc", Int64(addr).ir_value(loc=loc, ip=ip), "l", n, False)
-
-
-@dsl_user_op
-def load_shared_words(addr: Int32, n: int, *, loc=None, ip=None) -> list[Int32]:
-    """``n`` (1, 2 or 4) 32-bit words at shared-memory address ``addr`` (aligned to ``4n``);
-    ordered after the ``cp.async`` wait and warp barrier that precede it."""
-    return _load_words("ld.shared", Int32(addr).ir_value(loc=loc, ip=ip), "r", n, True,
-                       loc, ip)  # fmt: skip
 
 
 @dsl_user_op
