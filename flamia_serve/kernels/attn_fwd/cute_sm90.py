@@ -951,7 +951,7 @@ class FlamiaFwdSm90:
         inside the document. Up to d = 128 (``stage_o``) O goes through shared memory
         (``sO``: the warpgroup's 64 rows, as the accumulator holds them), then out in 16-byte
         row pieces, each row written whole: the accumulator's own pair stores reach 16 bytes
-        in each of eight rows per warp store (partial sectors), which took ~20% of a
+        in each of eight rows per warp store (partial sectors), which took up to a third of a
         short-document pack's forward on the H200 (``fwd_items.py --ablate noepi``)."""
         ctx.l_run.store(fa_utils.warp_reduce(ctx.l_run.load(), lambda a, b: a + b, width=4))
         tOcO = layout_utils.reshape_acc_to_mn(
