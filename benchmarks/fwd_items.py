@@ -13,7 +13,7 @@ anatomy).
 ``--ablate``: copies of the CuTe forward with one part of an item left out, timing only (their
 outputs are wrong): ``noepi`` stores no O in the epilogue (M and lse only), ``noqq`` does not
 quantize the Q tile inside the kernel (the consumers only meet at its barrier). Writes
-``fwd_items.json``.
+``<--name>.json`` (default ``fwd_items.json``).
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(("W1", "W3", *EQUAL_PACKS)))
     ap.add_argument("--ablate", default="", help=f"some of {', '.join(ABLATIONS)}")
     ap.add_argument("--no-fa4", action="store_true")
+    ap.add_argument("--name", default="fwd_items", help="results file stem")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fwd_items needs a CUDA GPU")
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             [f"{n}_kernel_us" for n, _ in variants] + ["current_total_us", "fa4_total_us"]}
     for key, f in fits.items():
         print(key, f)
-    write_results("fwd_items", rows, {"fits": fits, "tile": TILE})
+    write_results(args.name, rows, {"fits": fits, "tile": TILE})
     return 0
 
 

@@ -5,7 +5,8 @@
 #                                                   # host-baseline, mixed, quant, fwd-pv,
 #                                                   # fused-q, fused-q-bench, windows-two-pass,
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
-#                                                   # quant-tune, quant-profile, items
+#                                                   # quant-tune, quant-profile, items,
+#                                                   # q-producer
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -183,6 +184,23 @@ if [[ $steps == *,items,* ]]; then  # what a forward work item costs beside its 
   run train_attention_equal 240 python benchmarks/train_attention.py --quick \
     --workloads E1,E4,E16,E64,E128 --passes fwd,fwd+bwd --impls flamia-mxfp8,fa4 \
     --name train_attention_equal
+fi
+if [[ $steps == *,q-producer,* ]]; then  # experiment: the forward's Q quantized by the
+  # producer warpgroup's warps 1-2 into two code buffers while the consumers run the item
+  # before (experiments/cute-fwd-q-by-producer.patch, compile-checked only): the tree as it
+  # is, then patched: bits, leakage, repeatability, then speed beside FA4
+  RUN_TAIL="-n 10" run fwd_items_before 150 python benchmarks/fwd_items.py --no-fa4 \
+    --name fwd_items_before
+  git apply benchmarks/experiments/cute-fwd-q-by-producer.patch || exit 1
+  run pytest_gpu_q_producer 300 python -m pytest -q -x -W ignore::DeprecationWarning \
+    tests/kernels/test_gpu_cute.py tests/test_nonfinite.py \
+    -k "quantizing_q or leakage or ticket or default_here or fp16_output or nonfinite or nan"
+  run fwd_repeatability_q_producer 200 python benchmarks/check_fwd_repeatability.py
+  RUN_TAIL="-n 10" run fwd_items_q_producer 150 python benchmarks/fwd_items.py \
+    --name fwd_items_q_producer
+  run train_attention_q_producer 300 python benchmarks/train_attention.py --quick --passes fwd \
+    --workloads W1,W4,W7,P3,P4,E16,E64,E128 --impls flamia-mxfp8,fa4 \
+    --name train_attention_q_producer
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
