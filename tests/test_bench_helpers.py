@@ -8,6 +8,8 @@ from benchmarks.common import time_ms
 from benchmarks.decode import parse
 from benchmarks.decode_overhead import fit_line
 from benchmarks.exp_bound import parse_pack
+from benchmarks.fwd_items import fit, tiles_and_items
+from benchmarks.workloads import training_workload
 
 
 def test_fit_line_recovers_fixed_cost_and_slope() -> None:
@@ -32,3 +34,28 @@ def test_decode_workload_names_parse_or_fail_clearly() -> None:
 def test_time_ms_names_a_bad_flush_mode() -> None:
     with pytest.raises(ValueError, match="l2"):
         time_ms(lambda: None, l2="warm")
+
+
+def test_fwd_items_counts_causal_tiles_and_items() -> None:
+    # E4: four documents of 4096 tokens = 32 tiles of 128 each; 32 heads
+    assert tiles_and_items(training_workload("E4")) == (4 * 32 * 33 // 2 * 32, 4 * 32 * 32)
+    # a document of 129 tokens takes two query tiles (the second masked past its end)
+    wl = training_workload("W1")
+    wl.seqlens = [129, 8192 - 129]
+    n = -(-(8192 - 129) // 128)
+    assert tiles_and_items(wl) == ((3 + n * (n + 1) // 2) * 32, (2 + n) * 32)
+
+
+def test_fwd_items_fit_recovers_tile_item_and_call_costs() -> None:
+    names = ["W1", "W3", "E1", "E16", "E128"]
+    rows = []
+    for name in names:
+        tiles, items = tiles_and_items(training_workload(name))
+        rows.append({"tiles": tiles, "items": items, "us": 0.01 * tiles + 0.3 * items + 7.0})
+    got = fit(rows, "us")
+    assert got is not None
+    assert got["us_per_tile"] == pytest.approx(0.01)
+    assert got["us_per_item"] == pytest.approx(0.3)
+    assert got["us_per_call"] == pytest.approx(7.0, abs=1e-6)
+    assert fit(rows[:2], "us") is None  # fewer points than unknowns: no fit
+
