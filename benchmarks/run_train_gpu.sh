@@ -6,7 +6,7 @@
 #                                                   # fused-q, fused-q-bench, windows-two-pass,
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
 #                                                   # quant-tune, quant-profile, items,
-#                                                   # q-producer
+#                                                   # q-producer, quant-prefetch
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -201,6 +201,22 @@ if [[ $steps == *,q-producer,* ]]; then  # experiment: the forward's Q quantized
   run train_attention_q_producer 300 python benchmarks/train_attention.py --quick --passes fwd \
     --workloads W1,W4,W7,P3,P4,E16,E64,E128 --impls flamia-mxfp8,fa4 \
     --name train_attention_q_producer
+fi
+if [[ $steps == *,quant-prefetch,* ]]; then  # experiment: the quantizers load the next
+  # item's tiles before they store the current item's codes
+  # (experiments/quant-prefetch-next-item.patch): launches timed before and after, the
+  # patched quantizers' bits on the GPU, then W7 / P3 beside FA4
+  sweep=${FLAMIA_QUANT_SWEEP:-4x32,4x16,8x8}
+  RUN_TAIL="-n 12" run tune_quant_before 200 python benchmarks/tune_bwd_pass.py \
+    --quant-sweep "$sweep" --name tune_quant_before
+  git apply benchmarks/experiments/quant-prefetch-next-item.patch || exit 1
+  RUN_TAIL="-n 12" run tune_quant_prefetch 200 python benchmarks/tune_bwd_pass.py \
+    --quant-sweep "$sweep" --name tune_quant_prefetch
+  run pytest_gpu_quant_prefetch 200 python -m pytest -q -x -W ignore::DeprecationWarning \
+    tests/kernels/test_quant.py tests/kernels/test_columns.py tests/kernels/test_gpu_bwd.py
+  RUN_TAIL="-n 12" run train_attention_quant_prefetch 200 python benchmarks/train_attention.py \
+    --quick --workloads W7,P3 --passes fwd,fwd+bwd --impls flamia-mxfp8,fa4 \
+    --name train_attention_quant_prefetch
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \

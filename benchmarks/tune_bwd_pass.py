@@ -29,8 +29,11 @@ QUANT_SWEEP = [(4, 32), (4, 16), (2, 32), (8, 8)]  # num_warps, programs per SM
 DQ_SWEEP = [(32, 32), (32, 8), (32, 4), (32, 2), (16, 4), (64, 4), (64, 2), (128, 1)]
 
 
-def tune_workload(name: str, copy_gbps: float) -> list[dict]:
-    """Rows of every setting of every launch on workload ``name``."""
+def tune_workload(
+    name: str, copy_gbps: float, quant_sweep: list[tuple[int, int]] = QUANT_SWEEP
+) -> list[dict]:
+    """Rows of every setting (``quant_sweep``: the quantizers') of every launch on workload
+    ``name``."""
     import flamia_serve
     from flamia_serve.kernels.attn_bwd.cute_sm90 import step_queries
     from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
@@ -92,7 +95,7 @@ def tune_workload(name: str, copy_gbps: float) -> list[dict]:
     fwd_bytes = 2 * 2 * t * hkv * d + 2 * t * hkv * d
     # dO and O read (BF16); dÔ (E4M3) and Ĝ (BF16 rows, else E4M3 columns) written
     do_bytes = 4 * t * hq * d + t * hq * d + wide * t * hq * d
-    for warps, per_sm in QUANT_SWEEP:
+    for warps, per_sm in quant_sweep:
         setting = f"warps {warps}, {per_sm}/SM"
         for piece, fn, nbytes in (("quantize_qkv", quant, qkv_bytes),
                                   ("quantize_kv fwd", quant_fwd, fwd_bytes),
@@ -113,16 +116,28 @@ def tune_workload(name: str, copy_gbps: float) -> list[dict]:
     return rows
 
 
+def parse_setting(text: str) -> tuple[int, int]:
+    """``"4x32"`` -> (num_warps 4, 32 programs per SM)."""
+    warps, _, per_sm = text.partition("x")
+    if not (warps.isdigit() and per_sm.isdigit()):
+        raise ValueError(f"--quant-sweep: {text!r} is not WARPSxPROGRAMS_PER_SM")
+    return int(warps), int(per_sm)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="W3,W7,P3")
+    ap.add_argument("--quant-sweep", default=",".join(f"{w}x{p}" for w, p in QUANT_SWEEP),
+                    help="the quantizers' settings, WARPSxPROGRAMS_PER_SM,...")  # fmt: skip
+    ap.add_argument("--name", default="tune_bwd_pass", help="results file name")
     args = ap.parse_args(argv)
+    sweep = [parse_setting(x) for x in args.quant_sweep.split(",")]
     copy_gbps = copy_bandwidth(torch.device("cuda"))["gbps"]
     rows = []
     for name in args.workloads.split(","):
-        rows += tune_workload(name, copy_gbps)
+        rows += tune_workload(name, copy_gbps, sweep)
         torch.cuda.empty_cache()
-    write_results("tune_bwd_pass", rows, {"copy_gbps": copy_gbps})
+    write_results(args.name, rows, {"copy_gbps": copy_gbps})
     return 0
 
 

@@ -9,6 +9,7 @@ from benchmarks.decode import parse
 from benchmarks.decode_overhead import fit_line
 from benchmarks.exp_bound import parse_pack
 from benchmarks.fwd_items import fit, tiles_and_items
+from benchmarks.tune_bwd_pass import parse_setting
 from benchmarks.workloads import training_workload
 
 
@@ -59,3 +60,11 @@ def test_fwd_items_fit_recovers_tile_item_and_call_costs() -> None:
     assert got["us_per_call"] == pytest.approx(7.0, abs=1e-6)
     assert fit(rows[:2], "us") is None  # fewer points than unknowns: no fit
 
+
+
+def test_quantizer_settings_parse_or_fail_clearly() -> None:
+    assert parse_setting("4x32") == (4, 32)
+    assert parse_setting("8x8") == (8, 8)
+    for bad in ("4", "4x", "x32", "4*32"):
+        with pytest.raises(ValueError, match="WARPSxPROGRAMS_PER_SM"):
+            parse_setting(bad)
