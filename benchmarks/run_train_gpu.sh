@@ -6,7 +6,7 @@
 #                                                   # fused-q, fused-q-bench, windows-two-pass,
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
 #                                                   # quant-tune, quant-profile, items,
-#                                                   # q-producer, quant-prefetch
+#                                                   # q-producer, quant-prefetch, d256-bwd
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -217,6 +217,16 @@ if [[ $steps == *,quant-prefetch,* ]]; then  # experiment: the quantizers load t
   RUN_TAIL="-n 12" run train_attention_quant_prefetch 200 python benchmarks/train_attention.py \
     --quick --workloads W7,P3 --passes fwd,fwd+bwd --impls flamia-mxfp8,fa4 \
     --name train_attention_quant_prefetch
+fi
+if [[ $steps == *,d256-bwd,* ]]; then  # the d = 256 backward (Triton) with its head dim split
+  # over programs (BwdConfig.head_dim_parts): the tests, the kernel alone per config, then
+  # P2's forward+backward beside FA4
+  run pytest_gpu_bwd_d256 200 python -m pytest -q -x -W ignore::DeprecationWarning \
+    tests/kernels/test_attn_bwd.py -k "head_dim_parts or matches_reference or round_trip"
+  RUN_TAIL="-n 8" run tune_bwd_d256 240 python benchmarks/tune_bwd.py --workloads P2 \
+    --no-extra-shapes --configs "${FLAMIA_BWD_CONFIGS:-8x2x1,8x2x2,4x2x2,8x2x4}" --name tune_bwd_d256
+  RUN_TAIL="-n 8" run train_attention_p2 150 python benchmarks/train_attention.py --quick \
+    --workloads P2 --passes fwd,fwd+bwd --impls flamia-mxfp8,fa4 --name train_attention_p2_d256
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \

@@ -1,8 +1,9 @@
 """Backward kernel configs on the H200: time ``attn_bwd`` alone (operands quantized outside
 timing) for warps/stages/register caps, on training workloads and other head dims.
 
-Usage: ``python benchmarks/tune_bwd.py [--workloads W3,W6]`` (writes
-``results/tune_bwd.json``). The ``fwd+bwd`` rows of ``train_attention.py`` time the default.
+Usage: ``python benchmarks/tune_bwd.py [--workloads W3,W6,P2] [--configs 8x2x1,8x2x2]
+[--no-extra-shapes] [--name NAME]`` (writes ``results/tune_bwd.json``; a config is
+``WARPSxSTAGESxHEAD_DIM_PARTS``). The ``fwd+bwd`` rows of ``train_attention.py`` time the default.
 """
 
 from __future__ import annotations
@@ -23,21 +24,42 @@ from flamia_serve.kernels.attn_fwd.ops import attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import build_key_work_list
 
-CONFIGS = [(4, 2, None), (8, 2, None), (8, 3, None)]  # (num_warps, num_stages, maxnreg)
+CONFIGS = "4x2x1,8x2x1,8x3x1"  # num_warps x num_stages x head_dim_parts
 
 
-def _shapes(workloads: list[str]) -> list[tuple[str, list[int], int, int, int]]:
-    """(name, document lengths, hq, hkv, d): training workloads at d=128, plus d=64/256."""
-    shapes = [(w, training_workload(w).seqlens, 32, 8, 128) for w in workloads]
-    return [*shapes, ("1x8192-d64", [8192], 32, 8, 64), ("1x8192-d256", [8192], 16, 8, 256)]
+def parse_configs(text: str) -> list[tuple[int, int, int]]:
+    """``"8x2x1,8x2x2"`` -> [(num_warps, num_stages, head_dim_parts), ...]."""
+    out = []
+    for item in text.split(","):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--configs: {item!r} is not WARPSxSTAGESxHEAD_DIM_PARTS")
+        out.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return out
+
+
+def _shapes(workloads: list[str], extra: bool) -> list[tuple[str, list[int], int, int, int]]:
+    """(name, document lengths, hq, hkv, d): the workloads' own heads and head dim, plus
+    (``extra``) one 8k document at d=64/256."""
+    shapes = []
+    for w in workloads:
+        wl = training_workload(w)
+        shapes.append((w, wl.seqlens, wl.hq, wl.hkv, wl.head_dim))
+    if extra:
+        shapes += [("1x8192-d64", [8192], 32, 8, 64), ("1x8192-d256", [8192], 16, 8, 256)]
+    return shapes
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="W3,W6")
+    ap.add_argument("--configs", default=CONFIGS, help="WARPSxSTAGESxHEAD_DIM_PARTS,...")
+    ap.add_argument("--no-extra-shapes", action="store_true", help="only --workloads")
+    ap.add_argument("--name", default="tune_bwd", help="results file name")
     args = ap.parse_args(argv)
+    configs = parse_configs(args.configs)
     rows = []
-    for name, lens, hq, hkv, d in _shapes(args.workloads.split(",")):
+    for name, lens, hq, hkv, d in _shapes(args.workloads.split(","), not args.no_extra_shapes):
         total = sum(lens)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lens).cumsum(0)
@@ -51,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=True, softmax_scale=d**-0.5)
         qdo = quantize_do(d_out, out, m, lse, cu)
         flops = 2.5 * 4 * sum(n * n / 2 for n in lens) * hq * d
-        for warps, stages, maxnreg in CONFIGS:
-            cfg = BwdConfig(num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+        for warps, stages, parts in configs:
+            cfg = BwdConfig(num_warps=warps, num_stages=stages, head_dim_parts=parts)
             work = build_key_work_list(cu, total, block_n=64, block_m=32, causal=True)
 
             def run(cfg=cfg, work=work, hq=hq, d=d, qkv=qkv, qdo=qdo, m=m, lse=lse, cu=cu):
@@ -67,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             tflops = flops / (t["ms"] * 1e-3) / 1e12
             rows.append({"workload": name, "pass": "bwd", "impl": "flamia-bwd-kernel",
-                         "num_warps": warps, "num_stages": stages, "maxnreg": maxnreg,
+                         "num_warps": warps, "num_stages": stages, "head_dim_parts": parts,
                          "hq": hq, "hkv": hkv, "d": d, **t, "tflops": tflops, "gbps": None})
-            print(f"{name:12s} warps={warps} stages={stages} maxnreg={maxnreg}: "
+            print(f"{name:12s} warps={warps} stages={stages} head_dim_parts={parts}: "
                   f"{t['ms']:.3f} ms {tflops:.1f} TFLOP/s")  # fmt: skip
         torch.cuda.empty_cache()
-    write_results("tune_bwd", rows, {"note": "attn_bwd kernel alone, operands prequantized"})
+    write_results(args.name, rows, {"note": "attn_bwd kernel alone, operands prequantized"})
     return 0
 
 

@@ -159,14 +159,17 @@ def bwd_variants(verbose: bool = False) -> None:
         "item_tile_ptr": I32, "count_ptr": I32, "dq_ptr": F32, "dk_ptr": BF16, "dv_ptr": BF16,
         "dbg_ptr": F32,
     }  # fmt: skip
-    for d, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+    for d, warps, parts in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1), (256, 4, 2),
+                            (256, 8, 2)):  # fmt: skip
         for causal, nvfp4 in ((True, False), (False, False), (True, True)):
-            consts = dict(HQ=32, HKV=8, D=d, BLOCK_M=32, BLOCK_N=64, DK_KEYS=32, CAUSAL=causal,
+            consts = dict(HQ=32, HKV=8, D=d, D_OUT=d // parts, BLOCK_M=32, BLOCK_N=64,
+                          DK_KEYS=32, CAUSAL=causal,
                           QK_NVFP4=nvfp4, DEBUG_P=False, WITH_DQ=True,
                           INTERPRET=False)  # fmt: skip
             k = _compile(attn_bwd_kernel, ptrs, consts, warps)
             extra = f" {resource_usage(k)}" if verbose else ""
-            print(f"attn_bwd d={d} warps={warps} causal={causal} nvfp4={nvfp4}: ok{extra}")
+            print(f"attn_bwd d={d} parts={parts} warps={warps} causal={causal} "
+                  f"nvfp4={nvfp4}: ok{extra}")
 
 
 _PTR = {torch.uint8: U8, torch.bfloat16: BF16, torch.int32: I32, torch.float8_e4m3fn: FP8}

@@ -68,6 +68,39 @@ def _kernel_backward(lens, hq, hkv, d, recipe, causal, exact, device, seed=5):
     return grads, ref
 
 
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d", "recipe", "causal", "parts"),
+    [
+        ((40, 9), 2, 1, 256, "mxfp8", True, 2),
+        ((1, 63, 100, 37, 5), 4, 2, 64, "mxfp8", False, 2),
+        ((45, 1, 50), 4, 1, 128, "mixed_nvfp4_hadamard", True, 4),
+    ],
+)
+def test_bwd_head_dim_parts_give_the_same_gradients(lens, hq, hkv, d, recipe, causal, parts,
+                                                    device) -> None:  # fmt: skip
+    """Programs that split the head dim of dK/dV/dQ rebuild the same scores and dS codes:
+    dK and dV equal the unsplit kernel's bit for bit, dQ too where its FP32 atomics run in
+    one order (the CPU interpreter), within FP32 reassociation on a GPU."""
+    q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=11, device=device)
+    d_out = make_pack(lens, hq, hkv, d, seed=12, device=device)[0]
+    rec = RECIPES[recipe]
+    qkv = quantize_qkv(q, k, v, cu, recipe=rec, with_transposed=True)
+    out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
+    qdo = quantize_do(d_out, out, m, lse, cu, recipe=rec)
+    grads = [
+        attn_bwd(qkv, qdo, m, lse, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5,
+                 recipe=rec, config=BwdConfig(num_warps=4, head_dim_parts=n))
+        for n in (1, parts)
+    ]  # fmt: skip
+    (dq1, dk1, dv1), (dqn, dkn, dvn) = grads
+    assert torch.equal(dk1, dkn) and torch.equal(dv1, dvn)
+    assert bool(dk1.abs().sum() > 0) and bool(dv1.abs().sum() > 0)
+    if device == "cpu":
+        assert torch.equal(dq1, dqn)
+    else:
+        assert _rel(dqn, dq1.float()) <= 1e-2
+
+
 @pytest.mark.parametrize(("lens", "hq", "hkv", "d", "recipe", "causal", "exact"), CASES, ids=IDS)
 def test_bwd_kernel_matches_reference(lens, hq, hkv, d, recipe, causal, exact, device) -> None:
     grads, ref = _kernel_backward(lens, hq, hkv, d, recipe, causal, exact, device)
@@ -448,7 +481,14 @@ def test_bwd_config_kernel_choice_and_round_trip(device) -> None:
     with pytest.raises(ValueError, match=r"< 2\^31"):  # int32 dQ addressing in the kernel
         attn_bwd(qkv, qdo, m, lse, cu, heads_q=2**20, causal=True, softmax_scale=0.125,
                  config=cute)  # fmt: skip
-    for cfg in (cute, BwdConfig(), BwdConfig(kernel="cute", num_stages=3)):
+    for bad, match in ((BwdConfig(head_dim_parts=3), "must be 1, 2 or 4"),
+                       (BwdConfig(head_dim_parts=2, kernel="cute"), "1 with kernel='cute'"),
+                       (BwdConfig(head_dim_parts=4), "16 head-dim columns per program")):
+        with pytest.raises(ValueError, match=match):
+            attn_bwd(qkv, qdo, m, lse, cu, heads_q=2, causal=True, softmax_scale=0.125,
+                     config=bad)  # fmt: skip
+    for cfg in (cute, BwdConfig(), BwdConfig(kernel="cute", num_stages=3),
+                BwdConfig(num_warps=8, head_dim_parts=2)):  # fmt: skip
         assert BwdConfig.from_ints(cfg.to_ints()) == cfg
     assert cute.work_block_n == 128 and BwdConfig().work_block_n == 64
 
@@ -467,7 +507,8 @@ def test_default_bwd_config_follows_the_forward_layout(monkeypatch) -> None:
     for kw in (dict(column_align=16), dict(column_align=64), dict(kernel="triton"),
                dict(qk_nvfp4=True, column_align=16)):  # fmt: skip
         assert default_bwd_config(128, gpu, **kw).kernel == "triton", kw
-    assert default_bwd_config(256, gpu, column_align=128) == BwdConfig(num_warps=8)
+    d256 = BwdConfig(num_warps=8, head_dim_parts=2)
+    assert default_bwd_config(256, gpu, column_align=128) == d256
     with pytest.raises(ValueError, match="kernel must be None or 'triton'"):
         default_bwd_config(128, gpu, kernel="cute")
     monkeypatch.setattr(bwd_ops, "_cute_available", lambda device: False)

@@ -33,7 +33,9 @@ class BwdConfig:
     kernel of ``cute_sm90.py``, one CTA per 128 keys (two warpgroups of ``block_n`` = 64
     keys; query steps of two ``block_m`` blocks, one for NVFP4 Q/K at d = 128,
     ``cute_sm90.STEP_FOR_D``), ``num_stages`` query steps in flight; ``num_warps``/``maxnreg``
-    are Triton's.
+    are Triton's. ``head_dim_parts`` (Triton): programs that share a key tile, each
+    accumulating dK/dV/dQ for ``head_dim / head_dim_parts`` columns (each rebuilds the
+    scores and dP over the whole head dim; the results are the same).
     """
 
     block_m: int = 32
@@ -42,6 +44,7 @@ class BwdConfig:
     num_stages: int = 2
     maxnreg: int | None = None
     kernel: str = "triton"  # "triton" | "cute"
+    head_dim_parts: int = 1
 
     @property
     def work_block_n(self) -> int:
@@ -51,12 +54,13 @@ class BwdConfig:
     def to_ints(self) -> list[int]:
         """The config as ints (what the custom op carries)."""
         return [self.block_m, self.block_n, self.num_warps, self.num_stages, self.maxnreg or 0,
-                int(self.kernel == "cute")]  # fmt: skip
+                int(self.kernel == "cute"), self.head_dim_parts]  # fmt: skip
 
     @classmethod
     def from_ints(cls, xs: list[int]) -> BwdConfig:
-        bm, bn, warps, stages, maxnreg, cute = xs
-        return cls(bm, bn, warps, stages, maxnreg or None, "cute" if cute else "triton")
+        bm, bn, warps, stages, maxnreg, cute, parts = xs
+        kernel = "cute" if cute else "triton"
+        return cls(bm, bn, warps, stages, maxnreg or None, kernel, parts)
 
 
 #: the CuTe backward's default on sm_90 (``results/bwd_kernels.json``)
@@ -95,7 +99,8 @@ def default_bwd_config(
 ) -> BwdConfig:
     """The CuTe kernel where it runs (``cute_bwd_runs`` on an sm_90 GPU with the ``cute``
     extra; ``column_align`` is the forward's layout), else the Triton kernel: one warpgroup
-    up to d=128, two at d=256 (its 64x256 dK/dV accumulators). H200, T=8192 causal, d=128:
+    up to d=128; at d=256 two, and two programs per key tile, each with 128 columns of
+    dK/dV/dQ (sm_90 compile: 240 stack bytes against 544 with all 256). H200, T=8192 causal, d=128:
     4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``) although 4 warps spill
     a little (``tests/kernels/sm90_compile.py -v``). ``kernel="triton"`` forces Triton."""
     if kernel not in (None, "triton"):
@@ -105,7 +110,9 @@ def default_bwd_config(
     if kernel is None and cute_bwd_runs(head_dim, column_align):
         if _cute_available(device):
             return CUTE_BWD_CONFIG
-    return BwdConfig(num_warps=4 if head_dim <= 128 else 8)
+    if head_dim <= 128:
+        return BwdConfig(num_warps=4)
+    return BwdConfig(num_warps=8, head_dim_parts=2)
 
 
 def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
@@ -131,6 +138,11 @@ def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
         raise ValueError(
             f"backward block_n ({cfg.block_n}) must be a multiple of ds_block keys "
             f"({recipe.ds_block[1]})"
+        )
+    if cfg.head_dim_parts not in (1, 2, 4) or (cfg.kernel == "cute" and cfg.head_dim_parts != 1):
+        raise ValueError(
+            "backward config.head_dim_parts must be 1, 2 or 4 (1 with kernel='cute'), got "
+            f"{cfg.head_dim_parts}"
         )
 
 
@@ -242,7 +254,13 @@ def attn_bwd(
     if total == 0:
         return dq_acc.to(out_dtype, copy=True), dk, dv
     q4_args, k4_args = qkv.nvfp4_kernel_args()
-    grid = (work.num_slots * heads_kv,)
+    if d // cfg.head_dim_parts < 32:
+        raise ValueError(
+            f"backward config.head_dim_parts ({cfg.head_dim_parts}) leaves "
+            f"{d // cfg.head_dim_parts} head-dim columns per program at head_dim {d}; "
+            "each part needs at least 32"
+        )
+    grid = (work.num_slots * heads_kv, cfg.head_dim_parts)
     _LAUNCH(
         grid,
         qkv.q_codes, qkv.q_exp, qkv.q_t, qkv.k_codes, qkv.k_exp, qkv.k_t, *q4_args, *k4_args,
@@ -252,7 +270,8 @@ def attn_bwd(
         cu_seqlens, work.doc, work.tile, work.count,
         dq_acc, dk, dv, debug_p if debug_p is not None else dq_acc,
         softmax_scale * LOG2E * qkv.qk_rescale, softmax_scale, qkv.v_t.shape[-1], total,
-        HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HQ=heads_q, HKV=heads_kv, D=d, D_OUT=d // cfg.head_dim_parts, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         DK_KEYS=rec.ds_block[1], CAUSAL=bool(causal), QK_NVFP4=nvfp4,
         DEBUG_P=debug_p is not None, WITH_DQ=with_dq, INTERPRET=interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

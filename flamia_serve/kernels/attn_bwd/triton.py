@@ -18,6 +18,11 @@ the GQA group. Per step, with keys as rows:
   the tile's keys has one scale), computed transposed and added to an FP32 buffer with
   atomics.
 
+``D_OUT`` < ``D`` splits the head dim of the outputs over programs (grid axis 1): each
+program rebuilds Sᵀ and dPᵀ over the whole head dim (their contractions) and accumulates
+dK, dV and dQ for its ``D_OUT`` columns only, so its accumulators fit in registers at
+d = 256. Every code and exponent is the same as unsplit (dS's do not depend on the split).
+
 Column-layout tiles that run past their document (the key tile's V̂/K̂, the last query
 step's Q̂/Ĝ) read zeros there: the next document's codes must not enter an MMA even with
 zero weight (0·NaN is NaN), and the arrays end ``COLUMN_SLACK`` columns after the last
@@ -50,24 +55,29 @@ P_HAT_EXP = tl.constexpr(_P_HAT_EXP)
 
 
 @triton.jit
-def _column_tile(t_ptr, h, col0, t_pad, ok, D: tl.constexpr, WIDTH: tl.constexpr):
-    """``[WIDTH, D]`` view (K-major) of columns ``col0 ..`` of head ``h`` of a column-layout
-    array ``[H, D, t_pad]`` (loaded as ``[D, WIDTH]``, contiguous along the tokens);
+def _column_tile(
+    t_ptr, h, col0, t_pad, ok, d0, D: tl.constexpr, DW: tl.constexpr, WIDTH: tl.constexpr
+):
+    """``[WIDTH, DW]`` view (K-major) of columns ``col0 ..`` of head ``h``, head-dim rows
+    ``d0 .. d0 + DW``, of a column-layout array ``[H, D, t_pad]`` (loaded as ``[DW, WIDTH]``,
+    contiguous along the tokens);
     columns whose token is not ``ok`` read as 0 — a step that runs past its document must
     not read the next one (0·NaN would carry its NaN over) or past the array. (A separate
     unmasked loop for the full steps measured more register spills in a local sm_90
     compile: 464 -> 1744 stack bytes at 4 warps.)"""
-    cols = tl.arange(0, D)
+    cols = d0 + tl.arange(0, DW)
     rows = (h * D + cols[:, None]).to(tl.int64) * t_pad
     ptrs = t_ptr + rows + col0 + tl.arange(0, WIDTH)[None, :]
     return tl.trans(tl.load(ptrs, mask=ok[None, :], other=0.0))
 
 
 @triton.jit
-def _key_tile(t_ptr, h, col0, t_pad, ok, D: tl.constexpr, WIDTH: tl.constexpr):
+def _key_tile(
+    t_ptr, h, col0, t_pad, ok, d0, D: tl.constexpr, DW: tl.constexpr, WIDTH: tl.constexpr
+):
     """``_column_tile`` of the key tile: loaded whole (the arrays carry ``COLUMN_SLACK``
     zero columns, so the load stays inside them), then other documents' columns zeroed."""
-    cols = tl.arange(0, D)
+    cols = d0 + tl.arange(0, DW)
     rows = (h * D + cols[:, None]).to(tl.int64) * t_pad
     tile = tl.load(t_ptr + rows + col0 + tl.arange(0, WIDTH)[None, :])
     return tl.trans(tl.where(ok[None, :], tile, 0.0))
@@ -84,16 +94,18 @@ def _block_exponents(amax_rows, BLOCK_N: tl.constexpr, KEYS: tl.constexpr):
 @triton.jit
 def _bwd_steps(
     dk_acc, dv_acc, lo, hi, k_tile, v_tile, kt_tile, kfac, k8fac, ev_add, v_inv, v_fac, kj,
-    h, doc_start, length, v_t_start,
+    h, doc_start, length, v_t_start, d0,
     q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
     do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
     qk_scale, softmax_scale, t_pad, n_tok,
-    HQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, D_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DK_KEYS: tl.constexpr, DIAGONAL: tl.constexpr, QK_NVFP4: tl.constexpr,
     DEBUG_P: tl.constexpr, WITH_DQ: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Query steps ``[lo, hi)`` of head ``h`` against one key tile (module docstring).
-    ``DIAGONAL``: compare positions (causal diagonal)."""
+    """Query steps ``[lo, hi)`` of head ``h`` against one key tile (module docstring),
+    output head-dim columns ``d0 .. d0 + D_OUT``. ``DIAGONAL``: compare positions (causal
+    diagonal)."""
     r = tl.arange(0, BLOCK_M)
     perm = v_t_key(r)  # query rows in the column layout's order, as the K tile's keys
     cols = tl.arange(0, D)
@@ -120,8 +132,8 @@ def _bwd_steps(
         e_do = tl.load(do_exp_ptr + h * n_tok + doc_start + i0).to(tl.int32)
         e_g = tl.load(g_exp_ptr + h * t_pad + v_t_start + i0).to(tl.int32)
         d_o = tl.load(do8_ptr + flat[:, None] * D + cols[None, :], mask=q_ok[:, None], other=0.0)
-        q_t = _column_tile(qt_ptr, h, v_t_start + i0, t_pad, q_ok, D, BLOCK_M)
-        g_t = _column_tile(gt_ptr, h, v_t_start + i0, t_pad, q_ok, D, BLOCK_M)
+        q_t = _column_tile(qt_ptr, h, v_t_start + i0, t_pad, q_ok, d0, D, D_OUT, BLOCK_M)
+        g_t = _column_tile(gt_ptr, h, v_t_start + i0, t_pad, q_ok, d0, D, D_OUT, BLOCK_M)
 
         s = tl.dot(k_tile, tl.trans(q))
         y = s * kfac[:, None] * qfac[None, :] + ev_add[:, None]
@@ -143,15 +155,17 @@ def _bwd_steps(
         dsk8 = to_e4m3(dsk * exp2i(-ek)[:, None], INTERPRET)
         dk_acc += tl.dot(dsk8, q_t) * exp2i(ek)[:, None]
         if WITH_DQ:  # dQ: dS ∘ 2^eK, one exponent for the step x the tile
-            _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, D, INTERPRET)
+            _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, d0, D, D_OUT,
+                           INTERPRET)  # fmt: skip
     return dk_acc, dv_acc
 
 
 @triton.jit
-def _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, D: tl.constexpr,
-                   INTERPRET: tl.constexpr):  # fmt: skip
-    """dQ += (E4M3(dS ∘ 2^eK)·K̂)·2^e of one step, one exponent per step x tile, FP32 atomics."""
-    cols = tl.arange(0, D)
+def _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, d0, D: tl.constexpr,
+                   D_OUT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """dQ += (E4M3(dS ∘ 2^eK)·K̂)·2^e of one step, one exponent per step x tile, FP32 atomics
+    (head-dim columns ``d0 .. d0 + D_OUT``: ``kt_tile`` holds those rows of K̂ᵀ)."""
+    cols = d0 + tl.arange(0, D_OUT)
     dsq = ds * k8fac[:, None]
     eb = pow2_exponent_ceil(tl.max(tl.max(tl.abs(dsq), axis=1), axis=0), E4M3_EXP, E4M3_MANT)
     dsq8 = to_e4m3(dsq * exp2i(-eb), INTERPRET)
@@ -201,6 +215,7 @@ def attn_bwd_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
+    D_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DK_KEYS: tl.constexpr,
@@ -210,9 +225,10 @@ def attn_bwd_kernel(
     WITH_DQ: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Program ``w = item * HKV + kv_head``; see the module docstring. ``WITH_DQ=False``
-    leaves dQ out (profiling)."""
+    """Program ``(w = item * HKV + kv_head, head-dim part)``; see the module docstring.
+    ``WITH_DQ=False`` leaves dQ out (profiling)."""
     work = tl.program_id(0)
+    d0 = tl.program_id(1) * D_OUT
     if work >= tl.load(count_ptr) * HKV:
         return
     pair = work // HKV
@@ -243,36 +259,36 @@ def attn_bwd_kernel(
     v_inv = tl.where(key_ok, exp2i(-ev), 0.0)
     v_fac = tl.where(key_ok, exp2i(ev), 0.0)
     # loaded once per program: masked, so a tile past its document reads zeros
-    v_tile = _key_tile(vt_ptr, hk, v_t_start + key0, t_pad, key_ok, D, BLOCK_N)
-    kt_tile = _key_tile(kt_ptr, hk, v_t_start + key0, t_pad, key_ok, D, BLOCK_N)
-    kt_tile = tl.trans(kt_tile)  # [D, BN]
-    dk_acc = tl.zeros([BLOCK_N, D], tl.float32)
-    dv_acc = tl.zeros([BLOCK_N, D], tl.float32)
+    v_tile = _key_tile(vt_ptr, hk, v_t_start + key0, t_pad, key_ok, 0, D, D, BLOCK_N)
+    kt_tile = _key_tile(kt_ptr, hk, v_t_start + key0, t_pad, key_ok, d0, D, D_OUT, BLOCK_N)
+    kt_tile = tl.trans(kt_tile)  # [D_OUT, BN]
+    dk_acc = tl.zeros([BLOCK_N, D_OUT], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, D_OUT], tl.float32)
     for g in range(HQ // HKV):
         h = hk * (HQ // HKV) + g
         if CAUSAL:  # the diagonal
             lo = tl.minimum(key0 + BLOCK_N, length)
             dk_acc, dv_acc = _bwd_steps(
                 dk_acc, dv_acc, key0, lo, k_tile, v_tile, kt_tile, kfac, k8fac, ev_add,
-                v_inv, v_fac, kj, h, doc_start, length, v_t_start,
+                v_inv, v_fac, kj, h, doc_start, length, v_t_start, d0,
                 q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
                 do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
                 qk_scale, softmax_scale, t_pad, n_tokens,
-                HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, True, QK_NVFP4, DEBUG_P, WITH_DQ,
+                HQ, D, D_OUT, BLOCK_M, BLOCK_N, DK_KEYS, True, QK_NVFP4, DEBUG_P, WITH_DQ,
                 INTERPRET,
             )  # fmt: skip
         else:
             lo = 0
         dk_acc, dv_acc = _bwd_steps(
             dk_acc, dv_acc, lo, length, k_tile, v_tile, kt_tile, kfac, k8fac, ev_add,
-            v_inv, v_fac, kj, h, doc_start, length, v_t_start,
+            v_inv, v_fac, kj, h, doc_start, length, v_t_start, d0,
             q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
             do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
             qk_scale, softmax_scale, t_pad, n_tokens,
-            HQ, D, BLOCK_M, BLOCK_N, DK_KEYS, False, QK_NVFP4, DEBUG_P, WITH_DQ,
+            HQ, D, D_OUT, BLOCK_M, BLOCK_N, DK_KEYS, False, QK_NVFP4, DEBUG_P, WITH_DQ,
             INTERPRET,
         )  # fmt: skip
-    cols = tl.arange(0, D)
+    cols = d0 + tl.arange(0, D_OUT)
     out_at = ((doc_start + kj).to(tl.int64) * HKV + hk)[:, None] * D + cols[None, :]
     tl.store(dk_ptr + out_at, to_out(dk_acc * softmax_scale, dk_ptr, INTERPRET),
              mask=key_ok[:, None])  # fmt: skip
