@@ -98,11 +98,12 @@ def default_bwd_config(
     kernel: str | None = None,
 ) -> BwdConfig:
     """The CuTe kernel where it runs (``cute_bwd_runs`` on an sm_90 GPU with the ``cute``
-    extra; ``column_align`` is the forward's layout), else the Triton kernel: one warpgroup
-    up to d=128; at d=256 two, and two programs per key tile, each with 128 columns of
-    dK/dV/dQ (sm_90 compile: 240 stack bytes against 544 with all 256). H200, T=8192 causal, d=128:
-    4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``) although 4 warps spill
-    a little (``tests/kernels/sm90_compile.py -v``). ``kernel="triton"`` forces Triton."""
+    extra; ``column_align`` is the forward's layout), else the Triton kernel: one warpgroup;
+    at d=256 two programs per key tile, each with 128 columns of dK/dV/dQ (H200, P2's
+    shape: 63.5 ms against 69.3 for 8 warps unsplit, ``results/tune_bwd_d256_2026-12-04.json``).
+    H200, T=8192 causal, d=128: 4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``)
+    although 4 warps spill a little (``tests/kernels/sm90_compile.py -v``).
+    ``kernel="triton"`` forces Triton."""
     if kernel not in (None, "triton"):
         raise ValueError(f"kernel must be None or 'triton', got {kernel!r}")
     if device.type != "cuda":
@@ -110,9 +111,7 @@ def default_bwd_config(
     if kernel is None and cute_bwd_runs(head_dim, column_align):
         if _cute_available(device):
             return CUTE_BWD_CONFIG
-    if head_dim <= 128:
-        return BwdConfig(num_warps=4)
-    return BwdConfig(num_warps=8, head_dim_parts=2)
+    return BwdConfig(num_warps=4, head_dim_parts=1 if head_dim <= 128 else 2)
 
 
 def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
