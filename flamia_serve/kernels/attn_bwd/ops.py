@@ -259,7 +259,7 @@ def attn_bwd(
             f"{d // cfg.head_dim_parts} head-dim columns per program at head_dim {d}; "
             "each part needs at least 32"
         )
-    grid = (work.num_slots * heads_kv, cfg.head_dim_parts)
+    grid = (work.num_slots * heads_kv * cfg.head_dim_parts,)
     _LAUNCH(
         grid,
         qkv.q_codes, qkv.q_exp, qkv.q_t, qkv.k_codes, qkv.k_exp, qkv.k_t, *q4_args, *k4_args,

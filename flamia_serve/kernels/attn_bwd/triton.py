@@ -18,7 +18,7 @@ the GQA group. Per step, with keys as rows:
   the tile's keys has one scale), computed transposed and added to an FP32 buffer with
   atomics.
 
-``D_OUT`` < ``D`` splits the head dim of the outputs over programs (grid axis 1): each
+``D_OUT`` < ``D`` splits the head dim of the outputs over adjacent programs: each
 program rebuilds Sᵀ and dPᵀ over the whole head dim (their contractions) and accumulates
 dK, dV and dQ for its ``D_OUT`` columns only, so its accumulators fit in registers at
 d = 256. Every code and exponent is the same as unsplit (dS's do not depend on the split).
@@ -225,10 +225,12 @@ def attn_bwd_kernel(
     WITH_DQ: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Program ``(w = item * HKV + kv_head, head-dim part)``; see the module docstring.
+    """Program ``(item * HKV + kv_head) * (D // D_OUT) + head-dim part`` (a tile's parts
+    launch together, in the work list's longest-first order); see the module docstring.
     ``WITH_DQ=False`` leaves dQ out (profiling)."""
-    work = tl.program_id(0)
-    d0 = tl.program_id(1) * D_OUT
+    n_parts: tl.constexpr = D // D_OUT
+    work = tl.program_id(0) // n_parts
+    d0 = (tl.program_id(0) % n_parts) * D_OUT
     if work >= tl.load(count_ptr) * HKV:
         return
     pair = work // HKV
