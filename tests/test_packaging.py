@@ -80,13 +80,13 @@ def test_ci_runs_the_readme_cpu_command() -> None:
     commands = _indented_commands("**CPU**")
     assert commands == [
         "pip install torch==2.13.0",
-        'pip install "triton==3.6.0" "numpy<2.3" -e ".[test,dev]" && python -m pytest -q',
+        'pip install "triton==3.6.0" "numpy<2.3" -e ".[test,dev]" && python -m pytest -q -n auto',
     ]
     ci_lines = [line.strip() for line in CI.splitlines()]
     assert 'python -m pip install -q "torch==2.13.0"' in ci_lines
     assert 'python -m pip install -q "triton==3.6.0" "numpy<2.3" -e ".[test,dev]"' in ci_lines
     assert ci_lines.index("ruff check flamia_serve tests benchmarks") < ci_lines.index(
-        "python -m pytest -q"
+        "python -m pytest -q -n auto"
     )
 
 
