@@ -2,18 +2,15 @@
 dQ (``with_dq=False``, timing only) at d = 256 (Hq 32 / Hkv 8, split and unsplit head dim)
 and d = 128, one causal 8k document, operands prequantized on the default 16-column layout.
 
-    python benchmarks/bwd_dq_share.py        # writes $OUT/d256_dq.json (one row per run)
+    python benchmarks/bwd_dq_share.py        # writes bwd_dq_share.json (results_dir)
 
-Run on 2026-12-04 as ``scratch/d256_dq.py`` (this file, moved here unchanged in what it
-measures): ``results/bwd_triton_dq_share_2026-12-04.json``.
+Run on 2026-12-04 as ``scratch/d256_dq.py`` (the same measurement, which wrote its rows with
+the GPU, torch and date in each): ``results/bwd_triton_dq_share_2026-12-04.json``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -21,7 +18,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import time_ms
+from benchmarks.common import time_ms, write_results
 from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd
 from flamia_serve.kernels.attn_fwd.ops import attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
@@ -52,12 +49,10 @@ def main() -> int:
 
                 run()
                 ms = time_ms(run, warmup_ms=10, rep_ms=60)["ms"]
-                row = dict(d=d, warps=warps, parts=parts, with_dq=with_dq, ms=ms,
-                           gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
-                           torch=torch.__version__)  # fmt: skip
+                row = dict(d=d, warps=warps, parts=parts, with_dq=with_dq, ms=ms)
                 print(row, flush=True)
                 rows.append(row)
-    Path(os.environ.get("OUT", "."), "d256_dq.json").write_text(json.dumps(rows, indent=1))
+    write_results("bwd_dq_share", rows, {"note": "Triton backward alone, 1 causal doc"})
     return 0
 
 

@@ -274,6 +274,20 @@ class Rotating:
         return self.fn(*args)
 
 
+def parse_settings(text: str, form: str) -> list[tuple[int, ...]]:
+    """``"4x32,8x8"`` -> [(4, 32), (8, 8)]: comma-separated settings of as many ``x``-joined
+    integers as ``form`` (e.g. ``"WARPSxPROGRAMS_PER_SM"``) names; ``ValueError`` names the
+    form otherwise."""
+    fields = len(form.split("x"))
+    out = []
+    for item in text.split(","):
+        values = item.split("x")
+        if len(values) != fields or not all(v.isdigit() for v in values):
+            raise ValueError(f"{item!r} is not {form}")
+        out.append(tuple(int(v) for v in values))
+    return out
+
+
 def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
     """Write ``<results_dir>/<name>.json`` in the DESIGN.md section-6 shape; return path.
 

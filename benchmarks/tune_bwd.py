@@ -17,7 +17,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import time_ms, write_results
+from benchmarks.common import parse_settings, time_ms, write_results
 from benchmarks.workloads import training_workload
 from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd
 from flamia_serve.kernels.attn_fwd.ops import attn_fwd
@@ -25,17 +25,6 @@ from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import build_key_work_list
 
 CONFIGS = "4x2x1,8x2x1,8x3x1"  # num_warps x num_stages x head_dim_parts
-
-
-def parse_configs(text: str) -> list[tuple[int, int, int]]:
-    """``"8x2x1,8x2x2"`` -> [(num_warps, num_stages, head_dim_parts), ...]."""
-    out = []
-    for item in text.split(","):
-        parts = item.split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--configs: {item!r} is not WARPSxSTAGESxHEAD_DIM_PARTS")
-        out.append((int(parts[0]), int(parts[1]), int(parts[2])))
-    return out
 
 
 def _shapes(workloads: list[str], extra: bool) -> list[tuple[str, list[int], int, int, int]]:
@@ -57,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-extra-shapes", action="store_true", help="only --workloads")
     ap.add_argument("--name", default="tune_bwd", help="results file name")
     args = ap.parse_args(argv)
-    configs = parse_configs(args.configs)
+    configs = parse_settings(args.configs, "WARPSxSTAGESxHEAD_DIM_PARTS")
     rows = []
     for name, lens, hq, hkv, d in _shapes(args.workloads.split(","), not args.no_extra_shapes):
         total = sum(lens)

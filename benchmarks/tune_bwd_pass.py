@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import copy_bandwidth, graph_time, write_results
+from benchmarks.common import copy_bandwidth, graph_time, parse_settings, write_results
 from benchmarks.train_attention import make_inputs
 from benchmarks.workloads import training_workload
 
@@ -116,14 +116,6 @@ def tune_workload(
     return rows
 
 
-def parse_setting(text: str) -> tuple[int, int]:
-    """``"4x32"`` -> (num_warps 4, 32 programs per SM)."""
-    warps, _, per_sm = text.partition("x")
-    if not (warps.isdigit() and per_sm.isdigit()):
-        raise ValueError(f"--quant-sweep: {text!r} is not WARPSxPROGRAMS_PER_SM")
-    return int(warps), int(per_sm)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="W3,W7,P3")
@@ -131,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the quantizers' settings, WARPSxPROGRAMS_PER_SM,...")  # fmt: skip
     ap.add_argument("--name", default="tune_bwd_pass", help="results file name")
     args = ap.parse_args(argv)
-    sweep = [parse_setting(x) for x in args.quant_sweep.split(",")]
+    sweep = parse_settings(args.quant_sweep, "WARPSxPROGRAMS_PER_SM")
     copy_gbps = copy_bandwidth(torch.device("cuda"))["gbps"]
     rows = []
     for name in args.workloads.split(","):

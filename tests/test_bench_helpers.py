@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import time_ms
+from benchmarks.common import parse_settings, time_ms
 from benchmarks.decode import parse
 from benchmarks.decode_overhead import fit_line
 from benchmarks.exp_bound import parse_pack
 from benchmarks.fwd_items import fit, tiles_and_items
-from benchmarks.tune_bwd_pass import parse_setting
 from benchmarks.workloads import training_workload
 
 
@@ -62,9 +61,12 @@ def test_fwd_items_fit_recovers_tile_item_and_call_costs() -> None:
 
 
 
-def test_quantizer_settings_parse_or_fail_clearly() -> None:
-    assert parse_setting("4x32") == (4, 32)
-    assert parse_setting("8x8") == (8, 8)
-    for bad in ("4", "4x", "x32", "4*32"):
+def test_launch_settings_parse_or_fail_clearly() -> None:
+    assert parse_settings("4x32", "WARPSxPROGRAMS_PER_SM") == [(4, 32)]
+    assert parse_settings("4x32,8x8", "WARPSxPROGRAMS_PER_SM") == [(4, 32), (8, 8)]
+    assert parse_settings("8x2x1,4x2x2", "WARPSxSTAGESxPARTS") == [(8, 2, 1), (4, 2, 2)]
+    for bad in ("4", "4x", "x32", "4*32", "4x32x1"):
         with pytest.raises(ValueError, match="WARPSxPROGRAMS_PER_SM"):
-            parse_setting(bad)
+            parse_settings(bad, "WARPSxPROGRAMS_PER_SM")
+    with pytest.raises(ValueError, match="WARPSxSTAGESxPARTS"):
+        parse_settings("8x2", "WARPSxSTAGESxPARTS")
