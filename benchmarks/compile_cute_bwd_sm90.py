@@ -29,6 +29,7 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = Fal
     """(fake CUDA tensor, byte alignment) pairs with the launcher's shapes, dtypes, strides
     and alignments (``wide``: NVFP4 Q/K widened to BF16 for Sᵀ)."""
     t_pad = total + 128 + 64
+    step = cute_sm90.step_queries(d, wide)
     u8, i16, i32 = torch.uint8, torch.int16, torch.int32
     qk = torch.bfloat16 if wide else u8
     if d in CUTE_BF16_KV_HEAD_DIMS:  # dK's / dV's B: Q codes and Ĝ·2^eG, BF16 rows by column
@@ -57,7 +58,7 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = Fal
         (torch.empty(64, dtype=i32), 4),  # work list: documents
         (torch.empty(64, dtype=i32), 4),  # work list: tiles
         (torch.empty(1, dtype=i32), 4),  # work count
-        (torch.empty(heads_q, t_pad // 64, 64 * d), 16),  # dQ accumulator, step blocks
+        (torch.empty(heads_q, t_pad // step, step * d), 16),  # dQ accumulator, step blocks
         (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dK
         (torch.empty(total, heads_kv, d, dtype=torch.bfloat16), 16),  # dV
         (torch.empty(1, 1, 1), 4),  # debug P
@@ -81,6 +82,7 @@ def main() -> None:
         for d, causal, wide, block in (
             (128, True, False, True), (64, True, False, True), (128, False, False, True),
             (128, True, False, False), (128, True, True, True), (64, False, True, True),
+            (256, True, False, True), (256, False, False, False), (256, True, True, True),
         ):  # fmt: skip
             kernel = module.FlamiaBwdSm90(
                 d, 8, 2, causal, 32, 2, False, wide, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS,

@@ -7,7 +7,7 @@
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
-#                                                   # cute-bwd-d256
+#                                                   # p2
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -229,19 +229,9 @@ if [[ $steps == *,d256-bwd,* ]]; then  # the d = 256 backward (Triton) with its 
   RUN_TAIL="-n 8" run train_attention_p2 150 python benchmarks/train_attention.py --quick \
     --workloads P2 --passes fwd,fwd+bwd --impls flamia-mxfp8,fa4 --name train_attention_p2_d256
 fi
-if [[ $steps == *,cute-bwd-d256,* ]]; then  # experiment: the CuTe backward at d = 256, two
-  # CTAs per key tile each with half the head dim (experiments/cute-bwd-d256-parts.patch,
-  # compile-checked only): P2 before (Triton backward), patched: tests against the reference,
-  # Triton and P̂'s bits, then P2 beside FA4
-  RUN_TAIL="-n 6" run train_attention_p2_before 150 python benchmarks/train_attention.py \
-    --quick --workloads P2 --passes fwd+bwd --impls flamia-mxfp8 --name train_attention_p2_before
-  git apply benchmarks/experiments/cute-bwd-d256-parts.patch || exit 1
-  run pytest_gpu_cute_bwd_d256 300 python -m pytest -q -W ignore::DeprecationWarning \
-    tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_attn_bwd.py \
-    -k "256 or default or p_hat or crosses"
-  RUN_TAIL="-n 10" run train_attention_p2_cute 200 python benchmarks/train_attention.py \
-    --quick --workloads P2 --passes fwd,fwd+bwd,bwd --impls flamia-mxfp8,fa4 \
-    --name train_attention_p2_cute_bwd
+if [[ $steps == *,p2,* ]]; then  # P2 (d = 256) beside FA4, every pass
+  RUN_TAIL="-n 10" run train_attention_p2 200 python benchmarks/train_attention.py \
+    --quick --workloads P2 --passes fwd,fwd+bwd,bwd --impls flamia-mxfp8,fa4 --name train_attention_p2
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \

@@ -507,8 +507,9 @@ def test_default_bwd_config_follows_the_forward_layout(monkeypatch) -> None:
     for kw in (dict(column_align=16), dict(column_align=64), dict(kernel="triton"),
                dict(qk_nvfp4=True, column_align=16)):  # fmt: skip
         assert default_bwd_config(128, gpu, **kw).kernel == "triton", kw
+    assert default_bwd_config(256, gpu, column_align=128) == bwd_ops.CUTE_BWD_CONFIG
     d256 = BwdConfig(num_warps=4, head_dim_parts=2)
-    assert default_bwd_config(256, gpu, column_align=128) == d256
+    assert default_bwd_config(256, gpu, column_align=16) == d256
     with pytest.raises(ValueError, match="kernel must be None or 'triton'"):
         default_bwd_config(128, gpu, kernel="cute")
     monkeypatch.setattr(bwd_ops, "_cute_available", lambda device: False)

@@ -37,6 +37,10 @@ CASES = [
     # d = 128 non-causal with the second warpgroup's keys partly inside the document (dQ once
     # per CTA step reads both warpgroups' dŜ; added 2026-12-03, not yet run on a GPU)
     ((100, 230, 1), 4, 2, 128, False, False),
+    # d = 256: two CTAs per key tile, each with half the head dim of dK/dV/dQ
+    ((1, 300, 1000, 129, 0, 31), 8, 2, 256, True, False),
+    ((257, 64, 700), 4, 4, 256, False, True),
+    ((100, 230, 1), 4, 2, 256, False, False),
 ]
 
 
@@ -58,7 +62,7 @@ def _bwd(ops, hq, d, causal, config, debug_p=None, recipe="mxfp8"):
 
 MIXED = [
     (*CASES[0], "mixed_nvfp4"), (*CASES[2], "mixed_nvfp4_hadamard"), (*CASES[3], "mixed_nvfp4"),
-    (*CASES[4], "mixed_nvfp4_hadamard"),
+    (*CASES[4], "mixed_nvfp4_hadamard"), (*CASES[6], "mixed_nvfp4"),
 ]
 
 
@@ -83,10 +87,11 @@ def test_cute_bwd_matches_reference(lens, hq, hkv, d, causal, exact, recipe) -> 
         assert _rel(g, t.float()) <= 3e-2, (name, _rel(g, t.float()))
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mixed_nvfp4"])
-def test_cute_bwd_rebuilds_the_same_p_hat_as_triton(recipe) -> None:
-    """The P̂ each backward rebuilds (debug hook), on one quantization: the same codes."""
-    lens, hq, d = (100, 1, 45, 130), 4, 64
+@pytest.mark.parametrize(("recipe", "d"), [("mxfp8", 64), ("mixed_nvfp4", 64), ("mxfp8", 256)])
+def test_cute_bwd_rebuilds_the_same_p_hat_as_triton(recipe, d) -> None:
+    """The P̂ each backward rebuilds (debug hook), on one quantization: the same codes (at
+    d = 256 both CTAs of a key tile write the same P̂)."""
+    lens, hq = (100, 1, 45, 130), 4
     ops = _operands(lens, hq, 2, d, True, False, recipe=recipe)
     t = sum(lens)
     bufs = [torch.zeros(hq, t, t, device="cuda") for _ in range(2)]
@@ -101,7 +106,8 @@ def test_cute_bwd_is_the_default_on_its_layout() -> None:
     assert default_bwd_config(128, dev, column_align=128).kernel == "cute"
     assert default_bwd_config(128, dev, column_align=64).kernel == "triton"
     assert default_bwd_config(64, dev, qk_nvfp4=True).kernel == "cute"
-    assert default_bwd_config(256, dev).kernel == "triton"
+    assert default_bwd_config(256, dev, column_align=128).kernel == "cute"
+    assert default_bwd_config(256, dev, column_align=16).kernel == "triton"
     q, k, v, cu, _ = make_pack((70,), 2, 1, 64, device="cuda")
     qkv = quantize_qkv(q, k, v, cu, with_transposed=True)  # column alignment 16
     out, m, lse = attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125)

@@ -101,14 +101,21 @@ HALF = 32
 #: ``results/bwd_variants_steps_2026-12-01.json``, 218 vs 182 TFLOP/s for one half at T = 8192;
 #: d = 128 with BF16 dK/dV, ``results/bwd_variants_bf16_kv_2026-12-03.json``: 277 / 312 vs
 #: 275 / 302 TFLOP/s for one half at T = 8192 / 16384)
-STEP_FOR_D = {64: 64, 128: 64}
+STEP_FOR_D = {64: 64, 128: 64, 256: HALF}
+#: CTAs per 128-key tile by head dim, each with ``d / parts`` columns of dK/dV/dQ and the
+#: whole head dim for Sᵀ and dPᵀ (so every dS code is the same in every part): at d = 256 one
+#: CTA's dK/dV accumulators would need 256 registers per thread; two parts keep d = 128's
+#: register shape (sm_90a compile: 8 B stack, 12 B spill stores at one-half steps and two
+#: stages, 174 KB of shared memory; 223 KB with the mixed recipes' BF16 Q/K)
+PARTS_FOR_D = {64: 1, 128: 1, 256: 2}
 #: the mixed recipes' BF16 Q/K tiles at d = 128 take one half per step: two would need 250 KB
 #: of shared memory (a CTA can have 227 KB)
 STEP_WIDE_D128 = HALF
 
 
 def step_queries(head_dim: int, qk_wide: bool) -> int:
-    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles at d = 128, else ``STEP_FOR_D``."""
+    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles at d = 128, else ``STEP_FOR_D``
+    (one half at d = 256: two would not fit shared memory with two stages)."""
     return STEP_WIDE_D128 if qk_wide and head_dim == 128 else STEP_FOR_D[head_dim]
 
 
@@ -140,13 +147,19 @@ class FlamiaBwdSm90:
         qk_wide: bool = False,
         bf16_kv: bool = False,
         block_exponents: bool = False,
+        parts: int | None = None,
+        step_q: int | None = None,
     ) -> None:
-        if head_dim not in (64, 128):
-            raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64 and 128")
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64, 128 and 256")
+        parts = parts or PARTS_FOR_D[head_dim]
+        if head_dim // 64 // parts not in (1, 2):
+            raise ValueError(f"parts {parts}: each CTA takes one or two 64-column pieces")
         if dk_keys not in (16, 32, 64):
             raise ValueError(f"dk_keys {dk_keys}: the CuTe backward supports 16, 32 and 64")
         self.d = head_dim
-        self.halves = head_dim // 64  # dK/dV products in 64-column pieces
+        self.parts = parts  # head-dim parts over CTAs (each rebuilds S, dP over all of d)
+        self.halves = head_dim // 64 // parts  # this CTA's dK/dV/dQ 64-column pieces
         self.heads_q = heads_q
         self.heads_kv = heads_kv
         self.group = heads_q // heads_kv
@@ -158,7 +171,7 @@ class FlamiaBwdSm90:
         self.qk_wide = qk_wide
         self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
-        self.step_q = step_queries(head_dim, qk_wide)
+        self.step_q = step_q or step_queries(head_dim, qk_wide)
         # dK/dV's B operands (Q̂ and Ĝ): BF16 rows by column read MN-major (products in BF16,
         # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
         # half, promoted); box = one 64-column piece of a step
@@ -287,9 +300,10 @@ class FlamiaBwdSm90:
         atom_qt, tma_qt = atom(mQt, step_t_layout, self.kv_b_box)
         atom_gt, tma_gt = atom(mGt, step_t_layout, self.kv_b_box)
         qk_bytes = qk.width // 8
-        self.kv_bytes = (2 + qk_bytes) * NUM_WG * WG_KEYS * d
+        self.kv_bytes = (1 + qk_bytes) * NUM_WG * WG_KEYS * d + NUM_WG * WG_KEYS * 64 * halves
         # per query: Q̂ (scores), dÔ, and dK's / dV's B operands
-        self.step_bytes = (1 + qk_bytes + 2 * self.kv_b_dtype.width // 8) * self.step_q * d
+        self.step_bytes = (1 + qk_bytes) * self.step_q * d + (
+            2 * self.kv_b_dtype.width // 8) * self.step_q * 64 * halves
         stages = self.num_stages
 
         @cute.struct
@@ -323,7 +337,7 @@ class FlamiaBwdSm90:
              amax_layout, stats_layout, k_rows_layout, q_step_layout),
             (tiled_mma_s, tiled_mma_kv, tiled_mma_dq, tiled_mma_qk), Storage,
         ).launch(
-            grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+            grid=[n_ctas * self.parts, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
 
@@ -409,7 +423,9 @@ class FlamiaBwdSm90:
         pipes = (pipe_kv, pipe_step, pipe_stats)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
-        cta = cute.arch.block_idx()[0]
+        cta_p = cute.arch.block_idx()[0]
+        cta = cta_p // self.parts
+        part = cta_p - cta * self.parts
         item = cta // self.heads_kv
         hk = cta - item * self.heads_kv
         if item < mCount[0]:
@@ -417,7 +433,7 @@ class FlamiaBwdSm90:
             doc_start = mCu[doc]
             item_ctx = dict(
                 doc_start=doc_start, seqlen=mCu[doc + 1] - doc_start, vt_start=mVtStart[doc],
-                key0=mItemTile[item] * TILE_N, hk=hk,
+                key0=mItemTile[item] * TILE_N, hk=hk, part=part,
             )  # fmt: skip
             if warp_idx < 4:
                 # the launch allocates 168 registers x 384 threads; 128·24 + 256·240 fits it
@@ -466,7 +482,9 @@ class FlamiaBwdSm90:
             load_k(src_idx=key0 // WG_KEYS + wg, dst_idx=wg, tma_bar_ptr=kv_bar)
             load_v(src_idx=key0 // WG_KEYS + wg, dst_idx=wg, tma_bar_ptr=kv_bar)
             for hf in cutlass.range_constexpr(halves):
-                load_kt = _cols_copy(atom_kt, tma_kt, hk, (64, WG_KEYS), sKt, hf, vt_start)
+                load_kt = _cols_copy(
+                    atom_kt, tma_kt, hk, (64, WG_KEYS), sKt, w["part"] * halves + hf, vt_start
+                )
                 load_kt(src_idx=key0 // WG_KEYS + wg, dst_idx=wg * halves + hf, tma_bar_ptr=kv_bar)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         lo = self.first_step(key0)
@@ -477,8 +495,8 @@ class FlamiaBwdSm90:
             load_do = _rows_copy(atom_do, tma_do, h, (self.step_q, self.d), sDO, doc_start)
             copy_t = _rows_piece_copy if const_expr(self.bf16_kv) else _cols_copy
             loads_t = [
-                (copy_t(atom_qt, tma_qt, h, self.kv_b_box, sQt, hf, vt_start),
-                 copy_t(atom_gt, tma_gt, h, self.kv_b_box, sGt, hf, vt_start))
+                (copy_t(atom_qt, tma_qt, h, self.kv_b_box, sQt, w["part"] * halves + hf, vt_start),
+                 copy_t(atom_gt, tma_gt, h, self.kv_b_box, sGt, w["part"] * halves + hf, vt_start))
                 for hf in range(halves)
             ]  # fmt: skip
             for i in cutlass.range(n_steps, unroll=1):
@@ -982,7 +1000,10 @@ class FlamiaBwdSm90:
                 issue(n + depth)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
-        self.add_dq(ctx, ctx["sDQ"][None, None, wg], mDQ, h, i0, 0, self.step_q * self.d)
+        self.add_dq(
+            ctx, ctx["sDQ"][None, None, wg], mDQ, h, i0,
+            ctx["w"]["part"] * self.step_q * 64 * self.halves, self.step_q * 64 * self.halves,
+        )
 
     @cute.jit
     def dq_only(self, ctx, h, i0, mDQ, parity) -> None:
@@ -1031,7 +1052,10 @@ class FlamiaBwdSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
         piece = 64 * self.step_q
-        self.add_dq(ctx, ctx["sDQ"][None, 0, wg], mDQ, h, i0, wg * piece, piece)
+        self.add_dq(
+            ctx, ctx["sDQ"][None, 0, wg], mDQ, h, i0, (ctx["w"]["part"] * self.halves + wg) * piece,
+            piece,
+        )
 
     @cute.jit
     def add_dq(self, ctx, src, mDQ, h, i0, offset, count) -> None:
@@ -1096,7 +1120,7 @@ class FlamiaBwdSm90:
                     tok = w["doc_start"] + key
                     vinv = ctx["vinv"][r]
                     for c in cutlass.range_constexpr(0, cute.size(dk_mn, mode=[1]), 2):
-                        at = (hf * 64 + tKcK[0, c][1]) // 2
+                        at = ((w["part"] * self.halves + hf) * 64 + tKcK[0, c][1]) // 2
                         dk_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
                             dk_mn[r, c] * softmax_scale, dk_mn[r, c + 1] * softmax_scale,
                             mDK.element_type,

@@ -28,14 +28,15 @@ class BwdConfig:
     exponent per step and tile in dQ = dS·K̂).
 
     ``kernel="triton"``: the portable kernel (CPU interpreter), one program per ``block_n``
-    keys. ``kernel="cute"`` (sm_90, d 64 or 128, a layout whose column alignment is a
+    keys. ``kernel="cute"`` (sm_90, d 64, 128 or 256, a layout whose column alignment is a
     multiple of 128; NVFP4 Q/K from ``quantize_qkv(..., widen=True)``): the CuTe DSL
-    kernel of ``cute_sm90.py``, one CTA per 128 keys (two warpgroups of ``block_n`` = 64
-    keys; query steps of two ``block_m`` blocks, one for NVFP4 Q/K at d = 128,
-    ``cute_sm90.STEP_FOR_D``), ``num_stages`` query steps in flight; ``num_warps``/``maxnreg``
-    are Triton's. ``head_dim_parts`` (Triton): programs that share a key tile, each
-    accumulating dK/dV/dQ for ``head_dim / head_dim_parts`` columns (each rebuilds the
-    scores and dP over the whole head dim; the results are the same).
+    kernel of ``cute_sm90.py``, one CTA per 128 keys, two at d = 256 each with half the
+    head dim of dK/dV/dQ (``cute_sm90.PARTS_FOR_D``; two warpgroups of ``block_n`` = 64
+    keys; query steps of two ``block_m`` blocks, one for NVFP4 Q/K at d = 128 and at
+    d = 256, ``cute_sm90.STEP_FOR_D``), ``num_stages`` query steps in flight;
+    ``num_warps``/``maxnreg`` are Triton's. ``head_dim_parts`` (Triton): programs that share
+    a key tile, each accumulating dK/dV/dQ for ``head_dim / head_dim_parts`` columns (each
+    rebuilds the scores and dP over the whole head dim; the results are the same).
     """
 
     block_m: int = 32
@@ -73,7 +74,7 @@ CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 #: d = 128 271.9 / 292.6 -> 292.5 / 316.8 at T = 8192 / 16384,
 #: ``results/bwd_variants_bf16_kv_d128_2026-12-03.json``; at d = 64 BF16 lost, 246 -> 228,
 #: ``results/bwd_variants_bf16_kv_2026-12-03.json``)
-CUTE_BF16_KV_HEAD_DIMS = frozenset({128})
+CUTE_BF16_KV_HEAD_DIMS = frozenset({128, 256})
 
 
 def bwd_reads_rows(config: BwdConfig, head_dim: int) -> bool:
@@ -86,7 +87,7 @@ def bwd_reads_rows(config: BwdConfig, head_dim: int) -> bool:
 def cute_bwd_runs(head_dim: int, column_align: int) -> bool:
     """The CuTe backward's operand limits (the device aside; NVFP4 Q/K also need the
     quantizer's widened values)."""
-    return head_dim in (64, 128) and column_align % 128 == 0
+    return head_dim in (64, 128, 256) and column_align % 128 == 0
 
 
 def default_bwd_config(
@@ -160,7 +161,7 @@ def _cute_refusal(
         return "always computes dQ (with_dq=False is Triton's)"
     if not cute_bwd_runs(d, qkv.column_align):
         return (
-            "runs head_dim 64 or 128 on a layout with a column alignment that is a multiple "
+            "runs head_dim 64, 128 or 256 on a layout with a column alignment that is a multiple "
             f"of 128 (got head_dim {d}, column_align {qkv.column_align})"
         )
     if qkv.unwidened:
