@@ -9,7 +9,9 @@ Prints one line per compiled configuration (with ``$PTXAS``: whether its ``wgmma
 pipelined, registers, spills); ``--keep DIR`` keeps each cubin there (for ``cuobjdump``);
 ``--variant PATH`` compiles the ``FlamiaBwdSm90`` of a copy of ``cute_sm90.py`` instead (a
 patched experiment, e.g. ``experiments/cute-bwd-stagger.patch`` applied to a copy) before
-its device time is spent.
+its device time is spent. ``--d 256 --stages 3 --step 64`` compiles only that head dim's
+default recipe with another number of stages / queries per step (``STEP_FOR_D``), as
+``profile_bwd.py --kernel cute`` times them.
 """
 
 from __future__ import annotations
@@ -69,32 +71,41 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = Fal
 def main() -> None:
     parser = compile_parser(__doc__)
     parser.add_argument("--variant", default=None, help="a copy of cute_sm90.py to compile")
+    parser.add_argument("--d", type=int, default=0, help="only this head dim, causal (0: all)")
+    parser.add_argument("--stages", type=int, default=2, help="query steps in flight")
+    parser.add_argument("--step", type=int, default=0, help="queries per step (0: STEP_FOR_D)")
     args = parser.parse_args()
     keep, module = args.keep, cute_sm90
     if args.variant:
         spec = importlib.util.spec_from_file_location("cute_sm90_variant", args.variant)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+    if args.step:
+        module.STEP_FOR_D[args.d] = args.step
+    cases = (
+        (128, True, False, True), (64, True, False, True), (128, False, False, True),
+        (128, True, False, False), (128, True, True, True), (64, False, True, True),
+        (256, True, False, True), (256, False, False, False), (256, True, True, True),
+    )  # fmt: skip
+    if args.d:
+        cases = ((args.d, True, False, True),)
     with FakeTensorMode():
         torch.set_default_device("cuda")
         # the default config (block exponents) at d = 128 / 64, causal or not, and with
         # per-token exponents (exact_causal); then the mixed recipes' (BF16 Sᵀ)
-        for d, causal, wide, block in (
-            (128, True, False, True), (64, True, False, True), (128, False, False, True),
-            (128, True, False, False), (128, True, True, True), (64, False, True, True),
-            (256, True, False, True), (256, False, False, False), (256, True, True, True),
-        ):  # fmt: skip
+        for d, causal, wide, block in cases:
             kernel = module.FlamiaBwdSm90(
-                d, 8, 2, causal, 32, 2, False, wide, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS,
+                d, 8, 2, causal, 32, args.stages, False, wide, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS,
                 block_exponents=block,
             )
             tag = ("_wide" if wide else "") + ("" if block else "_exact")
-            name = f"bwd_d{d}_causal{int(causal)}{tag}.cubin"
+            name = f"bwd_d{d}_causal{int(causal)}{tag}_s{args.stages}.cubin"
             compiled = compile_and_keep(
                 kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Float32(0.1), Int32(1),
                 keep=keep, name=name,
             )  # fmt: skip
-            print(f"cute backward d={d} causal={causal} wide={wide} block={block}: compiled")
+            print(f"cute backward d={d} causal={causal} wide={wide} block={block} "
+                  f"stages={args.stages} step={module.step_queries(d, wide)}: compiled")
             del compiled
 
 

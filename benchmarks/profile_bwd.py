@@ -1,9 +1,11 @@
 """One backward kernel launch of a pack, for ``ncu`` and variant timing.
 
-``python benchmarks/profile_bwd.py [--tokens 8192] [--warps 8] [--stages 2] [--no-dq]
-[--full] [--kernel cute]`` times ``attn_bwd`` (operands prequantized, on the CuTe forward's
-128-column layout) and prints ms and TFLOP/s; under ``ncu -k regex:attn_bwd_kernel
---launch-skip 1 --launch-count 1`` (CuTe: ``regex:FlamiaBwd``) profile the second launch.
+``python benchmarks/profile_bwd.py [--tokens 8192] [--d 128] [--warps 8] [--stages 2]
+[--no-dq] [--full] [--kernel cute] [--step 64]`` times ``attn_bwd`` (operands prequantized,
+on the CuTe forward's 128-column layout; Hq/Hkv 32/8, one causal document) and prints ms and
+TFLOP/s (``--step``: the CuTe kernel's queries per step at ``--d``, ``STEP_FOR_D``); under
+``ncu -k regex:attn_bwd_kernel --launch-skip 1 --launch-count 1`` (CuTe:
+``regex:FlamiaBwd``) profile the second launch.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="non-causal")
     ap.add_argument("--once", action="store_true", help="two launches only (for ncu)")
     ap.add_argument("--kernel", choices=["triton", "cute"], default="triton")
+    ap.add_argument("--step", type=int, default=0, help="CuTe queries per step (0: default)")
     args = ap.parse_args(argv)
+    if args.step:
+        from flamia_serve.kernels.attn_bwd import cute_sm90
+
+        cute_sm90.STEP_FOR_D[args.d] = args.step
     t, d, hq, hkv = args.tokens, args.d, 32, 8
     causal = not args.full
     cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
@@ -59,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = time_ms(run, warmup_ms=10, rep_ms=100)["ms"]
     flops = 2.5 * 4 * (t * t / (2 if causal else 1)) * hq * d
     print(f"{args.kernel} T={t} d={d} causal={causal} warps={args.warps} stages={args.stages} "
+          f"step={args.step or 'default'} "
           f"dq={not args.no_dq}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s")  # fmt: skip
     return 0
 

@@ -7,7 +7,7 @@
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
-#                                                   # p2
+#                                                   # p2, d256-tune
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -232,6 +232,21 @@ fi
 if [[ $steps == *,p2,* ]]; then  # P2 (d = 256) beside FA4, every pass
   RUN_TAIL="-n 10" run train_attention_p2 200 python benchmarks/train_attention.py \
     --quick --workloads P2 --passes fwd,fwd+bwd,bwd --impls flamia-mxfp8,fa4 --name train_attention_p2
+fi
+if [[ $steps == *,d256-tune,* ]]; then  # the d = 256 CuTe backward: stages / step size
+  # (kernel alone, P2's shape and T = 16384), the pass around it, the mixed recipe on P2
+  for t in 8192 16384; do
+    for cfg in s2:2:0 s3:3:0 s1q64:1:64; do
+      IFS=: read -r tag stages step <<< "$cfg"
+      RUN_TAIL="-n 1" run "bwd_d256_T${t}_$tag" 120 python benchmarks/profile_bwd.py \
+        --kernel cute --d 256 --tokens "$t" --stages "$stages" --step "$step"
+    done
+  done
+  RUN_TAIL="-n 14" run profile_bwd_pass_p2 150 python benchmarks/profile_bwd_pass.py \
+    --workloads P2 --pass bwd
+  RUN_TAIL="-n 8" run train_attention_p2_mixed 200 python benchmarks/train_attention.py \
+    --quick --check --workloads P2 --passes fwd+bwd --impls flamia-mixed_nvfp4,flamia-mxfp8 \
+    --name train_attention_p2_mixed
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
