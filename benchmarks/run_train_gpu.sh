@@ -235,7 +235,7 @@ if [[ $steps == *,p2,* ]]; then  # P2 (d = 256) beside FA4, every pass
 fi
 if [[ $steps == *,d256-tune,* ]]; then  # the d = 256 CuTe backward: stages / step size
   # (kernel alone, P2's shape and T = 16384), the pass around it, the mixed recipe on P2
-  for t in 8192 16384; do
+  for t in 8192; do
     for cfg in s2:2:0 s3:3:0 s1q64:1:64; do
       IFS=: read -r tag stages step <<< "$cfg"
       RUN_TAIL="-n 1" run "bwd_d256_T${t}_$tag" 120 python benchmarks/profile_bwd.py \
