@@ -7,7 +7,7 @@
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
-#                                                   # p2, d256-tune
+#                                                   # p2, d256-tune, own-layout
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -247,6 +247,17 @@ if [[ $steps == *,d256-tune,* ]]; then  # the d = 256 CuTe backward: stages / st
   RUN_TAIL="-n 8" run train_attention_p2_mixed 200 python benchmarks/train_attention.py \
     --quick --check --workloads P2 --passes fwd+bwd --impls flamia-mixed_nvfp4,flamia-mxfp8 \
     --name train_attention_p2_mixed
+fi
+if [[ $steps == *,own-layout,* ]]; then  # the backward on its own layout (a forward on
+  # another one: Triton forward, mixed d = 256), then P1 (short documents) with either
+  # backward kernel and P2 mixed, beside FA4
+  run pytest_gpu_bwd_own_layout 300 python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_attn_bwd.py \
+    -k "another_layout or default_on_its_layout or layout or call or compile or default_bwd"
+  RUN_TAIL="-n 14" run train_attention_own_layout 240 python benchmarks/train_attention.py \
+    --quick --workloads P1,P2 --passes fwd+bwd \
+    --impls flamia-mxfp8,flamia-mxfp8-cute-bwd,flamia-mxfp8-triton-bwd,flamia-mixed_nvfp4,fa4 \
+    --name train_attention_own_layout
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \

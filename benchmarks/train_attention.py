@@ -137,17 +137,20 @@ def _flamia_loader(
     kernel: str | None = None,
     cute_changes: dict[str, Any] | None = None,
     changes: dict[str, Any] | None = None,
+    bwd_kernel: str | None = None,
 ) -> Callable[[], Builder]:
     """``flamia_serve.flamia_attn_varlen`` (quantization included); the per-microbatch plan
     (one host sync + schedules) is built outside timing, as a training step reuses it for
     every layer. ``kernel``: the forward kernel (default: the library's choice);
     ``cute_changes``: fields of the CuTe config to change where the CuTe kernel runs;
-    ``changes``: fields to change whichever kernel runs."""
+    ``changes``: fields to change whichever kernel runs; ``bwd_kernel``: the backward
+    kernel (``"cute"``: ``CUTE_BWD_CONFIG``; default: the library's choice)."""
 
     def load() -> Builder:
         import dataclasses
 
         import flamia_serve
+        from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG, default_bwd_config
         from flamia_serve.kernels.attn_fwd.ops import default_config
         from flamia_serve.numerics import resolve_recipe
 
@@ -162,11 +165,17 @@ def _flamia_loader(
                 cfg = dataclasses.replace(cfg, **cute_changes)
             if changes:
                 cfg = dataclasses.replace(cfg, **changes)
+            bcfg = None
+            if bwd_kernel == "cute":
+                bcfg = CUTE_BWD_CONFIG
+            elif bwd_kernel is not None:
+                bcfg = default_bwd_config(wl.head_dim, cu.device, kernel=bwd_kernel)
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Any:
                 return flamia_serve.flamia_attn_varlen(
-                    q, k, v, cu, m, causal=True, recipe=recipe, plan=plan, config=cfg
-                )
+                    q, k, v, cu, m, causal=True, recipe=recipe, plan=plan, config=cfg,
+                    bwd_config=bcfg,
+                )  # fmt: skip
 
             return _identity, run
 
@@ -384,6 +393,9 @@ IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
         "fwd", _flamia_loader("mxfp8", cute_changes={"promote_pv": False, "overlap": True}),
         False,
     ),
+    # the backward kernel forced (the forward the library's choice)
+    "flamia-mxfp8-cute-bwd": ("fwd", _flamia_loader("mxfp8", bwd_kernel="cute"), False),
+    "flamia-mxfp8-triton-bwd": ("fwd", _flamia_loader("mxfp8", bwd_kernel="triton"), False),
     "flamia-mixed_nvfp4": ("fwd", _flamia_loader("mixed_nvfp4"), False),
     "flamia-mixed_nvfp4-triton": ("fwd", _flamia_loader("mixed_nvfp4", kernel="triton"), False),
     "flamia-mxfp8-quant": ("quant", _flamia_quant_loader("mxfp8"), False),

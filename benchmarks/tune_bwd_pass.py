@@ -49,8 +49,10 @@ def tune_workload(
     q, k, v = make_inputs(wl, seed=0, device=dev)
     plan = flamia_serve.plan_varlen(cu, wl.total_tokens, wl.max_seqlen)
     cfg = default_config(wl.head_dim, dev, mean_doc_len=wl.total_tokens / wl.num_docs)
-    bcfg = default_bwd_config(wl.head_dim, dev, column_align=cfg.column_align)
-    align, reads_rows = cfg.column_align, bwd_reads_rows(bcfg, wl.head_dim)
+    bcfg = default_bwd_config(wl.head_dim, dev, mean_doc_len=wl.total_tokens / wl.num_docs)
+    # the backward's layout: the forward's when its alignment suits (AttnCall.backward_layout)
+    align = cfg.column_align if cfg.column_align % bcfg.column_align == 0 else bcfg.column_align
+    reads_rows = bwd_reads_rows(bcfg, wl.head_dim)
     blocks, columns = plan.token_blocks(align), plan.token_columns(align)
     ws = plan.workspace(dev, -1)
     out, m, lse = flamia_serve.flamia_attn_varlen(

@@ -107,22 +107,26 @@ def _attn_call(
     cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
                                    mean_doc_len=shape.total_tokens / max(docs, 1))  # fmt: skip
     bcfg = bwd_config or default_bwd_config(
-        shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4", column_align=cfg.column_align
-    )
+        shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
+        mean_doc_len=shape.total_tokens / max(docs, 1),
+    )  # fmt: skip
     causal = bool(causal)
     bwd_work = None
+    # the backward quantizes into its own layout unless the forward's has its alignment
+    own_layout = needs_grad and cfg.column_align % bcfg.column_align != 0
     if needs_grad:
         check_bwd_config(bcfg, rec)
         bwd_work = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, causal)
     # the tokens' columns: the backward's copies and the forward's windows read them
-    columns = None if compiling or not (needs_grad or cfg.windows) else plan.token_columns(
-        cfg.column_align
-    )
+    with_columns = not compiling and ((needs_grad and not own_layout) or cfg.windows)
+    columns = plan.token_columns(cfg.column_align) if with_columns else None
+    bwd_blocks = plan.token_blocks(bcfg.column_align) if own_layout else None
+    bwd_columns = plan.token_columns(bcfg.column_align) if own_layout and not compiling else None
     workspace = None if stream is _NO_REUSE else plan.workspace(q.device, stream)
     return AttnCall(
         plan.token_blocks(cfg.column_align), cfg.column_align,
         plan.work_list(cfg.block_m, cfg.block_n, causal, window_limit(cfg)), bwd_work, causal, rec,
-        bool(exact_causal), scale, cfg, bcfg, columns, workspace,
+        bool(exact_causal), scale, cfg, bcfg, columns, workspace, bwd_blocks, bwd_columns,
     )  # fmt: skip
 
 

@@ -42,14 +42,15 @@ Tensors = list[torch.Tensor]
 class AttnCall:
     """The non-tensor part of one call: schedules (from a plan), options and kernel configs.
 
-    ``column_align``: documents start at multiples of it in the column layout (the
-    forward's ``FwdConfig.column_align``); ``blocks``: the token-block table of that layout;
+    ``column_align``: documents start at multiples of it in the forward's column layout
+    (``FwdConfig.column_align``); ``blocks``: the token-block table of that layout;
     ``work``/``bwd_work``: the forward's query-tile and the backward's key-tile lists
     (``bwd_work`` None when no gradient is needed); ``config`` None in a backward-only call;
-    ``columns``: int64 ``[T]``, each token's column in the layout (the backward's and the
-    forward windows'; ``VarlenPlan.token_columns``, built when None); ``workspace``: the
-    plan's buffers for the kernels (``VarlenPlan.workspace``; eager calls with a plan),
-    None: new ones.
+    ``columns``: int64 ``[T]``, each token's column in the layout (the forward windows';
+    ``VarlenPlan.token_columns``, built when None); ``bwd_blocks``/``bwd_columns``: the same
+    for the backward's layout (``bwd_config.column_align``; None: the forward's, which must
+    then have that alignment); ``workspace``: the plan's buffers for the kernels
+    (``VarlenPlan.workspace``; eager calls with a plan), None: new ones.
     """
 
     blocks: TokenBlocks
@@ -64,6 +65,22 @@ class AttnCall:
     bwd_config: BwdConfig
     columns: torch.Tensor | None = None
     workspace: PackWorkspace | None = None
+    bwd_blocks: TokenBlocks | None = None
+    bwd_columns: torch.Tensor | None = None
+
+    def backward_layout(self) -> tuple[TokenBlocks, int, torch.Tensor | None]:
+        """``(blocks, column_align, columns)`` of the layout the backward quantizes into:
+        ``bwd_blocks`` at ``bwd_config.column_align``, else the forward's layout when its
+        alignment is a multiple of that."""
+        align = self.bwd_config.column_align
+        if self.bwd_blocks is not None:
+            return self.bwd_blocks, align, self.bwd_columns
+        if self.column_align % align:
+            raise ValueError(
+                f"the backward reads a layout aligned to {align} columns, the forward's is "
+                f"aligned to {self.column_align}: the call needs bwd_blocks"
+            )
+        return self.blocks, self.column_align, self.columns
 
 
 def attention_forward(
@@ -99,16 +116,16 @@ def attention_backward(
     """``(dQ, dK, dV)`` in the input dtype (``flamia_serve.reference.attention_backward``)."""
     if call.bwd_work is None:
         raise RuntimeError("flamia attention: the forward ran without gradients enabled")
-    align = call.column_align
+    blocks, align, columns = call.backward_layout()
     rows = bwd_reads_rows(call.bwd_config, q.shape[2])  # Q codes and Ĝ as BF16 rows
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
-        blocks=call.blocks, with_transposed=True, column_align=align, columns=call.columns,
+        blocks=blocks, with_transposed=True, column_align=align, columns=columns,
         workspace=call.workspace, widen=call.bwd_config.kernel == "cute",
         q_transposed=not rows, q_rows=rows,
     )  # fmt: skip
     qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe,
-                      blocks=call.blocks, column_align=align, workspace=call.workspace,
+                      blocks=blocks, column_align=align, workspace=call.workspace,
                       g_columns=not rows, g_rows=rows)  # fmt: skip
     return attn_bwd(
         qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
@@ -142,13 +159,14 @@ class EagerAttention(torch.autograd.Function):
 def op_arguments(call: AttnCall) -> tuple:
     """The custom ops' non-tensor arguments for ``call`` (``attn_varlen_fwd`` rebuilds the
     call from them)."""
-    b, w, bw = call.blocks, call.work, call.bwd_work
+    w, bw, bb = call.work, call.bwd_work, call.bwd_blocks
     if w is None or call.config is None:
         raise ValueError("op_arguments needs a forward call (work list and config)")
     return (
-        [b.start, b.length, b.v_t_start, b.doc_v_t_start],
+        call.blocks.tensors(),
         [w.doc, w.tile, w.count, *(w.windows.tensors() if w.windows is not None else [])],
         [bw.doc, bw.tile, bw.count] if bw is not None else [],
+        bb.tensors() if bb is not None and bw is not None else [],
         call.causal, call.recipe.name, call.exact_causal, call.softmax_scale,
         call.config.to_ints(), call.bwd_config.to_ints(),
     )  # fmt: skip
@@ -163,6 +181,7 @@ def attn_varlen_fwd(
     blocks: Tensors,
     work: Tensors,
     bwd_work: Tensors,
+    bwd_blocks: Tensors,
     causal: bool,
     recipe: str,
     exact_causal: bool,
@@ -170,8 +189,9 @@ def attn_varlen_fwd(
     config: list[int],
     bwd_config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``; ``bwd_work``/``bwd_config`` are carried
-    for the backward only."""
+    """``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``; ``bwd_work``/``bwd_config`` and
+    ``bwd_blocks`` (the backward's layout, empty: the forward's) are carried for the
+    backward only."""
     cfg, bcfg = FwdConfig.from_ints(config), BwdConfig.from_ints(bwd_config)
     windows = ShortWindows(*work[3:], window_limit(cfg)) if cfg.windows else None
     fwd_work = WorkList(*work[:3], cfg.block_m, cfg.block_n, causal, windows=windows)
@@ -182,8 +202,8 @@ def attn_varlen_fwd(
 
 
 @attn_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens, blocks, work, bwd_work, causal, recipe, exact_causal, softmax_scale,
-      config, bwd_config):  # fmt: skip
+def _(q, k, v, cu_seqlens, blocks, work, bwd_work, bwd_blocks, causal, recipe, exact_causal,
+      softmax_scale, config, bwd_config):  # fmt: skip
     rows = q.new_empty(q.shape[:2], dtype=torch.float32)
     return torch.empty_like(q), rows, torch.empty_like(rows)
 
@@ -208,8 +228,8 @@ def attn_varlen_bwd(
     column_align: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dQ, dK, dV)`` in the input dtype; ``work``/``config`` are the backward's key-tile
-    list and ``BwdConfig``, ``blocks`` and ``column_align`` the forward's (its
-    ``FwdConfig.column_align``)."""
+    list and ``BwdConfig``, ``blocks`` the token-block table of the layout to quantize into,
+    aligned to ``column_align`` columns (a multiple of ``BwdConfig.column_align``)."""
     bcfg = BwdConfig.from_ints(config)
     call = AttnCall(
         TokenBlocks(*blocks), column_align, None,
@@ -226,13 +246,17 @@ def _(d_out, q, k, v, out, m_rows, lse_rows, cu_seqlens, blocks, work, causal, r
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, cu_seqlens, blocks, _work_fwd, bwd_work, causal, recipe, exact_causal,
+    (q, k, v, cu_seqlens, blocks, _work_fwd, bwd_work, bwd_blocks, causal, recipe, exact_causal,
      softmax_scale, config, bwd_config) = inputs  # fmt: skip
     out, m_rows, lse_rows = output
-    ctx.save_for_backward(q, k, v, out, m_rows, lse_rows, cu_seqlens, *blocks, *bwd_work)
-    ctx.n_blocks = len(blocks)
-    ctx.n_work = len(_work_fwd)
-    column_align = FwdConfig.from_ints(config).column_align
+    if bwd_blocks:  # the backward's own layout
+        column_align = BwdConfig.from_ints(bwd_config).column_align
+    else:
+        column_align = FwdConfig.from_ints(config).column_align
+    layout = bwd_blocks or blocks
+    ctx.save_for_backward(q, k, v, out, m_rows, lse_rows, cu_seqlens, *layout, *bwd_work)
+    ctx.n_blocks = len(layout)
+    ctx.n_inputs = (len(blocks), len(_work_fwd), len(bwd_work), len(bwd_blocks))
     ctx.args = (causal, recipe, exact_causal, softmax_scale, bwd_config, column_align)
     ctx.mark_non_differentiable(m_rows, lse_rows)
 
@@ -248,7 +272,7 @@ def _backward(ctx, d_out, _d_m, _d_lse):
         causal, recipe, exact_causal, softmax_scale, bwd_config, column_align,
     )  # fmt: skip
     # tensor-list inputs take a list of Nones; every other non-tensor input one None
-    lists = [[None] * ctx.n_blocks, [None] * ctx.n_work, [None] * len(bwd_work)]
+    lists = [[None] * n for n in ctx.n_inputs]
     return dq, dk, dv, None, *lists, None, None, None, None, None, None
 
 

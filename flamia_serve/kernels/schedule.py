@@ -46,6 +46,10 @@ class TokenBlocks:
     def num_slots(self) -> int:
         return self.start.numel()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """``[start, length, v_t_start, doc_v_t_start]`` (``TokenBlocks(*tensors)``)."""
+        return [self.start, self.length, self.v_t_start, self.doc_v_t_start]
+
 
 def token_block_table(
     cu_seqlens: torch.Tensor, total_tokens: int, block: int = 32, align: int = V_T_ALIGN

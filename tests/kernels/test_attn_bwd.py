@@ -373,7 +373,7 @@ def test_backward_op_reads_the_cute_layout(device) -> None:
                            softmax_scale=0.125)  # fmt: skip
     grads = {}
     for align in (16, 128):  # on sm_90 with the cute extra: Triton, then the CuTe backward
-        bcfg = default_bwd_config(64, q.device, column_align=align)
+        bcfg = BwdConfig() if align == 16 else default_bwd_config(64, q.device)
         bw = plan.key_work_list(bcfg.work_block_n, bcfg.block_m, True)
         b = plan.token_blocks(align)
         assert plan.token_blocks(align) is b  # cached per alignment
@@ -423,6 +423,39 @@ def test_attn_call_errors(device) -> None:
     out, m, lse = attention_forward(q, k, v, cu, call)
     with pytest.raises(RuntimeError, match="without gradients"):
         attention_backward(torch.randn_like(q), q, k, v, out, m, lse, cu, call)
+
+
+def test_attn_call_backward_layout(device) -> None:
+    """The backward quantizes into the forward's layout when its alignment is a multiple of
+    the backward kernel's, else into its own (``bwd_blocks``, carried by the custom ops'
+    arguments); a call that needs its own and lacks it is refused."""
+    import dataclasses
+
+    from flamia_serve.custom_ops import AttnCall, op_arguments
+    from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG
+    from flamia_serve.kernels.attn_fwd.ops import default_config
+    from flamia_serve.numerics import RECIPES
+
+    q, _k, _v, cu, ms = make_pack((20, 40), 4, 2, 64, device=device)
+    plan = plan_varlen(cu, q.shape[0], ms)
+    cfg = default_config(64, q.device, kernel="triton")
+    fwd_blocks, cute_blocks = plan.token_blocks(16), plan.token_blocks(128)
+    call = AttnCall(
+        fwd_blocks, 16, plan.work_list(cfg.block_m, cfg.block_n, True),
+        plan.key_work_list(128, 32, True), True, RECIPES["mxfp8"], False, 0.125, cfg,
+        CUTE_BWD_CONFIG,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"aligned to 128 columns.*aligned to 16"):
+        call.backward_layout()
+    own = dataclasses.replace(call, bwd_blocks=cute_blocks)
+    assert own.backward_layout() == (cute_blocks, 128, None)
+    assert op_arguments(own)[3] == cute_blocks.tensors()
+    assert op_arguments(call)[3] == []
+    triton_bwd = dataclasses.replace(call, bwd_config=BwdConfig())
+    assert triton_bwd.backward_layout()[:2] == (fwd_blocks, 16)
+    wide = dataclasses.replace(triton_bwd, blocks=cute_blocks, column_align=128)
+    assert wide.backward_layout()[:2] == (cute_blocks, 128)  # Triton reads any 16-multiple
+    assert bool((cute_blocks.doc_v_t_start % 128 == 0).all())
 
 
 def test_bwd_refuses_dO_quantized_on_another_column_layout(device) -> None:
@@ -493,27 +526,30 @@ def test_bwd_config_kernel_choice_and_round_trip(device) -> None:
     assert cute.work_block_n == 128 and BwdConfig().work_block_n == 64
 
 
-def test_default_bwd_config_follows_the_forward_layout(monkeypatch) -> None:
-    """Where the CuTe kernels run, the backward is CuTe exactly when the forward's layout is
-    128-column aligned at d 64/128 (E4M3 or NVFP4 Q/K); the Triton kernel otherwise (and
-    with ``kernel="triton"``); without the cute extra, always Triton."""
+def test_default_bwd_config_picks_the_cute_kernel_where_it_runs(monkeypatch) -> None:
+    """Where the CuTe kernels run, the backward is CuTe at d 64/128/256 (E4M3 or NVFP4 Q/K)
+    whatever layout the forward read (it quantizes into its own, ``BwdConfig.column_align``),
+    except on packs of documents under ``SHORT_DOCUMENTS`` tokens on average and with
+    ``kernel="triton"``; without the cute extra, always Triton."""
     from flamia_serve.kernels.attn_bwd import ops as bwd_ops
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(bwd_ops, "_cute_available", lambda device: True)
-    assert default_bwd_config(128, gpu, column_align=128) == bwd_ops.CUTE_BWD_CONFIG
-    assert default_bwd_config(64, gpu, column_align=256).kernel == "cute"
-    assert default_bwd_config(64, gpu, qk_nvfp4=True, column_align=128).kernel == "cute"
-    for kw in (dict(column_align=16), dict(column_align=64), dict(kernel="triton"),
-               dict(qk_nvfp4=True, column_align=16)):  # fmt: skip
-        assert default_bwd_config(128, gpu, **kw).kernel == "triton", kw
-    assert default_bwd_config(256, gpu, column_align=128) == bwd_ops.CUTE_BWD_CONFIG
+    for d in (64, 128, 256):
+        assert default_bwd_config(d, gpu) == bwd_ops.CUTE_BWD_CONFIG
+        assert default_bwd_config(d, gpu, qk_nvfp4=True) == bwd_ops.CUTE_BWD_CONFIG
+        assert default_bwd_config(d, gpu, mean_doc_len=bwd_ops.SHORT_DOCUMENTS).kernel == "cute"
+    assert bwd_ops.CUTE_BWD_CONFIG.column_align == 128 and BwdConfig().column_align == 16
+    short = dict(mean_doc_len=bwd_ops.SHORT_DOCUMENTS - 1)
+    for kw in (short, dict(kernel="triton"), dict(qk_nvfp4=True, **short)):
+        assert default_bwd_config(128, gpu, **kw) == BwdConfig(), kw
+    assert default_bwd_config(96, gpu) == BwdConfig()
     d256 = BwdConfig(num_warps=4, head_dim_parts=2)
-    assert default_bwd_config(256, gpu, column_align=16) == d256
+    assert default_bwd_config(256, gpu, kernel="triton") == d256
     with pytest.raises(ValueError, match="kernel must be None or 'triton'"):
         default_bwd_config(128, gpu, kernel="cute")
     monkeypatch.setattr(bwd_ops, "_cute_available", lambda device: False)
-    assert default_bwd_config(128, gpu, column_align=128) == BwdConfig()
+    assert default_bwd_config(128, gpu) == BwdConfig()
 
 
 def test_cute_kernels_take_nvfp4_only_widened(device) -> None:

@@ -102,12 +102,13 @@ def test_cute_bwd_rebuilds_the_same_p_hat_as_triton(recipe, d) -> None:
 
 
 def test_cute_bwd_is_the_default_on_its_layout() -> None:
+    """The CuTe backward is the default at d 64/128/256; given operands on a layout it cannot
+    read, ``attn_bwd`` without a config takes the Triton kernel, with the CuTe config it
+    raises."""
     dev = torch.device("cuda")
-    assert default_bwd_config(128, dev, column_align=128).kernel == "cute"
-    assert default_bwd_config(128, dev, column_align=64).kernel == "triton"
+    for d in (64, 128, 256):
+        assert default_bwd_config(d, dev).kernel == "cute"
     assert default_bwd_config(64, dev, qk_nvfp4=True).kernel == "cute"
-    assert default_bwd_config(256, dev, column_align=128).kernel == "cute"
-    assert default_bwd_config(256, dev, column_align=16).kernel == "triton"
     q, k, v, cu, _ = make_pack((70,), 2, 1, 64, device="cuda")
     qkv = quantize_qkv(q, k, v, cu, with_transposed=True)  # column alignment 16
     out, m, lse = attn_fwd(qkv, cu, heads_q=2, causal=True, softmax_scale=0.125)
@@ -143,3 +144,38 @@ def test_cute_bwd_never_crosses_a_document(name: str) -> None:
             assert _rel(a[other], b[other]) <= 1e-2, label
         else:
             assert torch.equal(a[other], b[other]), label
+
+
+@pytest.mark.parametrize(("d", "recipe"), [(128, "mxfp8"), (256, "mixed_nvfp4")])
+@pytest.mark.parametrize("custom_ops", [False, True])
+def test_cute_bwd_after_a_forward_on_another_layout(d, recipe, custom_ops, monkeypatch) -> None:
+    """A forward on a layout the CuTe backward cannot read (the Triton forward's 16 columns;
+    the mixed recipes' d = 256 CuTe forward, 64-key tiles) and the default backward: the
+    CuTe kernel quantizes into its own 128-column layout and gives the gradients of the
+    Triton backward on the forward's layout (within the two kernels' summation-order
+    differences), eagerly and through the custom ops."""
+    from flamia_serve import plan_varlen
+    from flamia_serve.kernels.attn_fwd.ops import default_config
+
+    monkeypatch.setenv("FLAMIA_EAGER_CUSTOM_OPS", "1" if custom_ops else "0")
+    q, k, v, cu, ms = make_pack((300, 1, 700, 47), 8, 2, d, seed=1, device="cuda")
+    d_out = torch.randn_like(q)
+    plan = plan_varlen(cu, q.shape[0], ms)
+    kernel = "cute" if d == 256 else "triton"
+    cfg = default_config(d, q.device, qk_nvfp4=recipe != "mxfp8", kernel=kernel)
+    assert cfg.column_align % 128 != 0
+    grads = {}
+    for name, bcfg in (("triton", default_bwd_config(d, q.device, kernel="triton")),
+                       ("default", None)):  # fmt: skip
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = flamia_attn_varlen(*leaves, cu, ms, recipe=recipe, plan=plan, config=cfg,
+                                 bwd_config=bcfg)  # fmt: skip
+        out.backward(d_out)
+        grads[name] = [x.grad for x in leaves]
+    calls = list(plan.calls.values())  # the checked calls the plan keeps, in call order
+    assert [c.bwd_config.kernel for c in calls] == ["triton", "cute"]
+    assert calls[0].bwd_blocks is None and calls[1].bwd_blocks is not None
+    for g, t in zip(grads["default"], grads["triton"], strict=True):
+        assert bool(torch.isfinite(g).all())
+        # the same codes and P̂; sums in another order (the kernels agree to <= 5.7e-4)
+        assert _rel(g, t) <= 1e-3, _rel(g, t)

@@ -9,11 +9,11 @@ import torch
 
 from flamia_serve.kernels._common import TritonLaunch, interpreted, round_debug_p_
 from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
-from flamia_serve.kernels.attn_fwd.ops import _cute_available, cute_available
+from flamia_serve.kernels.attn_fwd.ops import SHORT_DOCUMENTS, _cute_available, cute_available
 from flamia_serve.kernels.schedule import WorkList, build_key_work_list
 from flamia_serve.kernels.workspace import PackWorkspace, zeroed_accumulator
 from flamia_serve.numerics import Recipe, resolve_recipe
-from flamia_serve.numerics.operands import KernelDO, KernelQKV
+from flamia_serve.numerics.operands import V_T_ALIGN, KernelDO, KernelQKV
 
 LOG2E = math.log2(math.e)
 _LAUNCH = TritonLaunch(attn_bwd_kernel)
@@ -48,6 +48,14 @@ class BwdConfig:
     head_dim_parts: int = 1
 
     @property
+    def column_align(self) -> int:
+        """Column alignment of the layout this backward reads (``quantize_qkv``/
+        ``quantize_do(column_align=...)``): the CuTe kernel loads whole 128-key tiles by TMA,
+        the Triton kernel masks its loads (``V_T_ALIGN``). It need not be the forward's: the
+        layout moves columns, not codes, so P̂ is rebuilt bit for bit either way."""
+        return CUTE_BWD_COLUMN_ALIGN if self.kernel == "cute" else V_T_ALIGN
+
+    @property
     def work_block_n(self) -> int:
         """Keys per item of the key work list this backward reads."""
         return 2 * self.block_n if self.kernel == "cute" else self.block_n
@@ -64,8 +72,12 @@ class BwdConfig:
         return cls(bm, bn, warps, stages, maxnreg or None, kernel, parts)
 
 
-#: the CuTe backward's default on sm_90 (``results/bwd_kernels.json``)
+#: the CuTe backward's default on sm_90 (``results/bwd_kernels.json``; at d = 256 three
+#: stages ran as fast as two, 8.86 vs 8.88 ms on P2, and 64-query steps with one stage
+#: slower, 11.1 ms: ``results/bwd_d256_stages_2026-12-04.log``)
 CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
+#: documents start at multiples of this many columns in the CuTe backward's layout
+CUTE_BWD_COLUMN_ALIGN = 128
 
 #: head dims at which the CuTe backward multiplies dK/dV in BF16 (E4M3 values times powers
 #: of two are exact in BF16; the products accumulate in FP32 across steps, no per-step
@@ -84,10 +96,10 @@ def bwd_reads_rows(config: BwdConfig, head_dim: int) -> bool:
     return config.kernel == "cute" and head_dim in CUTE_BF16_KV_HEAD_DIMS
 
 
-def cute_bwd_runs(head_dim: int, column_align: int) -> bool:
+def cute_bwd_runs(head_dim: int, column_align: int = CUTE_BWD_COLUMN_ALIGN) -> bool:
     """The CuTe backward's operand limits (the device aside; NVFP4 Q/K also need the
     quantizer's widened values)."""
-    return head_dim in (64, 128, 256) and column_align % 128 == 0
+    return head_dim in (64, 128, 256) and column_align % CUTE_BWD_COLUMN_ALIGN == 0
 
 
 def default_bwd_config(
@@ -95,23 +107,27 @@ def default_bwd_config(
     device: torch.device,
     *,
     qk_nvfp4: bool = False,
-    column_align: int = 128,
     kernel: str | None = None,
+    mean_doc_len: float | None = None,
 ) -> BwdConfig:
     """The CuTe kernel where it runs (``cute_bwd_runs`` on an sm_90 GPU with the ``cute``
-    extra; ``column_align`` is the forward's layout), else the Triton kernel: one warpgroup;
-    at d=256 two programs per key tile, each with 128 columns of dK/dV/dQ (H200, P2's
-    shape: 63.5 ms against 69.3 for 8 warps unsplit, ``results/tune_bwd_d256_2026-12-04.json``).
-    H200, T=8192 causal, d=128: 4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``)
+    extra), whichever kernel ran the forward (the backward quantizes into its own layout,
+    ``BwdConfig.column_align``), unless documents are under ``SHORT_DOCUMENTS`` tokens on
+    average (when ``mean_doc_len`` is given: the forward's rule); else the Triton kernel:
+    one warpgroup; at d=256 two programs per key tile, each with 128 columns of dK/dV/dQ
+    (H200, P2's shape: 63.5 ms against 69.3 for 8 warps unsplit,
+    ``results/tune_bwd_d256_2026-12-04.json``; the CuTe kernel 8.9 ms). H200, T=8192
+    causal, d=128: 4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``)
     although 4 warps spill a little (``tests/kernels/sm90_compile.py -v``).
     ``kernel="triton"`` forces Triton."""
+    del qk_nvfp4  # both Q/K formats run on both kernels (NVFP4 widened for the CuTe one)
     if kernel not in (None, "triton"):
         raise ValueError(f"kernel must be None or 'triton', got {kernel!r}")
     if device.type != "cuda":
         return BwdConfig(num_warps=4, num_stages=1)
-    if kernel is None and cute_bwd_runs(head_dim, column_align):
-        if _cute_available(device):
-            return CUTE_BWD_CONFIG
+    short = mean_doc_len is not None and mean_doc_len < SHORT_DOCUMENTS
+    if kernel is None and not short and cute_bwd_runs(head_dim) and _cute_available(device):
+        return CUTE_BWD_CONFIG
     return BwdConfig(num_warps=4, head_dim_parts=1 if head_dim <= 128 else 2)
 
 
@@ -215,7 +231,7 @@ def attn_bwd(
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     nvfp4 = qkv.q4 is not None and qkv.k4 is not None
-    cfg = config or default_bwd_config(d, dev, qk_nvfp4=nvfp4, column_align=qkv.column_align)
+    cfg = config or default_bwd_config(d, dev, qk_nvfp4=nvfp4)
     check_bwd_config(cfg, rec)
     refusal = None
     if cfg.kernel == "cute":
