@@ -529,7 +529,7 @@ def test_bwd_config_kernel_choice_and_round_trip(device) -> None:
 def test_default_bwd_config_picks_the_cute_kernel_where_it_runs(monkeypatch) -> None:
     """Where the CuTe kernels run, the backward is CuTe at d 64/128/256 (E4M3 or NVFP4 Q/K)
     whatever layout the forward read (it quantizes into its own, ``BwdConfig.column_align``),
-    except on packs of documents under ``SHORT_DOCUMENTS`` tokens on average and with
+    except on packs of documents under ``CUTE_BWD_MIN_MEAN_DOCUMENT`` tokens on average and with
     ``kernel="triton"``; without the cute extra, always Triton."""
     from flamia_serve.kernels.attn_bwd import ops as bwd_ops
 
@@ -538,9 +538,9 @@ def test_default_bwd_config_picks_the_cute_kernel_where_it_runs(monkeypatch) -> 
     for d in (64, 128, 256):
         assert default_bwd_config(d, gpu) == bwd_ops.CUTE_BWD_CONFIG
         assert default_bwd_config(d, gpu, qk_nvfp4=True) == bwd_ops.CUTE_BWD_CONFIG
-        assert default_bwd_config(d, gpu, mean_doc_len=bwd_ops.SHORT_DOCUMENTS).kernel == "cute"
+        assert default_bwd_config(d, gpu, mean_doc_len=14).kernel == "cute"  # P1's
     assert bwd_ops.CUTE_BWD_CONFIG.column_align == 128 and BwdConfig().column_align == 16
-    short = dict(mean_doc_len=bwd_ops.SHORT_DOCUMENTS - 1)
+    short = dict(mean_doc_len=bwd_ops.CUTE_BWD_MIN_MEAN_DOCUMENT - 0.5)
     for kw in (short, dict(kernel="triton"), dict(qk_nvfp4=True, **short)):
         assert default_bwd_config(128, gpu, **kw) == BwdConfig(), kw
     assert default_bwd_config(96, gpu) == BwdConfig()

@@ -9,7 +9,7 @@ import torch
 
 from flamia_serve.kernels._common import TritonLaunch, interpreted, round_debug_p_
 from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
-from flamia_serve.kernels.attn_fwd.ops import SHORT_DOCUMENTS, _cute_available, cute_available
+from flamia_serve.kernels.attn_fwd.ops import _cute_available, cute_available
 from flamia_serve.kernels.schedule import WorkList, build_key_work_list
 from flamia_serve.kernels.workspace import PackWorkspace, zeroed_accumulator
 from flamia_serve.numerics import Recipe, resolve_recipe
@@ -78,6 +78,12 @@ class BwdConfig:
 CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 #: documents start at multiples of this many columns in the CuTe backward's layout
 CUTE_BWD_COLUMN_ALIGN = 128
+#: packs of documents shorter than this on average take the Triton backward: padded to 128
+#: columns each, the CuTe backward's layout (BF16 Q and Ĝ rows, dQ accumulator) would hold
+#: more than ~16 columns per token. A memory guard, not a speed rule: P1 (mean 14 tokens,
+#: d = 64) ran faster on the CuTe backward, fwd+bwd 2.72 ms against 3.26 on Triton (H200,
+#: ``results/train_attention_own_layout_2026-12-04.json``)
+CUTE_BWD_MIN_MEAN_DOCUMENT = 8
 
 #: head dims at which the CuTe backward multiplies dK/dV in BF16 (E4M3 values times powers
 #: of two are exact in BF16; the products accumulate in FP32 across steps, no per-step
@@ -112,8 +118,8 @@ def default_bwd_config(
 ) -> BwdConfig:
     """The CuTe kernel where it runs (``cute_bwd_runs`` on an sm_90 GPU with the ``cute``
     extra), whichever kernel ran the forward (the backward quantizes into its own layout,
-    ``BwdConfig.column_align``), unless documents are under ``SHORT_DOCUMENTS`` tokens on
-    average (when ``mean_doc_len`` is given: the forward's rule); else the Triton kernel:
+    ``BwdConfig.column_align``), unless documents are under ``CUTE_BWD_MIN_MEAN_DOCUMENT``
+    tokens on average (when ``mean_doc_len`` is given); else the Triton kernel:
     one warpgroup; at d=256 two programs per key tile, each with 128 columns of dK/dV/dQ
     (H200, P2's shape: 63.5 ms against 69.3 for 8 warps unsplit,
     ``results/tune_bwd_d256_2026-12-04.json``; the CuTe kernel 8.9 ms). H200, T=8192
@@ -125,7 +131,7 @@ def default_bwd_config(
         raise ValueError(f"kernel must be None or 'triton', got {kernel!r}")
     if device.type != "cuda":
         return BwdConfig(num_warps=4, num_stages=1)
-    short = mean_doc_len is not None and mean_doc_len < SHORT_DOCUMENTS
+    short = mean_doc_len is not None and mean_doc_len < CUTE_BWD_MIN_MEAN_DOCUMENT
     if kernel is None and not short and cute_bwd_runs(head_dim) and _cute_available(device):
         return CUTE_BWD_CONFIG
     return BwdConfig(num_warps=4, head_dim_parts=1 if head_dim <= 128 else 2)
