@@ -7,7 +7,7 @@
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
-#                                                   # p2, d256-tune, own-layout
+#                                                   # p2, d256-tune, own-layout, s18
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -258,6 +258,19 @@ if [[ $steps == *,own-layout,* ]]; then  # the backward on its own layout (a for
     --quick --workloads P1,P2 --passes fwd+bwd \
     --impls flamia-mxfp8,flamia-mxfp8-cute-bwd,flamia-mxfp8-triton-bwd,flamia-mixed_nvfp4,fa4 \
     --name train_attention_own_layout
+fi
+if [[ $steps == *,s18,* ]]; then  # the eighteenth session's last call: the column copies
+  # walked in column order and the backward on its own layout, tested; the backward pass's
+  # kernels at W6 and P2; P1, P2, W6 beside every baseline
+  run pytest_gpu_s18 200 python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_columns.py tests/kernels/test_gpu_cute_bwd.py \
+    -k "not test_cute_bwd_matches_reference and not crosses"
+  RUN_TAIL="-n 20" run profile_bwd_pass_s18 120 python benchmarks/profile_bwd_pass.py \
+    --workloads W6,P2 --pass bwd
+  RUN_TAIL="-n 40" run train_attention_s18 280 python benchmarks/train_attention.py \
+    --quick --check --workloads P1,P2,W6 --passes fwd,fwd+bwd \
+    --impls flamia-mxfp8,flamia-mixed_nvfp4,fa4,cudnn-sdpa,fa2-varlen,flex-docmask \
+    --name train_attention_s18
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \

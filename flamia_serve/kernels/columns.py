@@ -5,8 +5,9 @@ The column layout keeps each head's codes ``[H, d, t_pad]``, tokens along the la
 their columns (``KernelQKV.key_columns``). torch's indexed copies into or out of it
 (``index_put_`` on a permuted view, ``index_select`` of one) touch one byte per
 ``t_pad``-strided address: on the H200 they took ~0.6 ms per 32k-token pack, where these
-kernels move a tile of tokens x head-dim per program (bytes consecutive along tokens on the
-column side, along the head dimension on the token side). ``dq_from_fragments`` reads the
+kernels move a tile of columns x head-dim per program, walking the columns in order through
+their inverse map (``column_tokens``), so the accesses are consecutive along the columns on
+the column side and along the head dimension on the token side. ``dq_from_fragments`` reads the
 backward's FP32 ``dq_acc`` at ``dq_layout.dq_fragment_index`` and writes dQ in the output
 dtype in one pass (torch: a gather, then a permuted copy).
 
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from flamia_serve.kernels._common import TritonLaunch, interpreted, sm_count, to_out
 
-#: tokens per program of the copies
+#: columns per program of the copies
 BLOCK_T = 64
 #: the dQ read-back's tokens per program; heads per program: all, halved while the grid has
 #: fewer than ``DQ_PROGRAMS_PER_SM`` programs per SM (H200, ``tune_bwd_pass.py``: W7's 8192
@@ -34,23 +35,31 @@ DQ_BLOCK_T, DQ_PROGRAMS_PER_SM = 32, 6
 
 @triton.jit
 def _copy_kernel(
-    src_ptr, cols_ptr, out_ptr, n_tokens, t_pad, H: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, TO_COLUMNS: tl.constexpr,
+    src_ptr, tokens_ptr, out_ptr, t_pad, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    TO_COLUMNS: tl.constexpr,
 ):  # fmt: skip
-    """One ``[BLOCK, D]`` tile (token block, head) between ``[T, H, D]`` rows and the ``[H, D,
-    t_pad]`` column layout: ``out[h, c, cols[t]] = src[t, h, c]`` (``TO_COLUMNS``), else
-    ``out[t, h, c] = src[h, c, cols[t]]``."""
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    """One ``[BLOCK, D]`` tile (column block, head) between ``[T, H, D]`` rows and the ``[H, D,
+    t_pad]`` column layout, walked in column order (``tokens[col]``: the token at ``col``,
+    -1 for none): ``out[h, c, col] = src[tokens[col], h, c]``, 0 where there is no token
+    (``TO_COLUMNS``), else ``out[tokens[col], h, c] = src[h, c, col]``. The column side is
+    accessed whole (no per-column mask: vector accesses along the columns), the token side
+    by rows (masked per row: vector accesses along the head dim). A block without tokens
+    stores nothing."""
+    col = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.program_id(1)
-    ok = (t < n_tokens)[:, None]
-    col = tl.load(cols_ptr + t, mask=t < n_tokens, other=0).to(tl.int64)
-    c = tl.arange(0, D)
-    at_rows = (t[:, None].to(tl.int64) * H + h) * D + c[None, :]
-    at_cols = (h * D + c[None, :]).to(tl.int64) * t_pad + col[:, None]
-    if TO_COLUMNS:
-        tl.store(out_ptr + at_cols, tl.load(src_ptr + at_rows, mask=ok), mask=ok)
-    else:
-        tl.store(out_ptr + at_rows, tl.load(src_ptr + at_cols, mask=ok), mask=ok)
+    in_layout = col < t_pad
+    tok = tl.load(tokens_ptr + col, mask=in_layout, other=-1).to(tl.int64)
+    if tl.max(tok, axis=0) >= 0:
+        ok = (tok >= 0)[:, None]
+        c = tl.arange(0, D)
+        at_rows = (tok[:, None] * H + h) * D + c[None, :]
+        at_cols = (h * D + c[None, :]).to(tl.int64) * t_pad + col[:, None]
+        if TO_COLUMNS:
+            x = tl.load(src_ptr + at_rows, mask=ok, other=0)
+            tl.store(out_ptr + at_cols, x, mask=in_layout[:, None])
+        else:
+            x = tl.load(src_ptr + at_cols, mask=in_layout[:, None])
+            tl.store(out_ptr + at_rows, x, mask=ok)
 
 
 @triton.jit
@@ -86,11 +95,32 @@ def _check(cols: torch.Tensor, t_pad: int, d: int) -> None:
         raise ValueError(f"t_pad {t_pad}: the column layout must have < 2^31 columns")
 
 
+def column_tokens(columns: torch.Tensor, t_pad: int) -> torch.Tensor:
+    """int32 ``[t_pad]``: the token at each column of the layout (inverse of ``columns``,
+    token -> column), -1 where there is none (document padding, slack)."""
+    tokens = torch.full((t_pad,), -1, dtype=torch.int32, device=columns.device)
+    idx = torch.arange(columns.numel(), dtype=torch.int32, device=columns.device)
+    return tokens.index_put_((columns.long(),), idx)
+
+
+def _copy(src: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, heads: int, d: int,
+          t_pad: int, to_columns: bool) -> None:  # fmt: skip
+    if tokens.shape != (t_pad,) or tokens.dtype != torch.int32:
+        raise ValueError(f"tokens must be an int32 [{t_pad}] tensor (column_tokens)")
+    grid = (triton.cdiv(t_pad, BLOCK_T), heads)
+    _LAUNCH_COPY(grid, src.view(torch.uint8), tokens, out.view(torch.uint8), t_pad, H=heads,
+                 D=d, BLOCK=BLOCK_T, TO_COLUMNS=to_columns)  # fmt: skip
+
+
 def rows_from_columns(
-    src: torch.Tensor, columns: torch.Tensor, out: torch.Tensor | None = None
+    src: torch.Tensor,
+    columns: torch.Tensor,
+    out: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token-major ``[T, H, d]`` copy of the column-layout ``src`` ``[H, d, t_pad]`` (a
-    1-byte dtype) at ``columns [T]``; ``out``: where to write it (else a new tensor)."""
+    1-byte dtype) at ``columns [T]``; ``out``: where to write it (else a new tensor);
+    ``tokens``: ``column_tokens(columns, t_pad)`` when the caller keeps it (else built)."""
     heads, d, t_pad = src.shape
     _check(columns, t_pad, d)
     if not src.is_contiguous():
@@ -99,9 +129,8 @@ def rows_from_columns(
     if out is None:
         out = torch.empty(n, heads, d, dtype=src.dtype, device=src.device)
     if n:
-        grid = (triton.cdiv(n, BLOCK_T), heads)
-        _LAUNCH_COPY(grid, src.view(torch.uint8), columns, out.view(torch.uint8), n, t_pad,
-                     H=heads, D=d, BLOCK=BLOCK_T, TO_COLUMNS=False)  # fmt: skip
+        tokens = column_tokens(columns, t_pad) if tokens is None else tokens
+        _copy(src, tokens, out, heads, d, t_pad, False)
     return out
 
 
@@ -110,21 +139,31 @@ def rows_from_columns_torch(src: torch.Tensor, columns: torch.Tensor) -> torch.T
     return src.permute(2, 0, 1)[columns.long()].contiguous()
 
 
-def columns_from_rows(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor) -> None:
+def columns_from_rows(
+    rows: torch.Tensor,
+    columns: torch.Tensor,
+    out: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+) -> None:
     """Write token-major ``rows`` ``[T, H, d]`` (a 1-byte dtype) into the column layout
-    ``out`` ``[H, d, t_pad]`` at ``columns [T]``; other columns are left as they are."""
+    ``out`` ``[H, d, t_pad]`` at ``columns [T]``, zero into the columns without a token
+    that share a 64-column block with one (others are left as they are: keep ``out``'s
+    padding zero); ``tokens`` as for :func:`rows_from_columns`."""
     n, heads, d = rows.shape
     _check(columns, out.shape[2], d)
     if out.shape[:2] != (heads, d) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{heads}, {d}, t_pad] tensor")
     if n:
-        grid = (triton.cdiv(n, BLOCK_T), heads)
-        _LAUNCH_COPY(grid, rows.contiguous().view(torch.uint8), columns, out.view(torch.uint8),
-                     n, out.shape[2], H=heads, D=d, BLOCK=BLOCK_T, TO_COLUMNS=True)  # fmt: skip
+        t_pad = out.shape[2]
+        tokens = column_tokens(columns, t_pad) if tokens is None else tokens
+        _copy(rows.contiguous(), tokens, out, heads, d, t_pad, True)
 
 
 def columns_from_rows_torch(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor) -> None:
     """Twin of :func:`columns_from_rows`."""
+    blocks = torch.unique(columns.long() // BLOCK_T)
+    spans = (blocks[:, None] * BLOCK_T + torch.arange(BLOCK_T, device=out.device)).flatten()
+    out.view(torch.uint8)[:, :, spans[spans < out.shape[2]]] = 0
     out.permute(2, 0, 1)[columns.long()] = rows
 
 

@@ -47,6 +47,35 @@ def test_column_copies_match_torch(lens, heads, d) -> None:
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))  # others untouched
 
 
+@pytest.mark.parametrize("align", [16, 128])
+def test_column_copies_on_a_plan_layout(align) -> None:
+    """The layout a plan builds (tokens permuted within each 16-column group, documents at
+    multiples of ``align``): ``column_tokens`` inverts ``columns`` and both copies, with the
+    map passed in or built, match their twins bit for bit."""
+    from flamia_serve import plan_varlen
+    from flamia_serve.kernels.columns import column_tokens
+
+    lens = [1, 47, 200, 16, 3]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    cols = plan_varlen(cu, sum(lens), max(lens)).token_columns(align)
+    t_pad = (int(cols.max()) // align + 1) * align + 64
+    assert not torch.equal(cols, cols.sort().values)  # permuted within the groups
+    tokens = column_tokens(cols, t_pad)
+    assert tokens.dtype == torch.int32 and int((tokens >= 0).sum()) == sum(lens)
+    assert torch.equal(tokens[cols].long(), torch.arange(sum(lens), device=DEV))
+    src = _codes((3, 64, t_pad))
+    want = rows_from_columns_torch(src, cols).view(torch.uint8)
+    for kw in ({}, {"tokens": tokens}):
+        assert torch.equal(rows_from_columns(src, cols, **kw).view(torch.uint8), want)
+        rows, fill = _codes((sum(lens), 3, 64)), _codes((3, 64, t_pad))
+        out, ref = fill.clone(), fill.clone()
+        columns_from_rows(rows, cols, out, **kw)
+        columns_from_rows_torch(rows, cols, ref)
+        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+    with pytest.raises(ValueError, match="tokens must be an int32"):
+        rows_from_columns(src, cols, tokens=tokens[:-1])
+
+
 def test_dq_from_fragments_refuses_bad_arguments() -> None:
     at = dq_fragment_index(torch.arange(3, device=DEV), 64, 128)
     with pytest.raises(ValueError, match="at must hold"):

@@ -78,7 +78,7 @@ from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
-from flamia_serve.kernels.columns import dq_from_fragments, rows_from_columns
+from flamia_serve.kernels.columns import column_tokens, dq_from_fragments, rows_from_columns
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
@@ -1239,7 +1239,11 @@ def attn_bwd_sm90(
     dv = torch.empty_like(dk)
     v_shape = (total, heads_kv, d)  # token-major V codes, gathered from the column layout
     v_bytes = workspace.empty("v_codes", v_shape, torch.uint8) if workspace is not None else None
-    v_codes = rows_from_columns(qkv.v_t, qkv.key_columns(), out=v_bytes)
+    tokens = pack_constant(  # the token at each column (the pack and layout fix it)
+        workspace, ("column_tokens", qkv.column_align, t_pad),
+        lambda: column_tokens(qkv.key_columns(), t_pad),
+    )  # fmt: skip
+    v_codes = rows_from_columns(qkv.v_t, qkv.key_columns(), out=v_bytes, tokens=tokens)
     v_codes = v_codes.view(torch.float8_e4m3fn)
     q_b, g_b = _kv_b_operands(qkv, qdo, bf16_kv)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
