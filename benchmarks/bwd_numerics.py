@@ -10,11 +10,14 @@ N6), P̂ of forward vs backward (N5) and dQ repeatability.
   online forward and the backward, and whether all of them are E4M3 subnormals;
 * ``repeat``: two identical backward calls, max |ΔdQ| / max |dQ| (FP32 atomics).
 
-Usage: ``python benchmarks/bwd_numerics.py`` (writes ``results/bwd_numerics.json``).
+Usage: ``python benchmarks/bwd_numerics.py [--d 256] [--accuracy-only] [--name NAME]``
+(writes ``results/bwd_numerics.json``; ``--d``: the head dim of the pack, 128 by default;
+``--accuracy-only``: the first part alone).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -124,22 +127,29 @@ def repeatability(q, k, v, cu, ms, d_out) -> dict:
     return res
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d", type=int, default=D, help="head dim of the pack")
+    ap.add_argument("--accuracy-only", action="store_true", help="skip the ablation and P̂")
+    ap.add_argument("--name", default="bwd_numerics", help="results file name")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bwd_numerics needs a CUDA GPU")
-    q, k, v, cu, ms = make_pack(LENS, HQ, HKV, D, seed=20, device="cuda")
-    d_out = make_pack(LENS, HQ, HKV, D, seed=22, device="cuda")[0]
+    q, k, v, cu, ms = make_pack(LENS, HQ, HKV, args.d, seed=20, device="cuda")
+    d_out = make_pack(LENS, HQ, HKV, args.d, seed=22, device="cuda")[0]
     exact = _grads(lambda *a: attention_float64(*a, cu, ms), q, k, v, d_out)
-    print("accuracy vs float64 (kernel path):")
+    print(f"accuracy vs float64 (kernel path, d = {args.d}):")
     acc = accuracy(q, k, v, cu, ms, d_out, exact)
-    print("dS block candidates (reference twin):")
-    blocks = ds_blocks(q, k, v, cu, ms, d_out, exact)
-    print("P̂ forward vs backward:")
-    p_rows = p_hat_mismatch()
-    repeat = repeatability(q, k, v, cu, ms, d_out)
-    extra = {"lens": list(LENS), "heads": {"hq": HQ, "hkv": HKV, "d": D}, "accuracy": acc,
-             "ds_blocks": blocks, "p_hat": p_rows, "repeat_max_rel": repeat}  # fmt: skip
-    write_results("bwd_numerics", [], extra)
+    extra = {"lens": list(LENS), "heads": {"hq": HQ, "hkv": HKV, "d": args.d}, "accuracy": acc}
+    if not args.accuracy_only:
+        if args.d != D:
+            raise SystemExit(f"the ablation and P̂ parts run at d = {D}: add --accuracy-only")
+        print("dS block candidates (reference twin):")
+        extra["ds_blocks"] = ds_blocks(q, k, v, cu, ms, d_out, exact)
+        print("P̂ forward vs backward:")
+        extra["p_hat"] = p_hat_mismatch()
+        extra["repeat_max_rel"] = repeatability(q, k, v, cu, ms, d_out)
+    write_results(args.name, [], extra)
     return 0
 
 

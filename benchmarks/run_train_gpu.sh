@@ -7,7 +7,7 @@
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
-#                                                   # p2, d256-tune, own-layout, s18
+#                                                   # p2, d256-tune, own-layout, s18, d256-numerics
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -272,9 +272,16 @@ if [[ $steps == *,s18,* ]]; then  # the eighteenth session's last call: the colu
     --impls flamia-mxfp8,flamia-mixed_nvfp4,fa4,cudnn-sdpa,fa2-varlen,flex-docmask \
     --name train_attention_s18
 fi
-if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192, d = 128)
+if [[ $steps == *,d256-numerics,* ]]; then  # O/dQ/dK/dV against float64 at d = 256 (and 128)
+  for d in 256 128; do
+    RUN_TAIL="-n 13" run "bwd_numerics_d$d" 150 python benchmarks/bwd_numerics.py --d "$d" \
+      --accuracy-only --name "bwd_numerics_d$d"
+  done
+fi
+if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192,
+  # d = ${FLAMIA_PROFILE_D:-128})
   run ncu_bwd 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 --launch-count 1 \
-    -o /tmp/ncu_bwd python benchmarks/profile_bwd.py --kernel cute --once
+    -o /tmp/ncu_bwd python benchmarks/profile_bwd.py --kernel cute --once --d "${FLAMIA_PROFILE_D:-128}"
   ncu -i /tmp/ncu_bwd.ncu-rep --page details > "$OUT/ncu_cute_bwd_details.txt" 2>&1
   run ncu_bwd_source 90 python benchmarks/ncu_source_top.py /tmp/ncu_bwd.ncu-rep
 fi
