@@ -7,7 +7,8 @@
 #                                                   # bwd-bench, bwd-profile, bwd-pass, stagger,
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
-#                                                   # p2, d256-tune, own-layout, s18, d256-numerics
+#                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
+#                                                   # mixed-short
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -277,6 +278,14 @@ if [[ $steps == *,d256-numerics,* ]]; then  # O/dQ/dK/dV against float64 at d = 
     RUN_TAIL="-n 13" run "bwd_numerics_d$d" 150 python benchmarks/bwd_numerics.py --d "$d" \
       --accuracy-only --name "bwd_numerics_d$d"
   done
+fi
+if [[ $steps == *,mixed-short,* ]]; then  # the mixed recipe on packs of short documents:
+  # the Triton forward (the default under 32 tokens a document) against the CuTe one, and
+  # the quantization alone
+  RUN_TAIL="-n 14" run train_attention_mixed_short 300 python benchmarks/train_attention.py \
+    --quick --workloads P1,W7 --passes fwd,fwd+bwd \
+    --impls flamia-mixed_nvfp4,flamia-mixed_nvfp4-cute,flamia-mixed_nvfp4-quant,flamia-mxfp8,fa4 \
+    --name train_attention_mixed_short
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192,
   # d = ${FLAMIA_PROFILE_D:-128})

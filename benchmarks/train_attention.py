@@ -398,6 +398,7 @@ IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     "flamia-mxfp8-triton-bwd": ("fwd", _flamia_loader("mxfp8", bwd_kernel="triton"), False),
     "flamia-mixed_nvfp4": ("fwd", _flamia_loader("mixed_nvfp4"), False),
     "flamia-mixed_nvfp4-triton": ("fwd", _flamia_loader("mixed_nvfp4", kernel="triton"), False),
+    "flamia-mixed_nvfp4-cute": ("fwd", _flamia_loader("mixed_nvfp4", kernel="cute"), False),
     "flamia-mxfp8-quant": ("quant", _flamia_quant_loader("mxfp8"), False),
     "flamia-mixed_nvfp4-quant": ("quant", _flamia_quant_loader("mixed_nvfp4"), False),
     "flamia-mixed_nvfp4-quant-scores": (
