@@ -41,8 +41,9 @@ from flamia_serve.reference import attention_forward
 
 def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None:
     """Where the CuTe kernel runs, packs of very short documents still get the Triton
-    kernel (its 64-row tiles and 16-column alignment waste less on them), and packs of
-    documents shorter than a tile leave Q to the quantization launch."""
+    kernel with E4M3 Q/K (its 64-row tiles and 16-column alignment waste less on them; with
+    NVFP4 Q/K its dequantization costs more), and packs of documents shorter than a tile
+    leave Q to the quantization launch."""
     monkeypatch.setattr(fwd_ops, "_cute_available", lambda device: True)
     for var in ("FLAMIA_FWD_KERNEL", "FLAMIA_FWD_CONFIG"):
         monkeypatch.delenv(var, raising=False)
@@ -58,7 +59,9 @@ def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None
     assert default_config(64, gpu, mean_doc_len=13.7).windows
     assert not default_config(64, gpu).windows  # no mean length: no windows
     assert not default_config(256, gpu, mean_doc_len=13.7).windows  # d = 256: none
-    assert not default_config(128, gpu, qk_nvfp4=True, mean_doc_len=13.7).windows
+    # NVFP4 Q/K: the CuTe kernel even on short documents (Q from the launch, no windows)
+    nvfp4_short = default_config(128, gpu, qk_nvfp4=True, mean_doc_len=13.7)
+    assert nvfp4_short == dataclasses.replace(CUTE_CONFIG, quantize_q=False)
     assert not default_config(64, torch.device("cpu"), mean_doc_len=13.7).windows
     assert default_config(64, gpu, mean_doc_len=13.7, kernel="cute") == CUTE_CONFIG
     assert default_config(256, gpu, mean_doc_len=4096.0) == fwd_ops.CUTE_CONFIG_D256
@@ -68,7 +71,7 @@ def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None
     assert default_config(64, gpu, qk_nvfp4=True) == CUTE_CONFIG
     assert default_config(256, gpu, qk_nvfp4=True) == fwd_ops.CUTE_CONFIG_D256_NVFP4
     assert default_config(256, gpu, qk_nvfp4=True, kernel="cute").block_n == 64
-    assert default_config(128, gpu, qk_nvfp4=True, mean_doc_len=13.7).kernel == "triton"
+    assert default_config(256, gpu, qk_nvfp4=True, mean_doc_len=13.7).kernel == "cute"
 
 
 CASES = [

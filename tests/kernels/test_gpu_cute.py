@@ -170,6 +170,10 @@ MIXED_CASES = [
     ((1, 300, 129, 31), 8, 8, 128, True, False, "mixed_nvfp4_hadamard"),
     ((1, 300, 1000, 31), 8, 2, 256, True, False, "mixed_nvfp4"),
     ((1, 300, 1000, 31), 8, 2, 256, False, True, "mixed_nvfp4_hadamard"),
+    # short documents (mean under SHORT_DOCUMENTS: the default kernel for NVFP4 Q/K is still
+    # this one)
+    ((3, 1, 17, 30, 2, 9, 25, 1, 14, 31, 8, 5, 22, 1, 11, 40), 8, 2, 64, True, False,
+     "mixed_nvfp4"),
 ]
 
 

@@ -136,10 +136,13 @@ def _cute_available(device: torch.device) -> bool:
     return cute_available(device)
 
 
-#: mean document length (tokens) below which the Triton kernel runs a pack: the CuTe
-#: kernel's 128-row tiles and 128-column document alignment then do mostly padding (H200,
-#: ``train_attention_packs*.json``: 1200 documents of 14 tokens on average, T=16k, d=64:
-#: Triton 0.83 ms, CuTe 1.36 ms; 521 documents of 63 on average, T=32k: CuTe 1.10x faster)
+#: mean document length (tokens) below which the Triton kernel runs a pack with E4M3 Q/K:
+#: the CuTe kernel's 128-row tiles and 128-column document alignment then do mostly padding
+#: (H200, ``train_attention_packs*.json``: 1200 documents of 14 tokens on average, T=16k,
+#: d=64: Triton 0.83 ms, CuTe 1.36 ms; 521 documents of 63 on average, T=32k: CuTe 1.10x
+#: faster). NVFP4 Q/K (mixed recipes) stay on the CuTe kernel: there the Triton kernel's
+#: in-register dequantization costs more (same pack, 1.73 ms CuTe against 2.65 Triton,
+#: ``results/train_attention_mixed_short_2026-12-04.json``)
 SHORT_DOCUMENTS = 32
 
 #: mean document length (tokens) below which the CuTe forward leaves Q to the quantization
@@ -170,8 +173,8 @@ def default_config(
     """Kernel and tiles per head dim and Q/K format; small tiles under the CPU interpreter.
 
     ``kernel=None`` picks the CuTe kernel where it runs (sm_90, d in {64, 128, 256},
-    packages installed, documents of at least ``SHORT_DOCUMENTS``
-    tokens on average when ``mean_doc_len`` is given; ``FLAMIA_FWD_KERNEL=triton`` opts
+    packages installed; with E4M3 Q/K, documents of at least ``SHORT_DOCUMENTS`` tokens on
+    average when ``mean_doc_len`` is given; ``FLAMIA_FWD_KERNEL=triton`` opts
     out), quantizing Q itself unless documents are under ``FUSED_Q_MIN_DOCUMENT`` tokens on
     average, else Triton; ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
     "block_m,block_n,num_warps,num_stages"`` overrides the Triton tiles (tuning runs).
@@ -205,7 +208,7 @@ def _default_config(
         bm, bn, warps, stages = (int(x) for x in override.split(","))
         return FwdConfig(bm, bn, warps, stages)
     prefer_triton = os.environ.get("FLAMIA_FWD_KERNEL", "") == "triton"
-    short = mean_doc_len is not None and mean_doc_len < SHORT_DOCUMENTS
+    short = mean_doc_len is not None and mean_doc_len < SHORT_DOCUMENTS and not qk_nvfp4
     if kernel is None and not (prefer_triton or short) and head_dim in (64, 128, 256):
         if _cute_available(device):
             cfg = _cute_config(head_dim, qk_nvfp4)
