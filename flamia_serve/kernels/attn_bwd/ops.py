@@ -79,9 +79,11 @@ CUTE_BWD_CONFIG = BwdConfig(num_stages=2, kernel="cute")
 #: documents start at multiples of this many columns in the CuTe backward's layout
 CUTE_BWD_COLUMN_ALIGN = 128
 #: packs of documents shorter than this on average take the Triton backward: padded to 128
-#: columns each, the CuTe backward's layout (BF16 Q and Ĝ rows, dQ accumulator) would hold
-#: more than ~16 columns per token. A memory guard, not a speed rule: P1 (mean 14 tokens,
-#: d = 64) ran faster on the CuTe backward, fwd+bwd 2.72 ms against 3.26 on Triton (H200,
+#: columns each, the CuTe backward's layout (its FP32 dQ accumulator, the Q/Ĝ copies) would
+#: hold more than ~16 columns per token (``v_t_length``: T + 127 per document; P1's 1200
+#: documents in 16k tokens: ~169k columns, a 1.4 GB accumulator at d = 64 by its shape). A
+#: memory guard, not a speed rule: P1 (mean 14 tokens, d = 64) ran faster on the CuTe
+#: backward, fwd+bwd 2.72 ms against 3.26 on Triton (H200,
 #: ``results/train_attention_own_layout_2026-12-04.json``)
 CUTE_BWD_MIN_MEAN_DOCUMENT = 8
 
