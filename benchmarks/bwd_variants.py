@@ -7,7 +7,8 @@ module is timed too, as ``current``. Every version runs in its own process: it c
 checks its dQ/dK/dV against the Triton kernel on ``check_bwd_kernels``' packs (these
 processes run at once: compiling is CPU-bound and the machine has 16 cores), then waits
 for a file lock and times T = 8192 and 16384 at d = 128 and T = 8192 at d = 64, causal,
-so timings never overlap. Writes ``bwd_variants.json`` (one entry per version:
+so timings never overlap (``--shapes 8192x256``: other shapes; a d = 256 one adds d = 256
+accuracy packs). Writes ``bwd_variants.json`` (one entry per version:
 accuracy rows, speed rows, or the error; a version still running after ``--timeout``
 seconds, e.g. one whose barriers never meet, is killed and reported as such). Five
 versions took ~90 s of device time on 2026-12-01.
@@ -34,7 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import env_info, results_dir
+from benchmarks.common import env_info, parse_settings, results_dir
 
 MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
 KERNEL = Path(__file__).resolve().parents[1] / "flamia_serve/kernels/attn_bwd/cute_sm90.py"
@@ -122,7 +123,16 @@ def ablated_source(name: str, source: str) -> str:
     return source
 
 
-def run_one(name: str, path: str | None, lock_path: str, out_path: str) -> None:
+#: timed shapes (tokens x head dim, one causal document, Hq/Hkv 32/8) unless ``--shapes``
+SHAPES = "8192x128,16384x128,8192x64"
+#: accuracy packs added when a timed shape has d = 256 (lens, hq, hkv, d, causal, exact)
+D256_CASES = [
+    ((1, 300, 1000, 129, 31), 4, 2, 256, True, False),
+    ((257, 64, 700), 8, 1, 256, False, True),
+]
+
+
+def run_one(name: str, path: str | None, lock_path: str, out_path: str, shapes: str) -> None:
     """Check and time one version (``path`` None: the package's module) in this process."""
     import benchmarks.check_bwd_kernels as cbk
 
@@ -133,14 +143,17 @@ def run_one(name: str, path: str | None, lock_path: str, out_path: str) -> None:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             sys.modules[MODULE] = module
-        for case in cbk.ACCURACY_CASES:
+        timed = parse_settings(shapes, "TOKENSxHEAD_DIM")
+        head_dims = sorted({d for _t, d in timed})
+        cases = cbk.ACCURACY_CASES + (D256_CASES if 256 in head_dims else [])
+        for case in cases:
             result["accuracy"].append(cbk.accuracy(case))
         configs = {"cute": cbk.CONFIGS["cute"]}
-        for d in (128, 64):  # compile before taking the lock
+        for d in head_dims:  # compile before taking the lock
             cbk.backward(cbk.operands((1024,), 32, 8, d, True), configs["cute"])
         with open(lock_path, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            for t, d in ((8192, 128), (16384, 128), (8192, 64)):
+            for t, d in timed:
                 result["speed"] += cbk.speed(t, d, True, configs)
     except Exception:
         result["error"] = traceback.format_exc()[-3000:]
@@ -153,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ablate", default="", help=f"'all' or some of {', '.join(ABLATIONS)}")
     ap.add_argument("--timeout", type=float, default=400.0,
                     help="seconds for all versions; one still running then is killed")  # fmt: skip
-    ap.add_argument("--one", nargs=4, metavar=("NAME", "PATH", "LOCK", "OUT"),
+    ap.add_argument("--shapes", default=SHAPES,
+                    help="TOKENSxHEAD_DIM,... to time (d = 256 adds d = 256 checks)")  # fmt: skip
+    ap.add_argument("--one", nargs=5, metavar=("NAME", "PATH", "LOCK", "OUT", "SHAPES"),
                     help=argparse.SUPPRESS)  # fmt: skip
     args = ap.parse_args(argv)
     if args.one:
-        name, path, lock, out = args.one
-        run_one(name, None if path == "-" else path, lock, out)
+        name, path, lock, out, shapes = args.one
+        run_one(name, None if path == "-" else path, lock, out, shapes)
         return 0
+    parse_settings(args.shapes, "TOKENSxHEAD_DIM")  # a bad --shapes fails here, not per version
     versions = {"current": "-"}
     for item in args.variants:
         name, sep, path = item.partition("=")
@@ -178,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     lock = str(tmp / "lock")
     procs = {
         name: subprocess.Popen(
-            [sys.executable, __file__, "--one", name, path, lock, str(tmp / f"{name}.json")]
+            [sys.executable, __file__, "--one", name, path, lock, str(tmp / f"{name}.json"),
+             args.shapes]
         )
         for name, path in versions.items()
     }

@@ -24,3 +24,11 @@ def test_each_ablation_applies_once_and_stays_python(name: str) -> None:
 def test_a_kernel_without_the_text_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="ablation 'noadd'"):
         ablated_source("noadd", "def kernel():\n    pass\n")
+
+
+def test_shapes_are_checked_before_any_version_runs() -> None:
+    """A malformed ``--shapes`` stops the run at once, naming the form it expects."""
+    from benchmarks.bwd_variants import main
+
+    with pytest.raises(ValueError, match="TOKENSxHEAD_DIM"):
+        main(["--shapes", "8192x"])
