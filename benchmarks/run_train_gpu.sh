@@ -8,7 +8,7 @@
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
-#                                                   # mixed-short
+#                                                   # mixed-short, pass-split
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -286,6 +286,17 @@ if [[ $steps == *,mixed-short,* ]]; then  # the mixed recipe on packs of short d
     --quick --workloads P1,W7 --passes fwd,fwd+bwd \
     --impls flamia-mixed_nvfp4,flamia-mixed_nvfp4-cute,flamia-mixed_nvfp4-quant,flamia-mxfp8,fa4 \
     --name train_attention_mixed_short
+fi
+if [[ $steps == *,pass-split,* ]]; then  # experiment: the d = 256 backward as a dV pass and
+  # a dK/dQ pass (experiments/cute-bwd-d256-pass-split.patch, compile-checked only; plan in
+  # experiments/cute-bwd-d256-pass-split.md): against the Triton kernel on d = 64/128/256
+  # packs, timed beside the current kernel at d = 256 (and d = 128, unchanged)
+  mkdir -p scratch/pass_split_run
+  cp flamia_serve/kernels/attn_bwd/cute_sm90.py scratch/pass_split_run/split.py
+  sed 's|flamia_serve/kernels/attn_bwd/cute_sm90.py|scratch/pass_split_run/split.py|' \
+    benchmarks/experiments/cute-bwd-d256-pass-split.patch | git apply - || exit 1
+  run bwd_variants_pass_split 480 python benchmarks/bwd_variants.py --timeout 450 \
+    --shapes 8192x256,16384x256,8192x128 split=scratch/pass_split_run/split.py
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192,
   # d = ${FLAMIA_PROFILE_D:-128})
