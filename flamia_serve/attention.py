@@ -104,12 +104,14 @@ def _attn_call(
     if plan is None:
         plan = plan_varlen(cu_seqlens, shape.total_tokens, max_seqlen, validate=False)
     docs = cu_seqlens.numel() - 1  # a shape: no host read
-    cfg = config or default_config(shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
-                                   mean_doc_len=shape.total_tokens / max(docs, 1))  # fmt: skip
+    mean_doc_len = shape.total_tokens / max(docs, 1)
+    nvfp4 = rec.qk_format == "nvfp4"
+    cfg = config or default_config(
+        shape.head_dim, q.device, qk_nvfp4=nvfp4, mean_doc_len=mean_doc_len
+    )
     bcfg = bwd_config or default_bwd_config(
-        shape.head_dim, q.device, qk_nvfp4=rec.qk_format == "nvfp4",
-        mean_doc_len=shape.total_tokens / max(docs, 1),
-    )  # fmt: skip
+        shape.head_dim, q.device, qk_nvfp4=nvfp4, mean_doc_len=mean_doc_len
+    )
     causal = bool(causal)
     bwd_work = None
     # the backward quantizes into its own layout unless the forward's has its alignment

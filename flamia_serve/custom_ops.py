@@ -250,10 +250,9 @@ def _setup_context(ctx, inputs, output) -> None:
      softmax_scale, config, bwd_config) = inputs  # fmt: skip
     out, m_rows, lse_rows = output
     if bwd_blocks:  # the backward's own layout
-        column_align = BwdConfig.from_ints(bwd_config).column_align
+        layout, column_align = bwd_blocks, BwdConfig.from_ints(bwd_config).column_align
     else:
-        column_align = FwdConfig.from_ints(config).column_align
-    layout = bwd_blocks or blocks
+        layout, column_align = blocks, FwdConfig.from_ints(config).column_align
     ctx.save_for_backward(q, k, v, out, m_rows, lse_rows, cu_seqlens, *layout, *bwd_work)
     ctx.n_blocks = len(layout)
     ctx.n_inputs = (len(blocks), len(_work_fwd), len(bwd_work), len(bwd_blocks))

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from flamia_serve.kernels._common import TritonLaunch, interpreted, sm_count, to_out
+from flamia_serve.kernels.workspace import PackWorkspace, pack_constant
 
 #: columns per program of the copies
 BLOCK_T = 64
@@ -101,6 +102,15 @@ def column_tokens(columns: torch.Tensor, t_pad: int) -> torch.Tensor:
     tokens = torch.full((t_pad,), -1, dtype=torch.int32, device=columns.device)
     idx = torch.arange(columns.numel(), dtype=torch.int32, device=columns.device)
     return tokens.index_put_((columns.long(),), idx)
+
+
+def pack_column_tokens(
+    workspace: PackWorkspace | None, columns: torch.Tensor, column_align: int, t_pad: int
+) -> torch.Tensor:
+    """``column_tokens(columns, t_pad)``, made once per pack and layout (alignment and
+    ``t_pad``) with a workspace, at every call without one."""
+    key = ("column_tokens", column_align, t_pad)
+    return pack_constant(workspace, key, lambda: column_tokens(columns, t_pad))
 
 
 def _copy(src: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, heads: int, d: int,

@@ -135,3 +135,18 @@ def test_dq_heads_per_program_divides_heads_and_fills_the_gpu(monkeypatch) -> No
         assert heads % group == 0
         programs = -(-tokens // columns.DQ_BLOCK_T) * (heads // group)
         assert group == 1 or programs >= columns.DQ_PROGRAMS_PER_SM * 132
+
+
+def test_pack_column_tokens_is_made_once_per_workspace_and_layout() -> None:
+    """With a workspace the map is built once per (alignment, t_pad) and shared by callers;
+    without one it is built at every call; either way it is ``column_tokens``."""
+    from flamia_serve.kernels.columns import column_tokens, pack_column_tokens
+    from flamia_serve.kernels.workspace import PackWorkspace
+
+    cols, t_pad = _columns([5, 130, 1])
+    ws = PackWorkspace(torch.device(DEV))
+    first = pack_column_tokens(ws, cols, 128, t_pad)
+    assert torch.equal(first, column_tokens(cols, t_pad))
+    assert pack_column_tokens(ws, cols, 128, t_pad) is first
+    assert pack_column_tokens(ws, cols, 16, t_pad) is not first  # another layout's entry
+    assert pack_column_tokens(None, cols, 128, t_pad) is not first

@@ -78,7 +78,11 @@ from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
-from flamia_serve.kernels.columns import column_tokens, dq_from_fragments, rows_from_columns
+from flamia_serve.kernels.columns import (
+    dq_from_fragments,
+    pack_column_tokens,
+    rows_from_columns,
+)
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
@@ -147,19 +151,14 @@ class FlamiaBwdSm90:
         qk_wide: bool = False,
         bf16_kv: bool = False,
         block_exponents: bool = False,
-        parts: int | None = None,
-        step_q: int | None = None,
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64, 128 and 256")
-        parts = parts or PARTS_FOR_D[head_dim]
-        if head_dim // 64 // parts not in (1, 2):
-            raise ValueError(f"parts {parts}: each CTA takes one or two 64-column pieces")
         if dk_keys not in (16, 32, 64):
             raise ValueError(f"dk_keys {dk_keys}: the CuTe backward supports 16, 32 and 64")
         self.d = head_dim
-        self.parts = parts  # head-dim parts over CTAs (each rebuilds S, dP over all of d)
-        self.halves = head_dim // 64 // parts  # this CTA's dK/dV/dQ 64-column pieces
+        self.parts = PARTS_FOR_D[head_dim]  # head-dim parts over CTAs (each rebuilds S, dP)
+        self.halves = head_dim // 64 // self.parts  # this CTA's dK/dV/dQ 64-column pieces
         self.heads_q = heads_q
         self.heads_kv = heads_kv
         self.group = heads_q // heads_kv
@@ -171,7 +170,7 @@ class FlamiaBwdSm90:
         self.qk_wide = qk_wide
         self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
-        self.step_q = step_q or step_queries(head_dim, qk_wide)
+        self.step_q = step_queries(head_dim, qk_wide)
         # dK/dV's B operands (Q̂ and Ĝ): BF16 rows by column read MN-major (products in BF16,
         # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
         # half, promoted); box = one 64-column piece of a step
@@ -1239,11 +1238,9 @@ def attn_bwd_sm90(
     dv = torch.empty_like(dk)
     v_shape = (total, heads_kv, d)  # token-major V codes, gathered from the column layout
     v_bytes = workspace.empty("v_codes", v_shape, torch.uint8) if workspace is not None else None
-    tokens = pack_constant(  # the token at each column (the pack and layout fix it)
-        workspace, ("column_tokens", qkv.column_align, t_pad),
-        lambda: column_tokens(qkv.key_columns(), t_pad),
-    )  # fmt: skip
-    v_codes = rows_from_columns(qkv.v_t, qkv.key_columns(), out=v_bytes, tokens=tokens)
+    cols = qkv.key_columns()
+    tokens = pack_column_tokens(workspace, cols, qkv.column_align, t_pad)
+    v_codes = rows_from_columns(qkv.v_t, cols, out=v_bytes, tokens=tokens)
     v_codes = v_codes.view(torch.float8_e4m3fn)
     q_b, g_b = _kv_b_operands(qkv, qdo, bf16_kv)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
@@ -1270,6 +1267,6 @@ def attn_bwd_sm90(
         _COMPILED[key](*kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv)
     at = pack_constant(  # where dq_acc holds each token's dQ (the pack fixes it)
         workspace, ("dq_index", step, d),
-        lambda: dq_fragment_index(operands.v_t_key(qkv.key_columns()), step, d),
+        lambda: dq_fragment_index(operands.v_t_key(cols), step, d),
     )  # fmt: skip
     return dq_from_fragments(dq_acc, at, d, out_dtype), dk, dv

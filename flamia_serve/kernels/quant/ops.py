@@ -7,10 +7,10 @@ import functools
 import torch
 
 from flamia_serve.kernels._common import TritonLaunch, interpreted, sm_count
-from flamia_serve.kernels.columns import column_tokens, columns_from_rows
+from flamia_serve.kernels.columns import columns_from_rows, pack_column_tokens
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
 from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
-from flamia_serve.kernels.workspace import PackWorkspace, pack_constant
+from flamia_serve.kernels.workspace import PackWorkspace
 from flamia_serve.numerics import NVFP4Tensor, Recipe, resolve_recipe
 from flamia_serve.numerics.operands import (
     EXPONENT_DTYPE,
@@ -81,10 +81,7 @@ class _Buffers:
         zeros in every other column (document padding, slack)."""
         _total, heads, d = codes.shape
         out = self.zeros(name, (heads, d, t_pad), torch.uint8)
-        tokens = pack_constant(
-            self.workspace, ("column_tokens", self.column_align, t_pad),
-            lambda: column_tokens(columns, t_pad),
-        )  # fmt: skip
+        tokens = pack_column_tokens(self.workspace, columns, self.column_align, t_pad)
         columns_from_rows(codes.view(torch.uint8), columns, out, tokens)
         return out.view(torch.float8_e4m3fn)
 
