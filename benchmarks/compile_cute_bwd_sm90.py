@@ -11,8 +11,9 @@ pipelined, registers, spills); ``--keep DIR`` keeps each cubin there (for ``cuob
 patched experiment, e.g. ``experiments/cute-bwd-stagger.patch`` applied to a copy) before
 its device time is spent. ``--d 256 --stages 3 --step 64`` compiles only that head dim's
 default recipe with another number of stages / queries per step (``STEP_FOR_D``), as
-``profile_bwd.py --kernel cute`` times them; ``--mode dv`` (with ``--d``) builds a variant's
-``FlamiaBwdSm90(..., mode=...)``, e.g. the passes of ``experiments/cute-bwd-d256-pass-split.patch``.
+``profile_bwd.py --kernel cute`` times them. Each config compiles the kernels the launcher
+runs for it (``bwd_modes``: the d = 256 E4M3 config two passes, ``dkdq`` and ``dv``);
+``--mode parts|dkdq|dv`` (with ``--d``) compiles only that ``FlamiaBwdSm90`` mode.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=0, help="only this head dim, causal (0: all)")
     parser.add_argument("--stages", type=int, default=2, help="query steps in flight")
     parser.add_argument("--step", type=int, default=0, help="queries per step (0: STEP_FOR_D)")
-    parser.add_argument("--mode", default="", help="a variant's FlamiaBwdSm90 mode (with --d), "
-                        "e.g. dv or dkdq of experiments/cute-bwd-d256-pass-split.patch")
+    parser.add_argument("--mode", default="", help="only this FlamiaBwdSm90 mode (with --d): "
+                        "parts, dkdq or dv")
     args = parser.parse_args()
     keep, module = args.keep, cute_sm90
     if args.variant:
@@ -92,27 +93,29 @@ def main() -> None:
     )  # fmt: skip
     if args.d:
         cases = ((args.d, True, False, True),)
-    mode = {"mode": args.mode} if args.mode else {}
     with FakeTensorMode():
         torch.set_default_device("cuda")
         # the default config (block exponents) at d = 128 / 64, causal or not, and with
         # per-token exponents (exact_causal); then the mixed recipes' (BF16 Sᵀ)
         for d, causal, wide, block in cases:
-            kernel = module.FlamiaBwdSm90(
-                d, 8, 2, causal, 32, args.stages, False, wide, bf16_kv=d in CUTE_BF16_KV_HEAD_DIMS,
-                block_exponents=block, **mode,
-            )
-            tag = ("_wide" if wide else "") + ("" if block else "_exact")
-            tag += f"_{args.mode}" if args.mode else ""
-            name = f"bwd_d{d}_causal{int(causal)}{tag}_s{args.stages}.cubin"
-            compiled = compile_and_keep(
-                kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Float32(0.1), Int32(1),
-                keep=keep, name=name,
-            )  # fmt: skip
-            print(f"cute backward d={d} causal={causal} wide={wide} block={block} "
-                  f"stages={args.stages} step={module.step_queries(d, wide)} "
-                  f"mode={args.mode or 'default'}: compiled")
-            del compiled
+            bf16_kv = d in CUTE_BF16_KV_HEAD_DIMS
+            # the kernels the launcher runs for this config (d = 256: two passes), or --mode
+            modes = (args.mode,) if args.mode else module.bwd_modes(d, wide, bf16_kv)
+            for mode in modes:
+                kernel = module.FlamiaBwdSm90(
+                    d, 8, 2, causal, 32, args.stages, False, wide, bf16_kv=bf16_kv,
+                    block_exponents=block, mode=mode,
+                )  # fmt: skip
+                tag = ("_wide" if wide else "") + ("" if block else "_exact") + f"_{mode}"
+                name = f"bwd_d{d}_causal{int(causal)}{tag}_s{args.stages}.cubin"
+                compiled = compile_and_keep(
+                    kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Float32(0.1),
+                    Int32(1), keep=keep, name=name,
+                )  # fmt: skip
+                print(f"cute backward d={d} causal={causal} wide={wide} block={block} "
+                      f"stages={args.stages} step={module.step_queries(d, wide)} "
+                      f"mode={mode}: compiled")
+                del compiled
 
 
 if __name__ == "__main__":

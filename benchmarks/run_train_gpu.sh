@@ -8,7 +8,7 @@
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
-#                                                   # mixed-short, pass-split
+#                                                   # mixed-short, s19, dv-step
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -287,16 +287,22 @@ if [[ $steps == *,mixed-short,* ]]; then  # the mixed recipe on packs of short d
     --impls flamia-mixed_nvfp4,flamia-mixed_nvfp4-cute,flamia-mixed_nvfp4-quant,flamia-mxfp8,fa4 \
     --name train_attention_mixed_short
 fi
-if [[ $steps == *,pass-split,* ]]; then  # experiment: the d = 256 backward as a dV pass and
-  # a dK/dQ pass (experiments/cute-bwd-d256-pass-split.patch, compile-checked only; plan in
-  # experiments/cute-bwd-d256-pass-split.md): against the Triton kernel on d = 64/128/256
-  # packs, timed beside the current kernel at d = 256 (and d = 128, unchanged)
-  mkdir -p scratch/pass_split_run
-  cp flamia_serve/kernels/attn_bwd/cute_sm90.py scratch/pass_split_run/split.py
-  sed 's|flamia_serve/kernels/attn_bwd/cute_sm90.py|scratch/pass_split_run/split.py|' \
-    benchmarks/experiments/cute-bwd-d256-pass-split.patch | git apply - || exit 1
-  run bwd_variants_pass_split 480 python benchmarks/bwd_variants.py --timeout 450 \
-    --shapes 8192x256,16384x256,8192x128 split=scratch/pass_split_run/split.py
+if [[ $steps == *,dv-step,* ]]; then  # experiment: the d = 256 dV pass at 64-query steps
+  # (STEP_DV_PASS = 64 in a copy, scratch/s19/dv64.py, carried) beside the current kernel
+  run bwd_variants_dv_step 300 python benchmarks/bwd_variants.py --timeout 280 \
+    --shapes 8192x256,16384x256 dv64=scratch/s19/dv64.py
+fi
+if [[ $steps == *,s19,* ]]; then  # the d = 256 backward in two passes (dK/dQ, then dV):
+  # its GPU tests, the backward pass's kernels at P2, P2 beside every baseline, accuracy
+  run pytest_gpu_s19 300 python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_gpu_cute_bwd.py
+  RUN_TAIL="-n 20" run profile_bwd_pass_s19 120 python benchmarks/profile_bwd_pass.py \
+    --workloads P2 --pass bwd
+  RUN_TAIL="-n 30" run train_attention_s19 200 python benchmarks/train_attention.py \
+    --quick --check --workloads P2 --passes fwd,fwd+bwd,bwd \
+    --impls flamia-mxfp8,flamia-mixed_nvfp4,fa4,cudnn-sdpa,fa2-varlen --name train_attention_s19
+  RUN_TAIL="-n 13" run bwd_numerics_d256_s19 150 python benchmarks/bwd_numerics.py --d 256 \
+    --accuracy-only --name bwd_numerics_d256_s19
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192,
   # d = ${FLAMIA_PROFILE_D:-128})

@@ -37,7 +37,7 @@ CASES = [
     # d = 128 non-causal with the second warpgroup's keys partly inside the document (dQ once
     # per CTA step reads both warpgroups' dŜ; added 2026-12-03, not yet run on a GPU)
     ((100, 230, 1), 4, 2, 128, False, False),
-    # d = 256: two CTAs per key tile, each with half the head dim of dK/dV/dQ
+    # d = 256: a dK/dQ pass and a dV pass (mxfp8), two CTAs per key tile (mixed recipes)
     ((1, 300, 1000, 129, 0, 31), 8, 2, 256, True, False),
     ((257, 64, 700), 4, 4, 256, False, True),
     ((100, 230, 1), 4, 2, 256, False, False),
@@ -99,6 +99,43 @@ def test_cute_bwd_rebuilds_the_same_p_hat_as_triton(recipe, d) -> None:
     _bwd(ops, hq, d, True, BwdConfig(), bufs[1], recipe=recipe)
     assert int((bufs[1] != 0).sum()) > 1000
     assert torch.equal(bufs[0], bufs[1])
+
+
+@pytest.mark.parametrize("case", CASES[6:9])
+def test_cute_bwd_d256_passes_match_the_parts(case, monkeypatch) -> None:
+    """d = 256 with E4M3 Q/K runs a dK/dQ pass and a dV pass (one CTA per key tile each):
+    dK and dV bit for bit those of the two-CTA "parts" form, dQ up to the order of its
+    bulk adds."""
+    from flamia_serve.kernels.attn_bwd import cute_sm90
+
+    lens, hq, hkv, d, causal, exact = case
+    assert cute_sm90.bwd_modes(d, False, True) == ("dkdq", "dv")
+    ops = _operands(lens, hq, hkv, d, causal, exact)
+    passes = _bwd(ops, hq, d, causal, CUTE_BWD_CONFIG)
+    monkeypatch.setattr(cute_sm90, "D256_FORM", "parts")
+    assert cute_sm90.bwd_modes(d, False, True) == ("parts",)
+    parts = _bwd(ops, hq, d, causal, CUTE_BWD_CONFIG)
+    assert float(parts[1].float().abs().sum()) > 0 and float(parts[2].float().abs().sum()) > 0
+    assert torch.equal(passes[1], parts[1]), "dK"
+    assert torch.equal(passes[2], parts[2]), "dV"
+    assert _rel(passes[0], parts[0].float()) <= 1e-3, "dQ"
+
+
+def test_cute_bwd_d256_each_pass_rebuilds_the_same_p_hat(monkeypatch) -> None:
+    """Each d = 256 pass alone (debug hook) writes the P̂ the Triton backward rebuilds."""
+    from flamia_serve.kernels.attn_bwd import cute_sm90
+
+    lens, hq = (100, 1, 45, 130), 4
+    ops = _operands(lens, hq, 2, 256, True, False)
+    t = sum(lens)
+    triton = torch.zeros(hq, t, t, device="cuda")
+    _bwd(ops, hq, 256, True, BwdConfig(), triton)
+    assert int((triton != 0).sum()) > 1000
+    for mode in ("dkdq", "dv"):
+        monkeypatch.setattr(cute_sm90, "bwd_modes", lambda *args, m=mode: (m,))
+        buf = torch.zeros(hq, t, t, device="cuda")
+        _bwd(ops, hq, 256, True, CUTE_BWD_CONFIG, buf)
+        assert torch.equal(buf, triton), mode
 
 
 def test_cute_bwd_is_the_default_on_its_layout() -> None:

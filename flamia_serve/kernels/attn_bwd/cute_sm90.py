@@ -40,6 +40,16 @@ keys (keys on the MMAs' M) and take every step:
   ``dq_layout.dq_fragment_index`` reads dQ back); dQ is summed in no fixed order: not
   bitwise repeatable.
 
+d = 256 (one CTA's dK and dV accumulators would need 256 registers per thread) runs in one
+of two forms (``D256_FORM``, ``bwd_modes``). With E4M3 Q/K, two passes per key tile, one
+CTA each (the default): the dK/dQ pass (``mode="dkdq"``: Sᵀ, dPᵀ, dS, dK and dQ over all
+256 columns) and then the dV pass (``mode="dv"``: Sᵀ, P̂, dV); both rebuild P̂ by the same
+code (``rebuild_p``), so they see the same bits. The mixed recipes' BF16 Q/K tiles do not
+fit the dK/dQ pass's shared memory: they run two CTAs per key tile (``PARTS_FOR_D``), each
+rebuilding Sᵀ and dPᵀ over all 256 columns and accumulating 128 columns of dK/dV/dQ.
+H200, P2's shape (``results/bwd_variants_pass_split_2026-12-04.json``): 6.8 ms in passes
+against 8.9 in parts (T = 8192), 25.4 against 33.9 (T = 16384).
+
 Per-query statistics (Q/dÔ/Ĝ exponents, M, lse, D) are staged in shared memory per step by
 the producer warp's lanes and read by the consumers column by column. Interior steps (all
 keys and queries inside the document; causal: every query at or after every key) run a
@@ -106,12 +116,15 @@ HALF = 32
 #: d = 128 with BF16 dK/dV, ``results/bwd_variants_bf16_kv_2026-12-03.json``: 277 / 312 vs
 #: 275 / 302 TFLOP/s for one half at T = 8192 / 16384)
 STEP_FOR_D = {64: 64, 128: 64, 256: HALF}
-#: CTAs per 128-key tile by head dim, each with ``d / parts`` columns of dK/dV/dQ and the
+#: CTAs per 128-key tile by head dim in the "parts" form (d = 256: the mixed recipes, or
+#: ``D256_FORM = "parts"``), each with ``d / parts`` columns of dK/dV/dQ and the
 #: whole head dim for Sᵀ and dPᵀ (so every dS code is the same in every part): at d = 256 one
 #: CTA's dK/dV accumulators would need 256 registers per thread; two parts keep d = 128's
 #: register shape (sm_90a compile: 8 B stack, 12 B spill stores at one-half steps and two
 #: stages, 174 KB of shared memory; 223 KB with the mixed recipes' BF16 Q/K)
 PARTS_FOR_D = {64: 1, 128: 1, 256: 2}
+#: queries per step of the d = 256 dV pass (``mode="dv"``; it stages no dÔ, dŜ or dQ)
+STEP_DV_PASS = HALF
 #: the mixed recipes' BF16 Q/K tiles at d = 128 take one half per step: two would need 250 KB
 #: of shared memory (a CTA can have 227 KB)
 STEP_WIDE_D128 = HALF
@@ -151,14 +164,30 @@ class FlamiaBwdSm90:
         qk_wide: bool = False,
         bf16_kv: bool = False,
         block_exponents: bool = False,
+        mode: str = "parts",
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64, 128 and 256")
+        if mode not in ("parts", "dv", "dkdq"):
+            raise ValueError(f"mode {mode!r}: 'parts', 'dv' or 'dkdq'")
+        # mode: "parts" (dK, dV, dQ in one kernel, ``parts`` CTAs per key tile); "dv" (pass A:
+        # Sᵀ -> P̂ -> dV over all of d) or "dkdq" (pass B: Sᵀ, dPᵀ -> dS -> dK and dQ over all
+        # of d), one CTA per key tile each, launched one after the other
+        self.mode = mode
+        self.do_dv = mode != "dkdq"
+        self.do_ds = mode != "dv"
+        if mode != "parts":
+            if qk_wide or not bf16_kv:
+                raise ValueError(f"mode {mode!r} needs E4M3 Q/K and BF16 dK/dV (bf16_kv)")
+            if head_dim // 64 < NUM_WG:
+                raise ValueError(f"mode {mode!r}: head_dim {head_dim} has too few pieces")
+        parts = PARTS_FOR_D[head_dim] if mode == "parts" else 1
         if dk_keys not in (16, 32, 64):
             raise ValueError(f"dk_keys {dk_keys}: the CuTe backward supports 16, 32 and 64")
         self.d = head_dim
-        self.parts = PARTS_FOR_D[head_dim]  # head-dim parts over CTAs (each rebuilds S, dP)
-        self.halves = head_dim // 64 // self.parts  # this CTA's dK/dV/dQ 64-column pieces
+        self.parts = parts  # head-dim parts over CTAs (each rebuilds S, dP over all of d)
+        # this CTA's dK/dV/dQ 64-column pieces (pass modes: all of d, 4 at d = 256)
+        self.halves = head_dim // 64 // parts
         self.heads_q = heads_q
         self.heads_kv = heads_kv
         self.group = heads_q // heads_kv
@@ -170,13 +199,15 @@ class FlamiaBwdSm90:
         self.qk_wide = qk_wide
         self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
-        self.step_q = step_queries(head_dim, qk_wide)
+        self.step_q = STEP_DV_PASS if mode == "dv" else step_queries(head_dim, qk_wide)
         # dK/dV's B operands (Q̂ and Ĝ): BF16 rows by column read MN-major (products in BF16,
         # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
         # half, promoted); box = one 64-column piece of a step
         self.bf16_kv = bf16_kv
         # dQ per CTA step: warpgroup w adds head-dim piece w over both warpgroups' keys
-        self.joint_dq = self.halves == NUM_WG
+        self.joint_dq = self.halves >= NUM_WG
+        # joint dQ: pieces per warpgroup (parts 1, dkdq at d = 256 2)
+        self.dq_pieces = self.halves // NUM_WG if self.joint_dq else self.halves
         self.ds_bufs = 2 if self.joint_dq else 1  # dŜ tiles double-buffered by step parity
         self.kv_b_dtype = BF16 if self.bf16_kv else FP8
         self.kv_b_box = (self.step_q, 64) if self.bf16_kv else (64, self.step_q)
@@ -255,7 +286,7 @@ class FlamiaBwdSm90:
         )
         # dQᵀ pieces in the accumulators' fragment order (``dq_fragment_index``): per warpgroup,
         # (64·step values of a piece, piece)
-        dq_layout = cute.make_layout((64 * self.step_q, 1 if self.joint_dq else halves, NUM_WG))
+        dq_layout = cute.make_layout((64 * self.step_q, self.dq_pieces, NUM_WG))
         # (dK block | dQ block, half, warp, warpgroup)
         amax_layout = cute.make_layout((2, 2, 4, NUM_WG))
         # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5 per half h: 2^e_dÔ at
@@ -299,33 +330,74 @@ class FlamiaBwdSm90:
         atom_qt, tma_qt = atom(mQt, step_t_layout, self.kv_b_box)
         atom_gt, tma_gt = atom(mGt, step_t_layout, self.kv_b_box)
         qk_bytes = qk.width // 8
-        self.kv_bytes = (1 + qk_bytes) * NUM_WG * WG_KEYS * d + NUM_WG * WG_KEYS * 64 * halves
-        # per query: Q̂ (scores), dÔ, and dK's / dV's B operands
-        self.step_bytes = (1 + qk_bytes) * self.step_q * d + (
-            2 * self.kv_b_dtype.width // 8) * self.step_q * 64 * halves
+        do_dv, do_ds = int(self.do_dv), int(self.do_ds)
+        # K̂ (and with dS: V̂, K̂ᵀ pieces)
+        self.kv_bytes = (do_ds + qk_bytes) * NUM_WG * WG_KEYS * d + (
+            do_ds * NUM_WG * WG_KEYS * 64 * halves)
+        # per query: Q̂ (scores), dÔ (dS), and dK's / dV's B operands
+        self.step_bytes = (do_ds + qk_bytes) * self.step_q * d + (
+            (do_dv + do_ds) * self.kv_b_dtype.width // 8) * self.step_q * 64 * halves
         stages = self.num_stages
 
-        @cute.struct
-        class Storage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
-            sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
-            sDqFac: cute.struct.MemRange[Float32, 2 * NUM_WG * 2]
-            sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
-            sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
-            sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
-            sQt: cute.struct.Align[
-                cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
-            ]
-            sGt: cute.struct.Align[
-                cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
-            ]
-            sDS: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(ds_layout)], 1024]
-            sDQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128]
+        if const_expr(self.mode == "parts"):
+
+            @cute.struct
+            class Storage:
+                mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
+                sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
+                sDqFac: cute.struct.MemRange[Float32, 2 * NUM_WG * 2]
+                sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
+                sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
+                sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
+                sQt: cute.struct.Align[
+                    cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
+                ]
+                sGt: cute.struct.Align[
+                    cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
+                ]
+                sDS: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(ds_layout)], 1024]
+                sDQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128]
+        elif const_expr(self.mode == "dkdq"):
+
+            @cute.struct
+            class Storage:
+                mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
+                sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
+                sDqFac: cute.struct.MemRange[Float32, 2 * NUM_WG * 2]
+                sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
+                sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
+                sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
+                sQt: cute.struct.Align[
+                    cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
+                ]
+                sDS: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(ds_layout)], 1024]
+                sDQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128]
+
+        else:
+
+            @cute.struct
+            class Storage:
+                mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
+                sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
+                sGt: cute.struct.Align[
+                    cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
+                ]
+
+        self.smem_bytes = Storage.size_in_bytes()
 
         self.kernel(
             (tma_k, tma_v, tma_kt, tma_q, tma_do, tma_qt, tma_gt),
@@ -373,8 +445,11 @@ class FlamiaBwdSm90:
         mQexp, mQsexp, mKexp = exps
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for a in atoms:
-                cpasync.prefetch_descriptor(a)
+            # (k, v, kt, q, do, qt, gt: a pass mode loads only its own)
+            used = (True, self.do_ds, self.do_ds, True, self.do_ds, self.do_ds, self.do_dv)
+            for a, u in zip(atoms, used, strict=True):
+                if const_expr(u):
+                    cpasync.prefetch_descriptor(a)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(Storage)
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -396,27 +471,40 @@ class FlamiaBwdSm90:
             defer_sync=True,
         )  # fmt: skip
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        # (a pass mode's Storage lacks the other pass's buffers: None in their place)
+        present = dict(
+            sK=True, sV=self.do_ds, sKt=self.do_ds, sQ=True, sDO=self.do_ds, sQt=self.do_ds,
+            sGt=self.do_dv, sDS=self.do_ds,
+        )  # fmt: skip
         smem_tensors = [
             getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+            if present[name] else None
             for name, layout in (
                 ("sK", k_rows_layout), ("sV", rows_layout), ("sKt", cols_layout),
                 ("sQ", q_step_layout), ("sDO", step_layout), ("sQt", step_t_layout),
                 ("sGt", step_t_layout), ("sDS", ds_layout),
             )
         ]  # fmt: skip
-        # dŜ's tile as 32-bit words: the same 64-byte swizzle in 4-byte units
-        ds_words_layout = sm90_utils.make_smem_layout(
-            Int32, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS // 4), NUM_WG * self.ds_bufs
-        )
-        smem_tensors.append(
-            storage.sDS.get_tensor(
-                ds_words_layout.outer, swizzle=ds_words_layout.inner, dtype=Int32
+        sDQ = None
+        sAmax = None
+        sDqFac = None
+        if const_expr(self.do_ds):
+            # dŜ's tile as 32-bit words: the same 64-byte swizzle in 4-byte units
+            ds_words_layout = sm90_utils.make_smem_layout(
+                Int32, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS // 4), NUM_WG * self.ds_bufs
             )
-        )
-        sDQ = storage.sDQ.get_tensor(dq_layout)
-        sAmax = storage.sAmax.get_tensor(amax_layout)
-        # joint dQ: each warpgroup's dQ factors 2^eb·softmax_scale per (half, warpgroup, parity)
-        sDqFac = storage.sDqFac.get_tensor(cute.make_layout((2, NUM_WG, 2)))
+            smem_tensors.append(
+                storage.sDS.get_tensor(
+                    ds_words_layout.outer, swizzle=ds_words_layout.inner, dtype=Int32
+                )
+            )
+            sDQ = storage.sDQ.get_tensor(dq_layout)
+            sAmax = storage.sAmax.get_tensor(amax_layout)
+            # joint dQ: each warpgroup's dQ factors 2^eb·softmax_scale per (half, warpgroup,
+            # parity)
+            sDqFac = storage.sDqFac.get_tensor(cute.make_layout((2, NUM_WG, 2)))
+        else:
+            smem_tensors.append(None)
         sStats = storage.sStats.get_tensor(stats_layout)
         smem_tensors.append(sDqFac)
         pipes = (pipe_kv, pipe_step, pipe_stats)
@@ -476,26 +564,36 @@ class FlamiaBwdSm90:
         kv_bar = pipe_kv.sync_object_full.get_barrier(0)
         pipe_kv.producer_acquire_w_index_phase(0, Int32(1))
         load_k = _rows_copy(atom_k, tma_k, hk, (WG_KEYS, self.d), sK, doc_start)
-        load_v = _rows_copy(atom_v, tma_v, hk, (WG_KEYS, self.d), sV, doc_start)
+        load_v = None
+        if const_expr(self.do_ds):
+            load_v = _rows_copy(atom_v, tma_v, hk, (WG_KEYS, self.d), sV, doc_start)
         for wg in cutlass.range_constexpr(NUM_WG):
             load_k(src_idx=key0 // WG_KEYS + wg, dst_idx=wg, tma_bar_ptr=kv_bar)
-            load_v(src_idx=key0 // WG_KEYS + wg, dst_idx=wg, tma_bar_ptr=kv_bar)
-            for hf in cutlass.range_constexpr(halves):
-                load_kt = _cols_copy(
-                    atom_kt, tma_kt, hk, (64, WG_KEYS), sKt, w["part"] * halves + hf, vt_start
-                )
-                load_kt(src_idx=key0 // WG_KEYS + wg, dst_idx=wg * halves + hf, tma_bar_ptr=kv_bar)
+            if const_expr(self.do_ds):
+                load_v(src_idx=key0 // WG_KEYS + wg, dst_idx=wg, tma_bar_ptr=kv_bar)
+                for hf in cutlass.range_constexpr(halves):
+                    load_kt = _cols_copy(
+                        atom_kt, tma_kt, hk, (64, WG_KEYS), sKt, w["part"] * halves + hf, vt_start
+                    )
+                    load_kt(
+                        src_idx=key0 // WG_KEYS + wg, dst_idx=wg * halves + hf, tma_bar_ptr=kv_bar
+                    )
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         lo = self.first_step(key0)
         n_steps = cute.ceil_div(w["seqlen"] - lo, self.step_q)
         for g in cutlass.range(self.group, unroll=1):
             h = hk * self.group + g
             load_q = _rows_copy(atom_q, tma_q, h, (self.step_q, self.d), sQ, doc_start)
-            load_do = _rows_copy(atom_do, tma_do, h, (self.step_q, self.d), sDO, doc_start)
+            load_do = None
+            if const_expr(self.do_ds):
+                load_do = _rows_copy(atom_do, tma_do, h, (self.step_q, self.d), sDO, doc_start)
             copy_t = _rows_piece_copy if const_expr(self.bf16_kv) else _cols_copy
+            # dK's B (Q rows: dS) and dV's B (Ĝ rows: dV) per piece
             loads_t = [
-                (copy_t(atom_qt, tma_qt, h, self.kv_b_box, sQt, w["part"] * halves + hf, vt_start),
-                 copy_t(atom_gt, tma_gt, h, self.kv_b_box, sGt, w["part"] * halves + hf, vt_start))
+                (copy_t(atom_qt, tma_qt, h, self.kv_b_box, sQt, w["part"] * halves + hf, vt_start)
+                 if self.do_ds else None,
+                 copy_t(atom_gt, tma_gt, h, self.kv_b_box, sGt, w["part"] * halves + hf, vt_start)
+                 if self.do_dv else None)
                 for hf in range(halves)
             ]  # fmt: skip
             for i in cutlass.range(n_steps, unroll=1):
@@ -503,11 +601,14 @@ class FlamiaBwdSm90:
                 bar = pipe_step.producer_get_barrier(state)
                 at = lo // self.step_q + i
                 load_q(src_idx=at, dst_idx=state.index, tma_bar_ptr=bar)
-                load_do(src_idx=at, dst_idx=state.index, tma_bar_ptr=bar)
+                if const_expr(self.do_ds):
+                    load_do(src_idx=at, dst_idx=state.index, tma_bar_ptr=bar)
                 for hf in cutlass.range_constexpr(halves):
                     piece = state.index * halves + hf
-                    loads_t[hf][0](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
-                    loads_t[hf][1](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
+                    if const_expr(self.do_ds):
+                        loads_t[hf][0](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
+                    if const_expr(self.do_dv):
+                        loads_t[hf][1](src_idx=at, dst_idx=piece, tma_bar_ptr=bar)
                 pipe_stats.producer_acquire(state)
                 self.stage_stats(
                     w, h, lo + i * self.step_q, state.index, sStats, q_exps, mDOexp, mGexp, mDelta,
@@ -543,24 +644,27 @@ class FlamiaBwdSm90:
                 eq = Int32(mQexp[h, tok])
                 eqs = Int32(mQsexp[h, tok]) if const_expr(self.qk_wide) else eq
                 m = mM[tok, h]
-                lse = mLSE[tok, h]
-                dl = mDelta[h, tok]
-            q8 = pow2(eq)
+                if const_expr(self.do_ds):
+                    lse = mLSE[tok, h]
+                    dl = mDelta[h, tok]
+            # rows 0 and 2 (P̂'s) the same in every mode
             sStats[0, c, idx] = pow2(eqs) * qk_scale
-            sStats[1, c, idx] = q8
             sStats[2, c, idx] = m - P_HAT_EXP
-            sStats[3, c, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
-            sStats[4, c, idx] = dl
-        if lane < self.exp_lanes and lane % 2 < n_halves:  # (one half: lanes 0, 2)
-            hb = lane % 2
-            q = i0 + hb * HALF
-            e = Int32(0)
-            if q < seqlen:
-                if lane < 2:
-                    e = Int32(mDOexp[h, doc_start + q])
-                else:
-                    e = Int32(mGexp[h, w["vt_start"] + q])
-            sStats[5, lane, idx] = pow2(e)
+            if const_expr(self.do_ds):
+                sStats[1, c, idx] = pow2(eq)
+                sStats[3, c, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
+                sStats[4, c, idx] = dl
+        if const_expr(self.do_ds):  # (pass A reads no row 5)
+            if lane < self.exp_lanes and lane % 2 < n_halves:  # (one half: lanes 0, 2)
+                hb = lane % 2
+                q = i0 + hb * HALF
+                e = Int32(0)
+                if q < seqlen:
+                    if lane < 2:
+                        e = Int32(mDOexp[h, doc_start + q])
+                    else:
+                        e = Int32(mGexp[h, w["vt_start"] + q])
+                sStats[5, lane, idx] = pow2(e)
 
     @cute.jit
     def consume(
@@ -582,31 +686,49 @@ class FlamiaBwdSm90:
         d = self.d
         wg_qk = tiled_mma_qk.get_slice(0)
         _, tSrK, tSrQ = sm90_utils.partition_fragment_ABC(wg_qk, (WG_KEYS, self.step_q, d), sK, sQ)
-        _, tPrV, tPrDO = sm90_utils.partition_fragment_ABC(wg_s, (WG_KEYS, self.step_q, d), sV, sDO)
+        # (pass modes: the other pass's operands are None)
+        tPrV = tPrDO = frag_p = tVrG = frag_ds = tKrQ = tQrK = tQrS = None
+        if const_expr(self.do_ds):
+            _, tPrV, tPrDO = sm90_utils.partition_fragment_ABC(
+                wg_s, (WG_KEYS, self.step_q, d), sV, sDO
+            )
         # dV / dK / dQᵀ in 64-column pieces of the head dimension (B / A index: stage or
         # warpgroup · halves + piece)
         kv_shape = (WG_KEYS, 64, self.step_q)
-        if const_expr(self.bf16_kv):  # token-major tiles, read MN-major
-            sGt, sQt = layout_utils.transpose_view(sGt), layout_utils.transpose_view(sQt)
-        _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sGt)
-        _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sQt)
-        dq_shape = (64, self.step_q, WG_KEYS)
-        _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, dq_shape, sKt, sDS)
+        if const_expr(self.do_dv):
+            if const_expr(self.bf16_kv):  # token-major tiles, read MN-major
+                sGt = layout_utils.transpose_view(sGt)
+            _, frag_p, tVrG = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sGt)
+        if const_expr(self.do_ds):
+            if const_expr(self.bf16_kv):
+                sQt = layout_utils.transpose_view(sQt)
+            _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sQt)
+            dq_shape = (64, self.step_q, WG_KEYS)
+            _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, dq_shape, sKt, sDS)
         # a dQᵀ piece's accumulator to shared memory as it lies in registers: 16-byte stores,
         # thread t's n-th four values at 512·n + 4·t (consecutive threads, consecutive banks)
         dq_copy = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
             cute.make_layout(128), cute.make_layout(DQ_VEC),
         )  # fmt: skip
-        tDQs = [
-            dq_copy.get_slice(t).partition_D(sDQ[None, hf, wg])
-            for hf in range(1 if self.joint_dq else self.halves)
-        ]
+        tDQs = []
+        if const_expr(self.do_ds):
+            tDQs = [
+                dq_copy.get_slice(t).partition_D(sDQ[None, hf, wg])
+                for hf in range(self.dq_pieces)
+            ]
+        # dK and dV pieces (parts), dV (dv) or dK (dkdq): 64x64 FP32 each
         acc_dk = []
         acc_dv = []
         for _hf in cutlass.range_constexpr(self.halves):
-            acc_dk.append(cute.make_rmem_tensor(thr_kv.partition_shape_C((WG_KEYS, 64)), Float32))
-            acc_dv.append(cute.make_rmem_tensor(thr_kv.partition_shape_C((WG_KEYS, 64)), Float32))
+            if const_expr(self.do_ds):
+                acc_dk.append(
+                    cute.make_rmem_tensor(thr_kv.partition_shape_C((WG_KEYS, 64)), Float32)
+                )
+            if const_expr(self.do_dv):
+                acc_dv.append(
+                    cute.make_rmem_tensor(thr_kv.partition_shape_C((WG_KEYS, 64)), Float32)
+                )
         # this thread's rows (keys) and columns (queries) of a step's score tile
         tScS = layout_utils.reshape_acc_to_mn(
             thr_s.partition_C(cute.make_identity_tensor((WG_KEYS, self.step_q)))
@@ -644,8 +766,9 @@ class FlamiaBwdSm90:
                 ev[r] = mFactors[hk, 1, col]
                 vinv[r] = mFactors[hk, 2, col]
                 vfac[r] = pow2(Int32(ev[r]))
-        for hf in cutlass.range_constexpr(self.halves):
+        for hf in cutlass.range_constexpr(len(acc_dk)):
             acc_dk[hf].fill(0.0)
+        for hf in cutlass.range_constexpr(len(acc_dv)):
             acc_dv[hf].fill(0.0)
         pipe_kv.consumer_wait_w_index_phase(0, Int32(0))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -681,52 +804,59 @@ class FlamiaBwdSm90:
                 other_live = other_key0 < seqlen
                 if const_expr(self.causal):
                     other_live = other_live and i0 + self.step_q > other_key0
-                if live and inside:
-                    self.step(
-                        ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, False, parity
-                    )
-                elif live:
-                    self.step(
-                        ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, True, parity
-                    )
-                elif other_live:  # only the other warpgroup's keys: its dŜ, my dQ piece
-                    if const_expr(self.joint_dq):
-                        self.dq_only(ctx, h, i0, mDQ, parity)
+                if const_expr(not self.do_ds):  # pass A: no barrier, no dQ
+                    if live and inside:
+                        self.step_dv(ctx, state.index, h, i0, sStats, mDbg, False)
+                    elif live:
+                        self.step_dv(ctx, state.index, h, i0, sStats, mDbg, True)
+                else:
+                    if live and inside:
+                        self.step(
+                            ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, False,
+                            parity,
+                        )  # fmt: skip
+                    elif live:
+                        self.step(
+                            ctx, state.index, h, i0, sStats, mDQ, mDbg, softmax_scale, True,
+                            parity,
+                        )  # fmt: skip
+                    elif other_live:  # only the other warpgroup's keys: its dŜ, my dQ piece
+                        if const_expr(self.joint_dq):
+                            self.dq_only(ctx, h, i0, mDQ, parity)
                 pipe_stats.consumer_release(state)
                 pipe_step.consumer_release(state)
                 state.advance()
-        if t == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.do_ds):
+            if t == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkv(ctx, thr_kv, mDK, mDV, softmax_scale)
 
     @cute.jit
-    def step(
-        self, ctx, stage, h, i0, sStats, mDQ, mDbg, softmax_scale, masked: cutlass.Constexpr,
-        parity,
-    ):  # fmt: skip
-        """One step (one or two 32-query halves) of one head for this warpgroup's 64 keys
-        (``masked``: some keys or queries lie outside the document or, causal, a key
-        follows a query)."""
+    def rebuild_p(self, ctx, stage, h, i0, sStats, mDbg, masked: cutlass.Constexpr):
+        """Sᵀ = K̂·Q̂ᵀ and P̂ rebuilt from it in place (E4M3 values in FP32), as the forward built
+        it: the one code path of every mode, so both passes' P̂ are the same bits. With dS
+        (parts, dkdq) dPᵀ = V̂·dÔᵀ is issued right after Sᵀ and left running; returns
+        ``(acc_s, acc_dp)`` (``acc_dp`` None in pass A)."""
         tiled_mma_s, _, _, tiled_mma_qk = ctx["mmas"]
         w = ctx["w"]
         wg = ctx["wg"]
         doc_start = w["doc_start"]
         seqlen = ctx["seqlen"]
         n_rows, n_cols = ctx["n_rows"], ctx["n_cols"]
-        n_halves = self.step_q // HALF
-        cols_per_half = n_cols // n_halves  # a thread's columns of one half, in order
-        halves = self.halves
         acc_s = sm90_utils.gemm_zero_init(
             tiled_mma_qk, (WG_KEYS, self.step_q), ctx["tSrK"], ctx["tSrQ"], A_idx=wg, B_idx=stage,
             wg_wait=-1,
         )  # fmt: skip
-        acc_dp = sm90_utils.gemm_zero_init(
-            tiled_mma_s, (WG_KEYS, self.step_q), ctx["tPrV"], ctx["tPrDO"], A_idx=wg, B_idx=stage,
-            wg_wait=-1,
-        )  # fmt: skip
-        warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs on while P̂ is rebuilt
+        acc_dp = None
+        if const_expr(self.do_ds):
+            acc_dp = sm90_utils.gemm_zero_init(
+                tiled_mma_s, (WG_KEYS, self.step_q), ctx["tPrV"], ctx["tPrDO"], A_idx=wg,
+                B_idx=stage, wg_wait=-1,
+            )  # fmt: skip
+            warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs on while P̂ is rebuilt
+        else:
+            warpgroup.wait_group(0)
         s_mn = layout_utils.reshape_acc_to_mn(acc_s)
-        dp_mn = layout_utils.reshape_acc_to_mn(acc_dp)
         # column by column: the query's statistics (staged in shared memory by the producer
         # warp) are read where they are used, so only one column's stay in registers
         for j in cutlass.range_constexpr(n_cols):
@@ -756,12 +886,41 @@ class FlamiaBwdSm90:
         p8 = cute.make_rmem_tensor(cute.size(acc_s), FP8)
         p8.store(acc_s.load().to(FP8))
         acc_s.store(p8.load().to(Float32))
+        return acc_s, acc_dp
+
+    @cute.jit
+    def step_dv(self, ctx, stage, h, i0, sStats, mDbg, masked: cutlass.Constexpr):
+        """Pass A's step: P̂ (``rebuild_p``), then dV += P̂ᵀ·(Ĝ·2^eG) over every 64-column piece
+        (BF16 ``wgmma``, A from registers), waited before the stage is released."""
+        acc_s, _ = self.rebuild_p(ctx, stage, h, i0, sStats, mDbg, masked)
+        frag_p = fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
+        self.accumulate_kv(ctx, ctx["acc_dv"], frag_p, ctx["tVrG"], stage)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def step(
+        self, ctx, stage, h, i0, sStats, mDQ, mDbg, softmax_scale, masked: cutlass.Constexpr,
+        parity,
+    ):  # fmt: skip
+        """One step (one or two 32-query halves) of one head for this warpgroup's 64 keys
+        (``masked``: some keys or queries lie outside the document or, causal, a key
+        follows a query)."""
+        wg = ctx["wg"]
+        n_rows, n_cols = ctx["n_rows"], ctx["n_cols"]
+        n_halves = self.step_q // HALF
+        cols_per_half = n_cols // n_halves  # a thread's columns of one half, in order
+        halves = self.halves
+        acc_s, acc_dp = self.rebuild_p(ctx, stage, h, i0, sStats, mDbg, masked)
+        s_mn = layout_utils.reshape_acc_to_mn(acc_s)
+        dp_mn = layout_utils.reshape_acc_to_mn(acc_dp)
         dv_order = []  # E4M3 dV products still to promote: (half, piece)
         if const_expr(self.bf16_kv):
             # dV += P̂ᵀ·(Ĝ·2^eG): BF16 A from the accumulator (P̂ exact), B the dequantized Ĝ
             # (exact in BF16), accumulated in the wgmma's FP32 accumulator across steps
-            frag_p = fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
-            self.accumulate_kv(ctx, ctx["acc_dv"], frag_p, ctx["tVrG"], stage)
+            # (pass B: no dV)
+            if const_expr(self.do_dv):
+                frag_p = fa_utils.cvt_f16(layout_utils.reshape_acc_to_frgA(acc_s), BF16)
+                self.accumulate_kv(ctx, ctx["acc_dv"], frag_p, ctx["tVrG"], stage)
         else:
             # dV += (P̂ᵀ·Ĝ)·2^eG per half and 64-column piece (E4M3: the column layout's
             # permutation makes the accumulator the A fragment), one product in flight while
@@ -783,7 +942,7 @@ class FlamiaBwdSm90:
 
         # dPᵀ done (BF16 dK/dV: the dV products just issued may still run)
         if const_expr(self.bf16_kv):
-            warpgroup.wait_group(halves)
+            warpgroup.wait_group(halves if self.do_dv else 0)
         else:
             warpgroup.wait_group(0)
         # dS in place of dP; amax of dS·2^eQ (dK's blocks) and dS·2^eK (dQ's) per half: the
@@ -1033,28 +1192,36 @@ class FlamiaBwdSm90:
         wg = ctx["wg"]
         tiled_mma_dq = ctx["mmas"][2]
         n_halves = self.step_q // HALF
+        dqp = self.dq_pieces  # this warpgroup's pieces: wg·dqp + p (parts: 1, dkdq: 2)
+        # issued piece-major, one commit group per product
         accs = [
-            sm90_utils.gemm_zero_init(
-                tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
-                A_idx=kb * self.halves + wg, B_idx=parity * NUM_WG + kb, wg_wait=-1,
-            )
-            for kb in range(NUM_WG)
+            [
+                sm90_utils.gemm_zero_init(
+                    tiled_mma_dq, (64, self.step_q), ctx["tQrK"], ctx["tQrS"],
+                    A_idx=kb * self.halves + wg * dqp + p, B_idx=parity * NUM_WG + kb,
+                    wg_wait=-1,
+                )
+                for kb in range(NUM_WG)
+            ]
+            for p in range(dqp)
         ]  # fmt: skip
         fac = [[ctx["sDqFac"][hb, kb, parity] for hb in range(n_halves)] for kb in range(NUM_WG)]
-        warpgroup.wait_group(0)
-        acc = accs[0]
-        per_half = cute.size(acc) // n_halves
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            hb = e // per_half
-            acc[e] = acc[e] * fac[0][hb] + accs[1][e] * fac[1][hb]
-        _stage(acc, ctx["tDQs"][0])
+        for p in cutlass.range_constexpr(dqp):
+            warpgroup.wait_group((dqp - 1 - p) * NUM_WG)  # piece p's products done
+            acc = accs[p][0]
+            per_half = cute.size(acc) // n_halves
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                hb = e // per_half
+                acc[e] = acc[e] * fac[0][hb] + accs[p][1][e] * fac[1][hb]
+            _stage(acc, ctx["tDQs"][p])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_DQ + wg, number_of_threads=128)
         piece = 64 * self.step_q
+        # the pieces lie side by side in sDQ and in the step's block of dq_acc: one bulk add
         self.add_dq(
-            ctx, ctx["sDQ"][None, 0, wg], mDQ, h, i0, (ctx["w"]["part"] * self.halves + wg) * piece,
-            piece,
-        )
+            ctx, ctx["sDQ"][None, None, wg], mDQ, h, i0,
+            (ctx["w"]["part"] * self.halves + wg * dqp) * piece, dqp * piece,
+        )  # fmt: skip
 
     @cute.jit
     def add_dq(self, ctx, src, mDQ, h, i0, offset, count) -> None:
@@ -1110,23 +1277,31 @@ class FlamiaBwdSm90:
         )
         dk_pairs = cute.recast_tensor(mDK, Int32)
         dv_pairs = cute.recast_tensor(mDV, Int32)
+        n_rows = cute.size(tKcK, mode=[0])
+        n_cols = cute.size(tKcK, mode=[1])
         for hf in cutlass.range_constexpr(self.halves):
-            dk_mn = layout_utils.reshape_acc_to_mn(ctx["acc_dk"][hf])
-            dv_mn = layout_utils.reshape_acc_to_mn(ctx["acc_dv"][hf])
-            for r in cutlass.range_constexpr(cute.size(dk_mn, mode=[0])):
+            dk_mn = None
+            dv_mn = None
+            if const_expr(self.do_ds):
+                dk_mn = layout_utils.reshape_acc_to_mn(ctx["acc_dk"][hf])
+            if const_expr(self.do_dv):
+                dv_mn = layout_utils.reshape_acc_to_mn(ctx["acc_dv"][hf])
+            for r in cutlass.range_constexpr(n_rows):
                 key = ctx["key"][r]
                 if key < ctx["seqlen"]:
                     tok = w["doc_start"] + key
                     vinv = ctx["vinv"][r]
-                    for c in cutlass.range_constexpr(0, cute.size(dk_mn, mode=[1]), 2):
+                    for c in cutlass.range_constexpr(0, n_cols, 2):
                         at = ((w["part"] * self.halves + hf) * 64 + tKcK[0, c][1]) // 2
-                        dk_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
-                            dk_mn[r, c] * softmax_scale, dk_mn[r, c + 1] * softmax_scale,
-                            mDK.element_type,
-                        )  # fmt: skip
-                        dv_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
-                            dv_mn[r, c] * vinv, dv_mn[r, c + 1] * vinv, mDV.element_type
-                        )
+                        if const_expr(self.do_ds):
+                            dk_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
+                                dk_mn[r, c] * softmax_scale, dk_mn[r, c + 1] * softmax_scale,
+                                mDK.element_type,
+                            )  # fmt: skip
+                        if const_expr(self.do_dv):
+                            dv_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
+                                dv_mn[r, c] * vinv, dv_mn[r, c + 1] * vinv, mDV.element_type
+                            )
 
 
 @cute.jit
@@ -1160,6 +1335,18 @@ def _cols_copy(atom, tma, head, box, smem, piece, vt_start):
 
 
 _COMPILED: dict[tuple, object] = {}
+#: d = 256 with E4M3 Q/K (BF16 dK/dV): "passes" (two kernels, ``mode="dkdq"`` then
+#: ``mode="dv"``, one CTA per key tile each) or "parts" (one kernel, two CTAs per key tile,
+#: each with half of dK/dV/dQ's columns)
+D256_FORM = "passes"
+
+
+def bwd_modes(d: int, wide: bool, bf16_kv: bool) -> tuple[str, ...]:
+    """The kernels ``attn_bwd_sm90`` launches, in order: ``("dkdq", "dv")`` at d = 256 with
+    E4M3 Q/K and BF16 dK/dV (``D256_FORM = "passes"``), else ``("parts",)``."""
+    if d == 256 and not wide and bf16_kv and D256_FORM == "passes":
+        return ("dkdq", "dv")
+    return ("parts",)
 
 
 @functools.cache
@@ -1253,18 +1440,24 @@ def attn_bwd_sm90(
         (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),
     )  # fmt: skip
     block_exponents = qkv.k_exp_block % HALF == 0  # Q/K share the block (1: per token)
-    key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, out_dtype,
-           wide, bf16_kv, block_exponents)  # fmt: skip
-    if key not in _COMPILED:
-        kernel = FlamiaBwdSm90(
-            d, heads_q, heads_kv, causal, dk_keys, num_stages, debug_p is not None, wide, bf16_kv,
-            block_exponents,
-        )
-        _COMPILED[key] = compile_kernel(
-            kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)
-        )
-    if total:
-        _COMPILED[key](*kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv)
+    for mode in bwd_modes(d, wide, bf16_kv):
+        # P̂ for debug_p: every kernel writes it (both passes rebuild the same bits; a GPU
+        # test runs each pass alone and compares)
+        debug = debug_p is not None
+        key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug, out_dtype, wide,
+               bf16_kv, block_exponents, mode)  # fmt: skip
+        if key not in _COMPILED:
+            kernel = FlamiaBwdSm90(
+                d, heads_q, heads_kv, causal, dk_keys, num_stages, debug, wide, bf16_kv,
+                block_exponents, mode=mode,
+            )
+            _COMPILED[key] = compile_kernel(
+                kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)
+            )
+        if total:
+            _COMPILED[key](
+                *kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv
+            )
     at = pack_constant(  # where dq_acc holds each token's dQ (the pack fixes it)
         workspace, ("dq_index", step, d),
         lambda: dq_fragment_index(operands.v_t_key(cols), step, d),

@@ -30,8 +30,9 @@ class BwdConfig:
     ``kernel="triton"``: the portable kernel (CPU interpreter), one program per ``block_n``
     keys. ``kernel="cute"`` (sm_90, d 64, 128 or 256, a layout whose column alignment is a
     multiple of 128; NVFP4 Q/K from ``quantize_qkv(..., widen=True)``): the CuTe DSL
-    kernel of ``cute_sm90.py``, one CTA per 128 keys, two at d = 256 each with half the
-    head dim of dK/dV/dQ (``cute_sm90.PARTS_FOR_D``; two warpgroups of ``block_n`` = 64
+    kernel of ``cute_sm90.py``, one CTA per 128 keys (at d = 256 two launches, a dK/dQ
+    pass and a dV pass, or with NVFP4 Q/K two CTAs each with half the head dim of
+    dK/dV/dQ: ``cute_sm90.bwd_modes``; two warpgroups of ``block_n`` = 64
     keys; query steps of two ``block_m`` blocks, one for NVFP4 Q/K at d = 128 and at
     d = 256, ``cute_sm90.STEP_FOR_D``), ``num_stages`` query steps in flight;
     ``num_warps``/``maxnreg`` are Triton's. ``head_dim_parts`` (Triton): programs that share
