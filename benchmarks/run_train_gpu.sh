@@ -8,7 +8,7 @@
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
-#                                                   # mixed-short, s19, dv-step
+#                                                   # mixed-short, s19, s19-bench, dv-step
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -293,16 +293,18 @@ if [[ $steps == *,dv-step,* ]]; then  # experiment: the d = 256 dV pass at 64-qu
     --shapes 8192x256,16384x256 dv64=scratch/s19/dv64.py
 fi
 if [[ $steps == *,s19,* ]]; then  # the d = 256 backward in two passes (dK/dQ, then dV):
-  # its GPU tests, the backward pass's kernels at P2, P2 beside every baseline, accuracy
+  # its GPU tests, the backward pass's kernels at P2, accuracy against float64
   run pytest_gpu_s19 300 python -m pytest -q -W ignore::DeprecationWarning \
     tests/kernels/test_gpu_cute_bwd.py
   RUN_TAIL="-n 20" run profile_bwd_pass_s19 120 python benchmarks/profile_bwd_pass.py \
     --workloads P2 --pass bwd
+  RUN_TAIL="-n 13" run bwd_numerics_d256_s19 150 python benchmarks/bwd_numerics.py --d 256 \
+    --accuracy-only --name bwd_numerics_d256_s19
+fi
+if [[ $steps == *,s19-bench,* ]]; then  # P2 beside every baseline, every pass
   RUN_TAIL="-n 30" run train_attention_s19 200 python benchmarks/train_attention.py \
     --quick --check --workloads P2 --passes fwd,fwd+bwd,bwd \
     --impls flamia-mxfp8,flamia-mixed_nvfp4,fa4,cudnn-sdpa,fa2-varlen --name train_attention_s19
-  RUN_TAIL="-n 13" run bwd_numerics_d256_s19 150 python benchmarks/bwd_numerics.py --d 256 \
-    --accuracy-only --name bwd_numerics_d256_s19
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192,
   # d = ${FLAMIA_PROFILE_D:-128})
