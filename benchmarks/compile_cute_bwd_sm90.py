@@ -113,7 +113,7 @@ def main() -> None:
                     Int32(1), keep=keep, name=name,
                 )  # fmt: skip
                 print(f"cute backward d={d} causal={causal} wide={wide} block={block} "
-                      f"stages={args.stages} step={module.step_queries(d, wide)} "
+                      f"stages={args.stages} step={kernel.step_q} "
                       f"mode={mode}: compiled")
                 del compiled
 

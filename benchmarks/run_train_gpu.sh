@@ -8,7 +8,8 @@
 #                                                   # quant-tune, quant-profile, items,
 #                                                   # q-producer, quant-prefetch, d256-bwd,
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
-#                                                   # mixed-short, s19, s19-bench, dv-step
+#                                                   # mixed-short, s19, s19-bench, dv-step,
+#                                                   # d128-passes, s19-w
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -287,10 +288,20 @@ if [[ $steps == *,mixed-short,* ]]; then  # the mixed recipe on packs of short d
     --impls flamia-mixed_nvfp4,flamia-mixed_nvfp4-cute,flamia-mixed_nvfp4-quant,flamia-mxfp8,fa4 \
     --name train_attention_mixed_short
 fi
-if [[ $steps == *,dv-step,* ]]; then  # experiment: the d = 256 dV pass at 64-query steps
-  # (STEP_DV_PASS = 64 in a copy, scratch/s19/dv64.py, carried) beside the current kernel
-  run bwd_variants_dv_step 300 python benchmarks/bwd_variants.py --timeout 280 \
-    --shapes 8192x256,16384x256 dv64=scratch/s19/dv64.py
+if [[ $steps == *,dv-step,* ]]; then  # the d = 256 dV pass at 64-query steps (now the
+  # default, STEP_DV_PASS): its GPU tests
+  run pytest_gpu_dv_step 240 python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_gpu_cute_bwd.py -k "256 or p_hat or passes"
+fi
+if [[ $steps == *,s19-w,* ]]; then  # W1–W9 and P3–P5 forward+backward beside FA4 and cuDNN
+  RUN_TAIL="-n 45" run train_attention_s19_w 420 python benchmarks/train_attention.py \
+    --quick --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd+bwd,bwd \
+    --impls flamia-mxfp8,fa4,cudnn-sdpa --name train_attention_s19_w
+fi
+if [[ $steps == *,d128-passes,* ]]; then  # experiment: d = 128 in the two passes too (a copy,
+  # scratch/s19/d128passes.py, carried) beside the current kernel
+  run bwd_variants_d128_passes 300 python benchmarks/bwd_variants.py --timeout 280 \
+    --shapes 8192x128,16384x128 d128passes=scratch/s19/d128passes.py
 fi
 if [[ $steps == *,s19,* ]]; then  # the d = 256 backward in two passes (dK/dQ, then dV):
   # its GPU tests, the backward pass's kernels at P2, accuracy against float64

@@ -101,18 +101,19 @@ def test_cute_bwd_rebuilds_the_same_p_hat_as_triton(recipe, d) -> None:
     assert torch.equal(bufs[0], bufs[1])
 
 
-@pytest.mark.parametrize("case", CASES[6:9])
-def test_cute_bwd_d256_passes_match_the_parts(case, monkeypatch) -> None:
-    """d = 256 with E4M3 Q/K runs a dK/dQ pass and a dV pass (one CTA per key tile each):
-    dK and dV bit for bit those of the two-CTA "parts" form, dQ up to the order of its
-    bulk adds."""
+@pytest.mark.parametrize("case", CASES[1:3] + CASES[4:9])
+def test_cute_bwd_passes_match_the_parts(case, monkeypatch) -> None:
+    """E4M3 Q/K in two kernels (a dK/dQ pass, then a dV pass, one CTA per key tile each; the
+    d = 256 default, at d = 128 an option): dK and dV bit for bit those of the one-kernel
+    "parts" form (d = 256: two CTAs per key tile), dQ up to the order of its bulk adds."""
     from flamia_serve.kernels.attn_bwd import cute_sm90
 
     lens, hq, hkv, d, causal, exact = case
-    assert cute_sm90.bwd_modes(d, False, True) == ("dkdq", "dv")
     ops = _operands(lens, hq, hkv, d, causal, exact)
+    monkeypatch.setattr(cute_sm90, "PASS_HEAD_DIMS", frozenset({d}))
+    assert cute_sm90.bwd_modes(d, False, True) == ("dkdq", "dv")
     passes = _bwd(ops, hq, d, causal, CUTE_BWD_CONFIG)
-    monkeypatch.setattr(cute_sm90, "D256_FORM", "parts")
+    monkeypatch.setattr(cute_sm90, "PASS_HEAD_DIMS", frozenset())
     assert cute_sm90.bwd_modes(d, False, True) == ("parts",)
     parts = _bwd(ops, hq, d, causal, CUTE_BWD_CONFIG)
     assert float(parts[1].float().abs().sum()) > 0 and float(parts[2].float().abs().sum()) > 0

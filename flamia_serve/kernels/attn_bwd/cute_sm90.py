@@ -41,7 +41,7 @@ keys (keys on the MMAs' M) and take every step:
   bitwise repeatable.
 
 d = 256 (one CTA's dK and dV accumulators would need 256 registers per thread) runs in one
-of two forms (``D256_FORM``, ``bwd_modes``). With E4M3 Q/K, two passes per key tile, one
+of two forms (``PASS_HEAD_DIMS``, ``bwd_modes``). With E4M3 Q/K, two passes per key tile, one
 CTA each (the default): the dK/dQ pass (``mode="dkdq"``: Sᵀ, dPᵀ, dS, dK and dQ over all
 256 columns) and then the dV pass (``mode="dv"``: Sᵀ, P̂, dV); both rebuild P̂ by the same
 code (``rebuild_p``), so they see the same bits. The mixed recipes' BF16 Q/K tiles do not
@@ -117,14 +117,16 @@ HALF = 32
 #: 275 / 302 TFLOP/s for one half at T = 8192 / 16384)
 STEP_FOR_D = {64: 64, 128: 64, 256: HALF}
 #: CTAs per 128-key tile by head dim in the "parts" form (d = 256: the mixed recipes, or
-#: ``D256_FORM = "parts"``), each with ``d / parts`` columns of dK/dV/dQ and the
+#: 256 left out of ``PASS_HEAD_DIMS``), each with ``d / parts`` columns of dK/dV/dQ and the
 #: whole head dim for Sᵀ and dPᵀ (so every dS code is the same in every part): at d = 256 one
 #: CTA's dK/dV accumulators would need 256 registers per thread; two parts keep d = 128's
 #: register shape (sm_90a compile: 8 B stack, 12 B spill stores at one-half steps and two
 #: stages, 174 KB of shared memory; 223 KB with the mixed recipes' BF16 Q/K)
 PARTS_FOR_D = {64: 1, 128: 1, 256: 2}
-#: queries per step of the d = 256 dV pass (``mode="dv"``; it stages no dÔ, dŜ or dQ)
-STEP_DV_PASS = HALF
+#: queries per step of the d = 256 dV pass (``mode="dv"``; it stages no dÔ, dŜ or dQ, so
+#: two halves fit): H200, ``results/bwd_variants_dv_step_2026-12-04.json``, the whole
+#: backward 6.80 → 6.55 ms at T = 8192, 25.05 → 24.86 at 16384 against one half
+STEP_DV_PASS = 64
 #: the mixed recipes' BF16 Q/K tiles at d = 128 take one half per step: two would need 250 KB
 #: of shared memory (a CTA can have 227 KB)
 STEP_WIDE_D128 = HALF
@@ -1335,16 +1337,16 @@ def _cols_copy(atom, tma, head, box, smem, piece, vt_start):
 
 
 _COMPILED: dict[tuple, object] = {}
-#: d = 256 with E4M3 Q/K (BF16 dK/dV): "passes" (two kernels, ``mode="dkdq"`` then
-#: ``mode="dv"``, one CTA per key tile each) or "parts" (one kernel, two CTAs per key tile,
-#: each with half of dK/dV/dQ's columns)
-D256_FORM = "passes"
+#: head dims whose E4M3-Q/K backward (BF16 dK/dV) runs as two kernels, ``mode="dkdq"`` then
+#: ``mode="dv"`` (one CTA per key tile each); the others run one kernel (``mode="parts"``;
+#: at d = 256 two CTAs per key tile, each with half of dK/dV/dQ's columns)
+PASS_HEAD_DIMS = frozenset({256})
 
 
 def bwd_modes(d: int, wide: bool, bf16_kv: bool) -> tuple[str, ...]:
-    """The kernels ``attn_bwd_sm90`` launches, in order: ``("dkdq", "dv")`` at d = 256 with
-    E4M3 Q/K and BF16 dK/dV (``D256_FORM = "passes"``), else ``("parts",)``."""
-    if d == 256 and not wide and bf16_kv and D256_FORM == "passes":
+    """The kernels ``attn_bwd_sm90`` launches, in order: ``("dkdq", "dv")`` for E4M3 Q/K and
+    BF16 dK/dV at a head dim in ``PASS_HEAD_DIMS``, else ``("parts",)``."""
+    if d in PASS_HEAD_DIMS and not wide and bf16_kv:
         return ("dkdq", "dv")
     return ("parts",)
 
