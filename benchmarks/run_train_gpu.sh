@@ -298,8 +298,12 @@ if [[ $steps == *,s19-w,* ]]; then  # W1–W9 and P3–P5 forward+backward besid
     --quick --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd+bwd,bwd \
     --impls flamia-mxfp8,fa4,cudnn-sdpa --name train_attention_s19_w
 fi
-if [[ $steps == *,d128-passes,* ]]; then  # experiment: d = 128 in the two passes too (a copy,
-  # scratch/s19/d128passes.py, carried) beside the current kernel
+if [[ $steps == *,d128-passes,* ]]; then  # experiment: d = 128 in the two passes too (a copy
+  # of cute_sm90.py with PASS_HEAD_DIMS = {128, 256}) beside the current kernel
+  mkdir -p scratch/s19
+  sed 's/^PASS_HEAD_DIMS = frozenset({256})/PASS_HEAD_DIMS = frozenset({128, 256})/' \
+    flamia_serve/kernels/attn_bwd/cute_sm90.py > scratch/s19/d128passes.py
+  grep -q '^PASS_HEAD_DIMS = frozenset({128, 256})' scratch/s19/d128passes.py || exit 1
   run bwd_variants_d128_passes 300 python benchmarks/bwd_variants.py --timeout 280 \
     --shapes 8192x128,16384x128 d128passes=scratch/s19/d128passes.py
 fi
