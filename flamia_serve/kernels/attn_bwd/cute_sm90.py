@@ -1442,6 +1442,7 @@ def attn_bwd_sm90(
         (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),
     )  # fmt: skip
     block_exponents = qkv.k_exp_block % HALF == 0  # Q/K share the block (1: per token)
+    tensors = kernel_tensors(aligned) if total else []
     for mode in bwd_modes(d, wide, bf16_kv):
         # P̂ for debug_p: every kernel writes it (both passes rebuild the same bits; a GPU
         # test runs each pass alone and compares)
@@ -1457,9 +1458,7 @@ def attn_bwd_sm90(
                 kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)
             )
         if total:
-            _COMPILED[key](
-                *kernel_tensors(aligned), qk_scale, softmax_scale, work.num_slots * heads_kv
-            )
+            _COMPILED[key](*tensors, qk_scale, softmax_scale, work.num_slots * heads_kv)
     at = pack_constant(  # where dq_acc holds each token's dQ (the pack fixes it)
         workspace, ("dq_index", step, d),
         lambda: dq_fragment_index(operands.v_t_key(cols), step, d),
