@@ -341,64 +341,34 @@ class FlamiaBwdSm90:
             (do_dv + do_ds) * self.kv_b_dtype.width // 8) * self.step_q * 64 * halves
         stages = self.num_stages
 
-        if const_expr(self.mode == "parts"):
+        def tile(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
 
-            @cute.struct
-            class Storage:
-                mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-                mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
-                sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
-                sDqFac: cute.struct.MemRange[Float32, 2 * NUM_WG * 2]
-                sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
-                sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
-                sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
-                sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
-                sQt: cute.struct.Align[
-                    cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
-                ]
-                sGt: cute.struct.Align[
-                    cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
-                ]
-                sDS: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(ds_layout)], 1024]
-                sDQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128]
-        elif const_expr(self.mode == "dkdq"):
-
-            @cute.struct
-            class Storage:
-                mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-                mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
-                sAmax: cute.struct.MemRange[Float32, cute.cosize(amax_layout)]
-                sDqFac: cute.struct.MemRange[Float32, 2 * NUM_WG * 2]
-                sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(rows_layout)], 1024]
-                sKt: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(cols_layout)], 1024]
-                sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
-                sDO: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(step_layout)], 1024]
-                sQt: cute.struct.Align[
-                    cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
-                ]
-                sDS: cute.struct.Align[cute.struct.MemRange[FP8, cute.cosize(ds_layout)], 1024]
-                sDQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128]
-
-        else:
-
-            @cute.struct
-            class Storage:
-                mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-                mbar_step: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                sStats: cute.struct.MemRange[Float32, cute.cosize(stats_layout)]
-                sK: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(k_rows_layout)], 1024]
-                sQ: cute.struct.Align[cute.struct.MemRange[qk, cute.cosize(q_step_layout)], 1024]
-                sGt: cute.struct.Align[
-                    cute.struct.MemRange[self.kv_b_dtype, cute.cosize(step_t_layout)], 1024
-                ]
-
+        # shared memory, in this order; a pass mode leaves out the buffers it does not touch
+        # (dV pass: V̂, K̂ᵀ, dÔ, the Q̂ B operand, dŜ, dQ, the amax exchange; dK/dQ pass: Ĝ)
+        fields = {
+            "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_step": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            "mbar_stats": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            "sStats": cute.struct.MemRange[Float32, cute.cosize(stats_layout)],
+            "sAmax": cute.struct.MemRange[Float32, cute.cosize(amax_layout)],
+            "sDqFac": cute.struct.MemRange[Float32, 2 * NUM_WG * 2],
+            "sK": tile(qk, k_rows_layout),
+            "sV": tile(FP8, rows_layout),
+            "sKt": tile(FP8, cols_layout),
+            "sQ": tile(qk, q_step_layout),
+            "sDO": tile(FP8, step_layout),
+            "sQt": tile(self.kv_b_dtype, step_t_layout),
+            "sGt": tile(self.kv_b_dtype, step_t_layout),
+            "sDS": tile(FP8, ds_layout),
+            "sDQ": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128],
+        }
+        ds_only = ("sAmax", "sDqFac", "sV", "sKt", "sDO", "sQt", "sDS", "sDQ")
+        left_out = (ds_only if not self.do_ds else ()) + (("sGt",) if not self.do_dv else ())
+        for name in left_out:
+            del fields[name]
+        self.smem_fields = frozenset(fields)
+        Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         self.smem_bytes = Storage.size_in_bytes()
 
         self.kernel(
@@ -474,13 +444,9 @@ class FlamiaBwdSm90:
         )  # fmt: skip
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         # (a pass mode's Storage lacks the other pass's buffers: None in their place)
-        present = dict(
-            sK=True, sV=self.do_ds, sKt=self.do_ds, sQ=True, sDO=self.do_ds, sQt=self.do_ds,
-            sGt=self.do_dv, sDS=self.do_ds,
-        )  # fmt: skip
         smem_tensors = [
             getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
-            if present[name] else None
+            if name in self.smem_fields else None
             for name, layout in (
                 ("sK", k_rows_layout), ("sV", rows_layout), ("sKt", cols_layout),
                 ("sQ", q_step_layout), ("sDO", step_layout), ("sQt", step_t_layout),
