@@ -45,7 +45,8 @@ KERNEL = Path(__file__).resolve().parents[1] / "flamia_serve/kernels/attn_bwd/cu
 # per half at d = 64) and two of dQ (``joint_dq``: once per CTA step at d = 128, per
 # warpgroup at d = 64), and each ablation changes both
 _BULK_ADD = '        if ctx["t"] == 0:\n            copy_utils.cpasync_reduce_bulk_add_f32(\n'
-_DV_BF16 = '            self.accumulate_kv(ctx, ctx["acc_dv"], frag_p, ctx["tVrG"], stage)\n'
+# (the one-kernel step's: inside its ``do_dv`` branch)
+_DV_BF16 = '                self.accumulate_kv(ctx, ctx["acc_dv"], frag_p, ctx["tVrG"], stage)\n'
 _DK_BF16 = '            self.accumulate_kv(ctx, ctx["acc_dk"], frag_ds, ctx["tKrQ"], stage)\n'
 _DV_FP8 = "            dv_order = [(hb, hf) for hb in range(n_halves) for hf in range(halves)]\n"
 _ORDER_FP8 = """\
