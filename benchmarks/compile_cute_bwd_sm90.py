@@ -114,7 +114,7 @@ def main() -> None:
                 )  # fmt: skip
                 print(f"cute backward d={d} causal={causal} wide={wide} block={block} "
                       f"stages={args.stages} step={kernel.step_q} "
-                      f"mode={mode}: compiled")
+                      f"mode={mode}: compiled, {kernel.smem_bytes} B of shared memory")
                 del compiled
 
 

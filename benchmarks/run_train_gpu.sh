@@ -298,14 +298,29 @@ if [[ $steps == *,s19-w,* ]]; then  # W1–W9 and P3–P5 forward+backward besid
     --quick --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd+bwd,bwd \
     --impls flamia-mxfp8,fa4,cudnn-sdpa --name train_attention_s19_w
 fi
-if [[ $steps == *,d128-passes,* ]]; then  # experiment: d = 128 in the two passes too (a copy
-  # of cute_sm90.py with PASS_HEAD_DIMS = {128, 256}) beside the current kernel
+if [[ $steps == *,d128-passes,* ]]; then  # experiment: d = 128 in the two passes too, three
+  # copies of cute_sm90.py beside the current kernel: PASS_HEAD_DIMS = {128, 256}; and its dV
+  # pass at 128-query steps at d = 128 (122 KB of shared memory); and its dK/dQ pass with 3
+  # stages at d = 128 (202 KB)
   mkdir -p scratch/s19
-  sed 's/^PASS_HEAD_DIMS = frozenset({256})/PASS_HEAD_DIMS = frozenset({128, 256})/' \
-    flamia_serve/kernels/attn_bwd/cute_sm90.py > scratch/s19/d128passes.py
-  grep -q '^PASS_HEAD_DIMS = frozenset({128, 256})' scratch/s19/d128passes.py || exit 1
-  run bwd_variants_d128_passes 300 python benchmarks/bwd_variants.py --timeout 280 \
-    --shapes 8192x128,16384x128 d128passes=scratch/s19/d128passes.py
+  python - <<'PY' || exit 1
+from pathlib import Path
+src = Path("flamia_serve/kernels/attn_bwd/cute_sm90.py").read_text()
+def edit(text, old, new):
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+passes = edit(src, "PASS_HEAD_DIMS = frozenset({256})", "PASS_HEAD_DIMS = frozenset({128, 256})")
+dv128 = edit(passes, 'self.step_q = STEP_DV_PASS if mode == "dv"',
+             'self.step_q = (128 if head_dim == 128 else STEP_DV_PASS) if mode == "dv"')
+s3 = edit(passes, "        debug = debug_p is not None\n",
+          "        debug = debug_p is not None\n"
+          "        num_stages = 3 if (mode == 'dkdq' and d == 128) else num_stages\n")
+for name, text in (("d128passes", passes), ("d128passes_dv128", dv128), ("d128passes_s3", s3)):
+    Path(f"scratch/s19/{name}.py").write_text(text)
+PY
+  run bwd_variants_d128_passes 420 python benchmarks/bwd_variants.py --timeout 400 \
+    --shapes 8192x128,16384x128 d128passes=scratch/s19/d128passes.py \
+    d128passes_dv128=scratch/s19/d128passes_dv128.py d128passes_s3=scratch/s19/d128passes_s3.py
 fi
 if [[ $steps == *,s19,* ]]; then  # the d = 256 backward in two passes (dK/dQ, then dV):
   # its GPU tests, the backward pass's kernels at P2, accuracy against float64
