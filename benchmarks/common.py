@@ -312,7 +312,7 @@ def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Pat
 
 def cuda_kernel_times(call: Callable[[], object], reps: int = 20) -> dict[str, float]:
     """Mean GPU microseconds per call of each CUDA kernel ``call`` launches (torch.profiler,
-    no CUDA graph; one call first, outside the profile), by kernel name (90 characters)."""
+    no CUDA graph; one call first, outside the profile), by kernel name (``per_launch``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -322,11 +322,31 @@ def cuda_kernel_times(call: Callable[[], object], reps: int = 20) -> dict[str, f
         for _ in range(reps):
             call()
         torch.cuda.synchronize()
+    launches = [
+        (event.time_range.start, event.name, event.device_time)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return per_launch([(name, us) for _, name, us in sorted(launches)], reps)
+
+
+def per_launch(launches: list[tuple[str, float]], reps: int) -> dict[str, float]:
+    """Mean microseconds per call by kernel name (its first 90 characters), from ``(name,
+    µs)`` in launch order over ``reps`` calls; a kernel launched n > 1 times per call (the
+    same name, e.g. the two passes of the d = 256 CuTe backward) is split by launch order
+    within the call: ``name #1`` .. ``name #n``."""
+    counts: dict[str, int] = {}
+    for name, _ in launches:
+        counts[name[:90]] = counts.get(name[:90], 0) + 1
+    seen: dict[str, int] = {}
     totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:90]
-            totals[name] = totals.get(name, 0.0) + event.device_time / reps
+    for name, us in launches:
+        name = name[:90]
+        per_call = counts[name] // reps if counts[name] % reps == 0 else 1
+        index = seen.get(name, 0)
+        seen[name] = index + 1
+        key = f"{name} #{index % per_call + 1}" if per_call > 1 else name
+        totals[key] = totals.get(key, 0.0) + us / reps
     return totals
 
 

@@ -70,3 +70,13 @@ def test_launch_settings_parse_or_fail_clearly() -> None:
             parse_settings(bad, "WARPSxPROGRAMS_PER_SM")
     with pytest.raises(ValueError, match="WARPSxSTAGESxPARTS"):
         parse_settings("8x2", "WARPSxSTAGESxPARTS")
+
+
+def test_per_launch_splits_a_kernel_launched_twice_per_call() -> None:
+    from benchmarks.common import per_launch
+
+    # two calls: quantize, pass B, pass A (the same name), read-back
+    launches = [("q", 1.0), ("bwd", 10.0), ("bwd", 4.0), ("rb", 2.0)] * 2
+    assert per_launch(launches, 2) == {"q": 1.0, "bwd #1": 10.0, "bwd #2": 4.0, "rb": 2.0}
+    # a name whose count does not divide by the calls is summed as one
+    assert per_launch([("a", 1.0), ("a", 3.0), ("a", 2.0)], 2) == {"a": 3.0}
