@@ -25,20 +25,26 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.common import cos64, write_results
-from flamia_serve.numerics import P_HAT_EXP
+from flamia_serve.numerics import P_HAT_EXP, RECIPES
 from flamia_serve.numerics.scales import Granularity, quantize_blocks_2d, quantize_fp8
 from flamia_serve.probes import make_pack
 
 LENS = (2048, 1024, 700, 300, 24)  # bwd_numerics.py's pack
 SOURCES = ("qk", "v", "p", "do", "ds", "o")
 EXACT_OPERANDS = ("exact_q_in_dk", "exact_k_in_dq")
+MXFP8 = RECIPES["mxfp8"]  # its token block and dS blocks
 
 
 def _fp8(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     """E4M3 with power-of-two exponents (token blocks of one document, or per token), as
     float64 values."""
     cu = torch.tensor([0, x.shape[0]], dtype=torch.int32)
-    return quantize_fp8(x.float(), cu, granularity).dequantize().double()
+    return quantize_fp8(x.float(), cu, granularity, MXFP8.token_block).dequantize().double()
+
+
+def _ds_blocks(ds: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """dS in E4M3 with one power-of-two exponent per ``block`` (N6), as float64 values."""
+    return quantize_blocks_2d(ds.float(), block).dequantize().double()
 
 
 def gradients(q, k, v, d_out, cu, on: set[str]) -> dict[str, torch.Tensor]:
@@ -68,8 +74,8 @@ def gradients(q, k, v, d_out, cu, on: set[str]) -> dict[str, torch.Tensor]:
             o = o.bfloat16().double()
         delta = (dod * o).sum(-1).t()[..., None]
         ds = p * (torch.einsum("ihd,jhd->hij", dod, vq) - delta)
-        ds_k = quantize_blocks_2d(ds.float(), (32, 32)).dequantize().double() if "ds" in on else ds
-        ds_q = quantize_blocks_2d(ds.float(), (32, 64)).dequantize().double() if "ds" in on else ds
+        ds_k = _ds_blocks(ds, MXFP8.ds_block) if "ds" in on else ds
+        ds_q = _ds_blocks(ds, MXFP8.dq_ds_block) if "ds" in on else ds
         k_dq = kx.repeat_interleave(group, 1) if "exact_k_in_dq" in on else kq
         q_dk = qx if "exact_q_in_dk" in on else qd
         out["dq"].append(torch.einsum("hij,jhd->ihd", ds_q, k_dq) * scale)

@@ -417,10 +417,9 @@ class FlamiaBwdSm90:
         mQexp, mQsexp, mKexp = exps
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            # (k, v, kt, q, do, qt, gt: a pass mode loads only its own)
-            used = (True, self.do_ds, self.do_ds, True, self.do_ds, self.do_ds, self.do_dv)
-            for a, u in zip(atoms, used, strict=True):
-                if const_expr(u):
+            # (the atoms fill sK, sV, sKt, sQ, sDO, sQt, sGt: a pass mode loads only its own)
+            for a, buf in zip(atoms, ("sK", "sV", "sKt", "sQ", "sDO", "sQt", "sGt"), strict=True):
+                if const_expr(buf in self.smem_fields):
                     cpasync.prefetch_descriptor(a)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(Storage)
@@ -1409,10 +1408,10 @@ def attn_bwd_sm90(
     )  # fmt: skip
     block_exponents = qkv.k_exp_block % HALF == 0  # Q/K share the block (1: per token)
     tensors = kernel_tensors(aligned) if total else []
+    # P̂ for debug_p: every kernel writes it (both passes rebuild the same bits; a GPU test
+    # runs each pass alone and compares)
+    debug = debug_p is not None
     for mode in bwd_modes(d, wide, bf16_kv):
-        # P̂ for debug_p: every kernel writes it (both passes rebuild the same bits; a GPU
-        # test runs each pass alone and compares)
-        debug = debug_p is not None
         key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug, out_dtype, wide,
                bf16_kv, block_exponents, mode)  # fmt: skip
         if key not in _COMPILED:
