@@ -312,9 +312,10 @@ def edit(text, old, new):
 passes = edit(src, "PASS_HEAD_DIMS = frozenset({256})", "PASS_HEAD_DIMS = frozenset({128, 256})")
 dv128 = edit(passes, 'self.step_q = STEP_DV_PASS if mode == "dv"',
              'self.step_q = (128 if head_dim == 128 else STEP_DV_PASS) if mode == "dv"')
-s3 = edit(passes, "        debug = debug_p is not None\n",
-          "        debug = debug_p is not None\n"
-          "        num_stages = 3 if (mode == 'dkdq' and d == 128) else num_stages\n")
+s3 = edit(passes, "    for mode in bwd_modes(d, wide, bf16_kv):\n",
+          "    base_stages = num_stages\n"
+          "    for mode in bwd_modes(d, wide, bf16_kv):\n"
+          "        num_stages = 3 if (mode == 'dkdq' and d == 128) else base_stages\n")
 for name, text in (("d128passes", passes), ("d128passes_dv128", dv128), ("d128passes_s3", s3)):
     Path(f"scratch/s19/{name}.py").write_text(text)
 PY
