@@ -118,11 +118,12 @@ def attention_backward(
         raise RuntimeError("flamia attention: the forward ran without gradients enabled")
     blocks, align, columns = call.backward_layout()
     rows = bwd_reads_rows(call.bwd_config, q.shape[2])  # Q codes and Ĝ as BF16 rows
+    grad_input = call.recipe.grad_qk == "input"  # dK/dQ read Q/K as BF16 rows
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=blocks, with_transposed=True, column_align=align, columns=columns,
         workspace=call.workspace, widen=call.bwd_config.kernel == "cute",
-        q_transposed=not rows, q_rows=rows,
+        q_transposed=not (rows or grad_input), q_rows=rows or grad_input, k_rows=grad_input,
     )  # fmt: skip
     qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe,
                       blocks=blocks, column_align=align, workspace=call.workspace,

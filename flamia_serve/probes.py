@@ -42,7 +42,7 @@ LEAKAGE_METHODS: tuple[tuple[str, str | None, bool], ...] = (
     ("mixed_nvfp4 exact_causal", "mixed_nvfp4", True),
     ("per-tensor fp8 (leaky)", None, False),
 )
-ACCURACY_RECIPES = ("mxfp8", "mixed_nvfp4", "mixed_nvfp4_hadamard")
+ACCURACY_RECIPES = ("mxfp8", "mxfp8_grad_input", "mixed_nvfp4", "mixed_nvfp4_hadamard")
 
 
 @dataclass(frozen=True)

@@ -329,3 +329,8 @@ def test_real_probe_accuracy(real_probe: tuple[str, dict]) -> None:
         assert got[("mxfp8", tensor)] >= 0.9975
     for tensor in ("O", "dQ", "dK", "dV"):
         assert got[("mixed_nvfp4", tensor)] >= 0.985
+    # the unquantized Q/K in dK/dQ: the same O and dV, closer dQ and dK (DESIGN N6)
+    for tensor in ("O", "dV"):
+        assert got[("mxfp8_grad_input", tensor)] == got[("mxfp8", tensor)]
+    for tensor in ("dQ", "dK"):
+        assert got[("mxfp8_grad_input", tensor)] > got[("mxfp8", tensor)] + 2e-4

@@ -171,6 +171,12 @@ def e4m3_value(x):
 
 
 @triton.jit
+def e4m3_signed_value(x):
+    """``e4m3_value`` for ``|x| <= 448`` of either sign (NaN stays NaN)."""
+    return tl.where(x < 0, -e4m3_value(-x), e4m3_value(x))
+
+
+@triton.jit
 def to_bf16(x, INTERPRET: tl.constexpr):
     """Round-to-nearest-even cast of float32 to BF16 (the interpreter's cast truncates, so
     there the rounding is done on the bits first)."""

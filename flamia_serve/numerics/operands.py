@@ -87,7 +87,9 @@ class QuantizedQKV:
 
     ``q8``/``k8``: E4M3 Q/K (token-block, or per-token with ``exact_causal``) — QKᵀ in the
     MXFP8 recipe and dQ/dK products in both; ``q4``/``k4``: NVFP4 Q/K (mixed recipe, after
-    the optional Hadamard rotation); ``v8``: E4M3 V per key.
+    the optional Hadamard rotation); ``v8``: E4M3 V per key. ``q_grad``/``k_grad``
+    (``Recipe(grad_qk="input")`` only): BF16 ``[T, H, d]``, the unquantized Q/K over their
+    E4M3 scales (``grad_operand``), which dK/dQ multiply instead of the codes.
     """
 
     q8: FP8Tensor
@@ -97,6 +99,8 @@ class QuantizedQKV:
     k4: NVFP4Tensor | None = None
     #: exact factor restoring the scores after an unnormalized Hadamard rotation (1/d)
     qk_rescale: float = 1.0
+    q_grad: torch.Tensor | None = None
+    k_grad: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -131,10 +135,12 @@ class KernelQKV:
     Written only when gradients are needed (``with_transposed``): ``q_t`` ``[Hq, d, t_pad]``
     and ``k_t`` ``[Hkv, d, t_pad]``, the same E4M3 codes as ``q_codes``/``k_codes`` in the
     column layout (the backward contracts dK = dSᵀ·Q̂ over queries and dQ = dS·K̂ over keys);
-    ``q_rows`` ``[t_pad, Hq, d]`` BF16 (``quantize_qkv(q_rows=True)``): the Q codes' values,
-    a row per column with each document's tokens in order (``v_t_key`` of the column) and
-    zeros in the padding (the CuTe backward's dK operand at the head dims where it multiplies
-    in BF16).
+    ``q_rows`` ``[t_pad, Hq, d]`` BF16 (``quantize_qkv(q_rows=True)``): dK's Q operand, a row
+    per column with each document's tokens in order (``v_t_key`` of the column) and zeros in
+    the padding: the Q codes' values (the CuTe backward's dK operand at the head dims where it
+    multiplies in BF16), or with ``grad_input`` Q's ``grad_operand``. ``k_rows`` ``[t_pad,
+    Hkv, d]`` (``quantize_qkv(k_rows=True)``): the same for K, dQ's operand. ``grad_input``:
+    the recipe's ``grad_qk`` is ``"input"`` (the rows hold the inputs' values).
 
     Written only when asked (``quantize_qkv(widen=True)``, NVFP4 Q/K): ``q_wide`` ``[T, Hq,
     d]`` / ``k_wide`` ``[T, Hkv, d]`` BF16, the NVFP4 values without their per-token power of
@@ -173,6 +179,8 @@ class KernelQKV:
     scores_only: bool = False
     q_input: torch.Tensor | None = None
     q_rows: torch.Tensor | None = None
+    k_rows: torch.Tensor | None = None
+    grad_input: bool = False
 
     @property
     def unwidened(self) -> bool:
@@ -239,11 +247,20 @@ class KernelQKV:
         def fp8(codes: torch.Tensor, exp: torch.Tensor) -> FP8Tensor:
             return FP8Tensor(codes, exp.to(torch.int8).contiguous())
 
+        q_grad = k_grad = None
+        if self.grad_input:
+            if self.q_rows is None or self.k_rows is None:
+                raise ValueError(
+                    "to_reference of a grad_qk='input' quantization reads q_rows and k_rows: "
+                    "quantize with q_rows=True and k_rows=True"
+                )
+            in_order = v_t_key(column)  # each token's row (rows keep the tokens in order)
+            q_grad, k_grad = self.q_rows[in_order], self.k_rows[in_order]
         return QuantizedQKV(
             fp8(self.q_codes, self.q_exp),
             fp8(self.k_codes, self.k_exp[:, column].t()),
             fp8(v_codes, self.v_exp[:, column].t()),
-            self.q4, self.k4, self.qk_rescale,
+            self.q4, self.k4, self.qk_rescale, q_grad, k_grad,
         )  # fmt: skip
 
 

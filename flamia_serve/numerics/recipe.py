@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 QKFormat = Literal["e4m3", "nvfp4"]
+GradQK = Literal["codes", "input"]
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,11 @@ class Recipe:
     * ``ds_block`` — (query, key) block of one dS exponent in dK = dSᵀ·Q̂ (N6, the paper's
       32×32); ``dq_ds_block`` — the same for dQ = dS·K̂, whose contraction runs over keys:
       on Hopper one exponent must span the backward kernel's whole key tile (64 keys).
+    * ``grad_qk`` — the Q and K that dK = dŜᵀ·Q and dQ = dŜ·K multiply (N6): ``"codes"``,
+      Q̂/K̂ (E4M3); ``"input"``, the unquantized inputs as ``Q·2^-eQ`` / ``K·2^-eK`` rounded to
+      BF16 (exact for BF16 inputs; ``numerics.grad_operand``) with Q̂/K̂'s E4M3 exponents,
+      so dŜ's codes and scales are those of ``"codes"``. The scores keep Q̂/K̂ either way:
+      the forward and P̂ do not change.
 
     V is always E4M3 per key (N3); P and dS are E4M3; dO is E4M3 with token-block scales.
     """
@@ -29,12 +35,19 @@ class Recipe:
     token_block: int = 32
     ds_block: tuple[int, int] = (32, 32)
     dq_ds_block: tuple[int, int] = (32, 64)
+    grad_qk: GradQK = "codes"
+
+    def __post_init__(self) -> None:
+        if self.grad_qk not in ("codes", "input"):
+            raise ValueError(f"Recipe.grad_qk must be 'codes' or 'input', got {self.grad_qk!r}")
 
 
 RECIPES: dict[str, Recipe] = {
     "mxfp8": Recipe("mxfp8"),
     "mixed_nvfp4": Recipe("mixed_nvfp4", qk_format="nvfp4"),
     "mixed_nvfp4_hadamard": Recipe("mixed_nvfp4_hadamard", qk_format="nvfp4", hadamard=True),
+    # mxfp8 whose gradient products multiply dŜ by the unquantized Q and K (N6)
+    "mxfp8_grad_input": Recipe("mxfp8_grad_input", grad_qk="input"),
 }
 
 

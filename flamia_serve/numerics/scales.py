@@ -137,6 +137,15 @@ def quantize_fp8(
     return FP8Tensor(codes, exponents)
 
 
+def grad_operand(x: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """BF16 ``x·2^-e`` ``[T, H, d]`` with ``exponents`` ``[T, H]`` (an ``FP8Tensor``'s): the
+    gradient products' Q/K operand of ``Recipe(grad_qk="input")`` (N6), in the units of the
+    codes, so dŜ keeps its E4M3 codes and scales. Exact for BF16 ``x`` (a power of two moves
+    no mantissa bit, and ``|x·2^-e| <= 448`` stays far inside BF16's range); FP16 ``x`` is
+    rounded to BF16's 8 significant bits (E4M3 keeps 4)."""
+    return (x.float() * exp2i(-exponents.int())[..., None]).to(torch.bfloat16)
+
+
 def quantize_nvfp4(x: torch.Tensor, *, second_level: bool = True) -> NVFP4Tensor:
     """NVFP4 per token (N7, N10): E2M1 codes, one E4M3 scale per 16 elements.
 

@@ -35,7 +35,9 @@ Backward (N5, N6; ``attention_backward``, twin of the backward kernels):
   ``recipe.dq_ds_block`` (32 queries × 64 keys): on Hopper an MMA needs its scale constant
   along the contraction (keys), so one exponent spans a whole 64-key tile (DESIGN N6).
   With per-token Q/K exponents (``exact_causal``) the folds are what make both products
-  MMA-shaped; Q̂/K̂ here are always the E4M3 codes (also in the mixed recipe).
+  MMA-shaped; Q̂/K̂ here are the E4M3 codes (also in the mixed recipe), or with
+  ``recipe.grad_qk == "input"`` the unquantized Q/K over the same exponents
+  (``QuantizedQKV.q_grad``/``k_grad``, BF16 ``Q·2^-eQ``): the same dŜ, a better operand.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from flamia_serve.numerics import (
     Recipe,
     document_slices,
     exp2i,
+    grad_operand,
     hadamard_transform,
     quantize_blocks_2d,
     quantize_fp8,
@@ -76,12 +79,17 @@ def quantize_qkv(
     q8 = quantize_fp8(q, cu_seqlens, qk_gran, recipe.token_block)
     k8 = quantize_fp8(k, cu_seqlens, qk_gran, recipe.token_block)
     v8 = quantize_fp8(v, cu_seqlens, Granularity.TOKEN)
+    grads = {}
+    if recipe.grad_qk == "input":
+        grads = dict(q_grad=grad_operand(q, q8.exponents), k_grad=grad_operand(k, k8.exponents))
     if recipe.qk_format == "e4m3":
-        return QuantizedQKV(q8, k8, v8)
+        return QuantizedQKV(q8, k8, v8, **grads)
     if not recipe.hadamard:
-        return QuantizedQKV(q8, k8, v8, quantize_nvfp4(q), quantize_nvfp4(k))
+        return QuantizedQKV(q8, k8, v8, quantize_nvfp4(q), quantize_nvfp4(k), **grads)
     qr, kr = hadamard_transform(q), hadamard_transform(k)
-    return QuantizedQKV(q8, k8, v8, quantize_nvfp4(qr), quantize_nvfp4(kr), 1.0 / q.shape[-1])
+    return QuantizedQKV(
+        q8, k8, v8, quantize_nvfp4(qr), quantize_nvfp4(kr), 1.0 / q.shape[-1], **grads
+    )
 
 
 def _qk_operands(
@@ -268,6 +276,19 @@ def backward_ds(
     return [ds for _sl, _probs, _v_inv, ds in docs]
 
 
+def _grad_operands(qkv: QuantizedQKV, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 Q and K operands of dK/dQ in the codes' units: the codes, or the inputs'
+    ``grad_operand`` (``recipe.grad_qk == "input"``)."""
+    if recipe.grad_qk == "codes":
+        return qkv.q8.codes.float(), qkv.k8.codes.float()
+    if qkv.q_grad is None or qkv.k_grad is None:
+        raise ValueError(
+            f"recipe {recipe.name} multiplies dS by the unquantized Q/K: qkv lacks q_grad/k_grad "
+            "(quantize with that recipe)"
+        )
+    return qkv.q_grad.float(), qkv.k_grad.float()
+
+
 def attention_backward(
     d_out: torch.Tensor,
     out: torch.Tensor,
@@ -291,7 +312,7 @@ def attention_backward(
     if qdo is None:
         qdo = quantize_do(d_out, out, m_rows, lse_rows, cu_seqlens, recipe)
     g_q = qdo.g8.dequantize()
-    q_codes, k_codes = qkv.q8.codes.float(), qkv.k8.codes.float()
+    q_ops, k_ops = _grad_operands(qkv, recipe)
     dq = torch.zeros(total, heads_q, d, dtype=torch.float32, device=d_out.device)
     dk_q = torch.zeros_like(dq)
     dv_q = torch.zeros_like(dq)
@@ -304,9 +325,9 @@ def attention_backward(
         ds_k = _fold_quantize(ds, eq, recipe.ds_block)
         ds_q = _fold_quantize(ds, ek, recipe.dq_ds_block)
         dq[sl] = softmax_scale * torch.einsum(
-            "hij,jhd->ihd", ds_q, _per_q_head(k_codes[sl], group)
+            "hij,jhd->ihd", ds_q, _per_q_head(k_ops[sl], group)
         )
-        dk_q[sl] = softmax_scale * torch.einsum("hij,ihd->jhd", ds_k, q_codes[sl])
+        dk_q[sl] = softmax_scale * torch.einsum("hij,ihd->jhd", ds_k, q_ops[sl])
     dk = dk_q.view(total, heads_kv, group, d).sum(2)
     dv = dv_q.view(total, heads_kv, group, d).sum(2)
     return dq, dk, dv

@@ -75,26 +75,32 @@ def quant_variants() -> None:
         "vt_ptr": FP8, "v_exp_ptr": I16, "kv_factor_ptr": F32, "q4_ptr": U8,
         "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
         "k4_exp_ptr": I8, "q_wide_ptr": BF16, "k_wide_ptr": BF16, "q_rows_ptr": BF16,
+        "k_rows_ptr": BF16,
     }  # fmt: skip
     # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels, only those, no Q,
-    # Q's codes as BF16 rows for the CuTe backward)
+    # the gradient operands as BF16 rows: Q's codes for the CuTe backward; Q and K's inputs
+    # for grad_qk="input")
     for d in (64, 128, 256):
-        for exact, nvfp4, had, wide, scores_only, skip_q, q_rows in (
-            (False, False, False, False, False, False, False),
-            (True, True, False, True, False, False, False),
-            (False, True, True, False, False, False, False),
-            (False, True, False, True, True, False, False),
-            (False, False, False, False, False, True, False),
-            (False, False, False, False, False, False, True),
-            (True, True, True, True, False, False, True),
+        for exact, nvfp4, had, wide, scores_only, skip_q, q_rows, grad_input in (
+            (False, False, False, False, False, False, False, False),
+            (True, True, False, True, False, False, False, False),
+            (False, True, True, False, False, False, False, False),
+            (False, True, False, True, True, False, False, False),
+            (False, False, False, False, False, True, False, False),
+            (False, False, False, False, False, False, True, False),
+            (True, True, True, True, False, False, True, False),
+            (False, False, False, False, False, False, True, True),
+            (True, False, False, False, False, False, True, True),
         ):  # fmt: skip
             consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
                           HADAMARD=had, LOG2_D=d.bit_length() - 1, WIDE=wide,
                           SCORES_ONLY=scores_only, SKIP_Q=skip_q, Q_ROWS=q_rows,
+                          K_ROWS=grad_input, GRAD_INPUT=grad_input,
                           INTERPRET=False)  # fmt: skip
             _compile(quantize_qkv_kernel, ptrs, consts, 4)
             print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide} "
-                  f"scores_only={scores_only} skip_q={skip_q} q_rows={q_rows}: ok")  # fmt: skip
+                  f"scores_only={scores_only} skip_q={skip_q} q_rows={q_rows} "
+                  f"grad_input={grad_input}: ok")  # fmt: skip
 
 
 def fwd_variants() -> None:
@@ -151,8 +157,9 @@ def do_quant_variants() -> None:
 
 def bwd_variants(verbose: bool = False) -> None:
     ptrs = {
-        "q8_ptr": FP8, "q_exp_ptr": I16, "qt_ptr": FP8, "k8_ptr": FP8, "k_exp_ptr": I16,
-        "kt_ptr": FP8, "q4_ptr": U8, "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8,
+        "q8_ptr": FP8, "q_exp_ptr": I16, "qt_ptr": FP8, "q_rows_ptr": BF16, "k8_ptr": FP8,
+        "k_exp_ptr": I16, "kt_ptr": FP8, "k_rows_ptr": BF16, "q4_ptr": U8, "q4_scale_ptr": FP8,
+        "q4_exp_ptr": I8, "k4_ptr": U8,
         "k4_scale_ptr": FP8, "k4_exp_ptr": I8, "vt_ptr": FP8, "v_exp_ptr": I16,
         "doc_v_t_ptr": I32, "do8_ptr": FP8, "do_exp_ptr": I16, "gt_ptr": FP8, "g_exp_ptr": I16,
         "delta_ptr": F32, "m_ptr": F32, "lse_ptr": F32, "cu_ptr": I32, "item_doc_ptr": I32,
@@ -160,15 +167,18 @@ def bwd_variants(verbose: bool = False) -> None:
         "dbg_ptr": F32,
     }  # fmt: skip
     for d, warps, parts in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 4, 2)):
-        for causal, nvfp4 in ((True, False), (False, False), (True, True)):
+        for causal, nvfp4, grad_input in (
+            (True, False, False), (False, False, False), (True, True, False), (True, False, True),
+            (False, True, True),
+        ):  # fmt: skip
             consts = dict(HQ=32, HKV=8, D=d, D_OUT=d // parts, BLOCK_M=32, BLOCK_N=64,
                           DK_KEYS=32, CAUSAL=causal,
-                          QK_NVFP4=nvfp4, DEBUG_P=False, WITH_DQ=True,
+                          QK_NVFP4=nvfp4, DEBUG_P=False, WITH_DQ=True, GRAD_INPUT=grad_input,
                           INTERPRET=False)  # fmt: skip
             k = _compile(attn_bwd_kernel, ptrs, consts, warps)
             extra = f" {resource_usage(k)}" if verbose else ""
             print(f"attn_bwd d={d} parts={parts} warps={warps} causal={causal} "
-                  f"nvfp4={nvfp4}: ok{extra}")
+                  f"nvfp4={nvfp4} grad_input={grad_input}: ok{extra}")
 
 
 _PTR = {torch.uint8: U8, torch.bfloat16: BF16, torch.int32: I32, torch.float8_e4m3fn: FP8}

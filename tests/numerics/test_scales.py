@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flamia_serve.numerics import (
     E4M3_MAX,
+    RECIPES,
     Granularity,
+    Recipe,
     exp2i,
+    grad_operand,
     quantize_blocks_2d,
     quantize_fp8,
     quantize_nvfp4,
@@ -142,3 +146,23 @@ def test_blocks_2d_hand_case_and_edges() -> None:
     assert int(qt.exponents[1, 1, 1]) == -18
     assert torch.allclose(qt.dequantize()[1, 39, 32], torch.tensor(0.001), rtol=2**-4)
     assert float(qt.dequantize()[0, 0, 0]) == 896.0
+
+
+def test_grad_operand_is_the_input_over_the_exponents() -> None:
+    """BF16 ``x·2^-e``: exact for BF16 input (times 2^e gives x back bit for bit), rounded to
+    nearest for FP16; the recipe field that asks for it is checked."""
+    x = _pack() * 37.0
+    q8 = quantize_fp8(x, CU)
+    g = grad_operand(x, q8.exponents)
+    assert g.dtype == torch.bfloat16 and g.shape == x.shape
+    assert torch.equal(g.float() * exp2i(q8.exponents.int())[..., None], x.float())
+    assert float(g.float().abs().max()) <= E4M3_MAX
+    # the codes are E4M3 of the same values: |code - g| within half an E4M3 step
+    assert float((q8.codes.float() - g.float()).abs().max()) <= 16.0
+    h = (torch.randn(108, 3, 64) * 300).to(torch.float16)
+    e = quantize_fp8(h, CU).exponents
+    expect = (h.float() * exp2i(-e.int())[..., None]).to(torch.bfloat16)
+    assert torch.equal(grad_operand(h, e), expect)
+    assert RECIPES["mxfp8_grad_input"].grad_qk == "input" and RECIPES["mxfp8"].grad_qk == "codes"
+    with pytest.raises(ValueError, match="grad_qk"):
+        Recipe("bad", grad_qk="bf16")

@@ -118,11 +118,13 @@ def default_bwd_config(
     qk_nvfp4: bool = False,
     kernel: str | None = None,
     mean_doc_len: float | None = None,
+    grad_input: bool = False,
 ) -> BwdConfig:
     """The CuTe kernel where it runs (``cute_bwd_runs`` on an sm_90 GPU with the ``cute``
     extra), whichever kernel ran the forward (the backward quantizes into its own layout,
     ``BwdConfig.column_align``), unless documents are under ``CUTE_BWD_MIN_MEAN_DOCUMENT``
-    tokens on average (when ``mean_doc_len`` is given); else the Triton kernel:
+    tokens on average (when ``mean_doc_len`` is given) or the recipe's ``grad_qk`` is
+    ``"input"`` (``grad_input``: the CuTe kernel multiplies dQ by K̂); else the Triton kernel:
     one warpgroup; at d=256 two programs per key tile, each with 128 columns of dK/dV/dQ
     (H200, P2's shape: 63.5 ms against 69.3 for 8 warps unsplit,
     ``results/tune_bwd_d256_2026-12-04.json``; the CuTe kernel 8.9 ms). H200, T=8192
@@ -135,7 +137,8 @@ def default_bwd_config(
     if device.type != "cuda":
         return BwdConfig(num_warps=4, num_stages=1)
     short = mean_doc_len is not None and mean_doc_len < CUTE_BWD_MIN_MEAN_DOCUMENT
-    if kernel is None and not short and cute_bwd_runs(head_dim) and _cute_available(device):
+    cute = kernel is None and not short and not grad_input and cute_bwd_runs(head_dim)
+    if cute and _cute_available(device):
         return CUTE_BWD_CONFIG
     return BwdConfig(num_warps=4, head_dim_parts=1 if head_dim <= 128 else 2)
 
@@ -154,6 +157,11 @@ def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
         )
     if cfg.kernel not in ("triton", "cute"):
         raise ValueError(f"backward config.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
+    if cfg.kernel == "cute" and recipe.grad_qk == "input":
+        raise ValueError(
+            f"backward config.kernel='cute' multiplies dQ by the E4M3 K̂; recipe {recipe.name} "
+            "(grad_qk='input') runs on kernel='triton'"
+        )
     if cfg.kernel == "cute" and (cfg.block_m, cfg.block_n) != (32, 64):
         raise ValueError(
             f"backward config.kernel='cute' takes (block_m, block_n) = (32, 64), got "
@@ -229,7 +237,18 @@ def attn_bwd(
     pack's (``VarlenPlan.workspace``), for the dQ accumulator and layout copies.
     """
     rec = resolve_recipe(recipe)
-    if qkv.k_t is None:
+    if qkv.grad_input != (rec.grad_qk == "input"):
+        raise ValueError(
+            f"recipe {rec.name} has grad_qk={rec.grad_qk!r}, qkv was quantized for "
+            f"grad_qk={'input' if qkv.grad_input else 'codes'}: quantize with the recipe the "
+            "backward runs"
+        )
+    if qkv.grad_input and (qkv.q_rows is None or qkv.k_rows is None):
+        raise ValueError(
+            f"recipe {rec.name} multiplies dS by the unquantized Q/K: quantize with "
+            "with_transposed=True, q_rows=True and k_rows=True"
+        )
+    if qkv.k_t is None and not qkv.grad_input:
         raise ValueError("qkv lacks k_t: quantize with with_transposed=True for the backward")
     if qdo.column_align != qkv.column_align or qdo.g_exp.shape[-1] != qkv.v_t.shape[-1]:
         raise ValueError(
@@ -240,7 +259,7 @@ def attn_bwd(
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     nvfp4 = qkv.q4 is not None and qkv.k4 is not None
-    cfg = config or default_bwd_config(d, dev, qk_nvfp4=nvfp4)
+    cfg = config or default_bwd_config(d, dev, qk_nvfp4=nvfp4, grad_input=qkv.grad_input)
     check_bwd_config(cfg, rec)
     refusal = None
     if cfg.kernel == "cute":
@@ -268,7 +287,7 @@ def attn_bwd(
         if debug_p is not None:
             round_debug_p_(debug_p)
         return dq, dk, dv
-    if qkv.q_t is None or qdo.g_t is None:
+    if (qkv.q_t is None and not qkv.grad_input) or qdo.g_t is None:
         raise ValueError(
             "the Triton backward reads qkv.q_t and qdo.g_t: quantize with q_transposed=True "
             "and quantize_do(..., g_columns=True) (the defaults)"
@@ -286,9 +305,15 @@ def attn_bwd(
             "each part needs at least 32"
         )
     grid = (work.num_slots * heads_kv * cfg.head_dim_parts,)
+    # the operands a call does not read get placeholders of their dtypes
+    q_t = qkv.q_t if qkv.q_t is not None else qkv.q_codes
+    k_t = qkv.k_t if qkv.k_t is not None else qkv.k_codes
+    q_rows = qkv.q_rows if qkv.grad_input else dq_acc.view(torch.bfloat16)
+    k_rows = qkv.k_rows if qkv.grad_input else q_rows
     _LAUNCH(
         grid,
-        qkv.q_codes, qkv.q_exp, qkv.q_t, qkv.k_codes, qkv.k_exp, qkv.k_t, *q4_args, *k4_args,
+        qkv.q_codes, qkv.q_exp, q_t, q_rows, qkv.k_codes, qkv.k_exp, k_t, k_rows, *q4_args,
+        *k4_args,
         qkv.v_t, qkv.v_exp, qkv.doc_v_t_start,
         qdo.do_codes, qdo.do_exp, qdo.g_t, qdo.g_exp, qdo.delta,
         m_rows.contiguous(), lse_rows.contiguous(),
@@ -298,7 +323,8 @@ def attn_bwd(
         HQ=heads_q, HKV=heads_kv, D=d, D_OUT=d // cfg.head_dim_parts, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         DK_KEYS=rec.ds_block[1], CAUSAL=bool(causal), QK_NVFP4=nvfp4,
-        DEBUG_P=debug_p is not None, WITH_DQ=with_dq, INTERPRET=interpreted(),
+        DEBUG_P=debug_p is not None, WITH_DQ=with_dq, GRAD_INPUT=qkv.grad_input,
+        INTERPRET=interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip

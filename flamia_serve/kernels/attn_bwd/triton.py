@@ -18,6 +18,10 @@ the GQA group. Per step, with keys as rows:
   the tile's keys has one scale), computed transposed and added to an FP32 buffer with
   atomics.
 
+``GRAD_INPUT`` (``Recipe(grad_qk="input")``): dK and dQ multiply the same dŜ codes by the
+inputs' BF16 ``Q·2^-eQ`` / ``K·2^-eK`` (``KernelQKV.q_rows`` / ``k_rows``) instead of Q̂/K̂,
+BF16 products with FP32 sums.
+
 ``D_OUT`` < ``D`` splits the head dim of the outputs over adjacent programs: each
 program rebuilds Sᵀ and dPᵀ over the whole head dim (their contractions) and accumulates
 dK, dV and dQ for its ``D_OUT`` columns only, so its accumulators fit in registers at
@@ -41,6 +45,7 @@ import triton.language as tl
 from flamia_serve.kernels._common import (
     E4M3_EXP,
     E4M3_MANT,
+    e4m3_signed_value,
     e4m3_value,
     exp2i,
     pow2_exponent_ceil,
@@ -72,6 +77,23 @@ def _column_tile(
 
 
 @triton.jit
+def _row_tile(
+    rows_ptr, h, rows, ok, d0, H: tl.constexpr, D: tl.constexpr, DW: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``[len(rows), DW]`` BF16 (float32 under the interpreter, whose BF16 dot is broken):
+    rows ``rows`` of head ``h`` of a rows-by-column array ``[t_pad, H, D]``
+    (``KernelQKV.q_rows``/``k_rows``), head-dim columns ``d0 .. d0 + DW``; rows not ``ok``
+    read as 0 (past the document: another document's row, or the array's end)."""
+    cols = d0 + tl.arange(0, DW)
+    ptrs = rows_ptr + (rows.to(tl.int64) * H + h)[:, None] * D + cols[None, :]
+    tile = tl.load(ptrs, mask=ok[:, None], other=0.0)
+    if INTERPRET:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
 def _key_tile(
     t_ptr, h, col0, t_pad, ok, d0, D: tl.constexpr, DW: tl.constexpr, WIDTH: tl.constexpr
 ):
@@ -95,13 +117,14 @@ def _block_exponents(amax_rows, BLOCK_N: tl.constexpr, KEYS: tl.constexpr):
 def _bwd_steps(
     dk_acc, dv_acc, lo, hi, k_tile, v_tile, kt_tile, kfac, k8fac, ev_add, v_inv, v_fac, kj,
     h, doc_start, length, v_t_start, d0,
-    q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
+    q8_ptr, q_exp_ptr, qt_ptr, q_rows_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
     do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
     qk_scale, softmax_scale, t_pad, n_tok,
     HQ: tl.constexpr, D: tl.constexpr, D_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DK_KEYS: tl.constexpr, DIAGONAL: tl.constexpr, QK_NVFP4: tl.constexpr,
-    DEBUG_P: tl.constexpr, WITH_DQ: tl.constexpr, INTERPRET: tl.constexpr,
+    DEBUG_P: tl.constexpr, WITH_DQ: tl.constexpr, GRAD_INPUT: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Query steps ``[lo, hi)`` of head ``h`` against one key tile (module docstring),
     output head-dim columns ``d0 .. d0 + D_OUT``. ``DIAGONAL``: compare positions (causal
@@ -132,7 +155,10 @@ def _bwd_steps(
         e_do = tl.load(do_exp_ptr + h * n_tok + doc_start + i0).to(tl.int32)
         e_g = tl.load(g_exp_ptr + h * t_pad + v_t_start + i0).to(tl.int32)
         d_o = tl.load(do8_ptr + flat[:, None] * D + cols[None, :], mask=q_ok[:, None], other=0.0)
-        q_t = _column_tile(qt_ptr, h, v_t_start + i0, t_pad, q_ok, d0, D, D_OUT, BLOCK_M)
+        if GRAD_INPUT:  # Q·2^-eQ in BF16, rows in the step's order
+            q_t = _row_tile(q_rows_ptr, h, v_t_start + qi, q_ok, d0, HQ, D, D_OUT, INTERPRET)
+        else:
+            q_t = _column_tile(qt_ptr, h, v_t_start + i0, t_pad, q_ok, d0, D, D_OUT, BLOCK_M)
         g_t = _column_tile(gt_ptr, h, v_t_start + i0, t_pad, q_ok, d0, D, D_OUT, BLOCK_M)
 
         s = tl.dot(k_tile, tl.trans(q))
@@ -152,23 +178,40 @@ def _bwd_steps(
         # dK: dS ∘ 2^eQ, one exponent per DK_KEYS keys x the step
         dsk = ds * exp2i(eq8)[None, :]
         ek = _block_exponents(tl.max(tl.abs(dsk), axis=1), BLOCK_N, DK_KEYS)
-        dsk8 = to_e4m3(dsk * exp2i(-ek)[:, None], INTERPRET)
+        dsk8 = _ds_operand(dsk * exp2i(-ek)[:, None], GRAD_INPUT, INTERPRET)
         dk_acc += tl.dot(dsk8, q_t) * exp2i(ek)[:, None]
         if WITH_DQ:  # dQ: dS ∘ 2^eK, one exponent for the step x the tile
             _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, d0, D, D_OUT,
-                           INTERPRET)  # fmt: skip
+                           GRAD_INPUT, INTERPRET)  # fmt: skip
     return dk_acc, dv_acc
 
 
 @triton.jit
+def _ds_operand(x, GRAD_INPUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """dŜ = E4M3(x) (``|x| <= 448``, round to nearest even) as the MMA operand beside Q/K:
+    the E4M3 codes, or for a product with the inputs' BF16 rows (``GRAD_INPUT``) their values
+    in BF16 (exact; built from the float, not by widening the codes: ``e4m3_value``; float32
+    under the interpreter, as ``_row_tile``)."""
+    if GRAD_INPUT:
+        ds = e4m3_signed_value(x)
+        if not INTERPRET:
+            ds = ds.to(tl.bfloat16)
+    else:
+        ds = to_e4m3(x, INTERPRET)
+    return ds
+
+
+@triton.jit
 def _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, d0, D: tl.constexpr,
-                   D_OUT: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                   D_OUT: tl.constexpr, GRAD_INPUT: tl.constexpr,
+                   INTERPRET: tl.constexpr):  # fmt: skip
     """dQ += (E4M3(dS ∘ 2^eK)·K̂)·2^e of one step, one exponent per step x tile, FP32 atomics
-    (head-dim columns ``d0 .. d0 + D_OUT``: ``kt_tile`` holds those rows of K̂ᵀ)."""
+    (head-dim columns ``d0 .. d0 + D_OUT``: ``kt_tile`` holds those rows of K̂ᵀ, E4M3 codes or
+    BF16 ``K·2^-eK`` with ``GRAD_INPUT``)."""
     cols = d0 + tl.arange(0, D_OUT)
     dsq = ds * k8fac[:, None]
     eb = pow2_exponent_ceil(tl.max(tl.max(tl.abs(dsq), axis=1), axis=0), E4M3_EXP, E4M3_MANT)
-    dsq8 = to_e4m3(dsq * exp2i(-eb), INTERPRET)
+    dsq8 = _ds_operand(dsq * exp2i(-eb), GRAD_INPUT, INTERPRET)
     # dQᵀ = K̂ᵀ·dŜᵀ: keys on the MMA's K, the head dim on its M (a 32-row step is too short
     # for a warpgroup MMA's M of 64)
     dq_t = tl.dot(kt_tile, dsq8) * (exp2i(eb) * softmax_scale)
@@ -180,10 +223,12 @@ def _accumulate_dq(ds, k8fac, kt_tile, dq_ptr, flat, q_ok, softmax_scale, d0, D:
 def attn_bwd_kernel(
     q8_ptr,  # [T, HQ, D] e4m3
     q_exp_ptr,  # [HQ, T] int16 (head-major)
-    qt_ptr,  # [HQ, D, t_pad] e4m3, column layout
+    qt_ptr,  # [HQ, D, t_pad] e4m3, column layout (unless GRAD_INPUT)
+    q_rows_ptr,  # [t_pad, HQ, D] bf16: Q·2^-eQ, rows by column (GRAD_INPUT)
     k8_ptr,  # [T, HKV, D] e4m3
     k_exp_ptr,  # [HKV, t_pad] int16, column layout
-    kt_ptr,  # [HKV, D, t_pad] e4m3, column layout
+    kt_ptr,  # [HKV, D, t_pad] e4m3, column layout (unless GRAD_INPUT)
+    k_rows_ptr,  # [t_pad, HKV, D] bf16: K·2^-eK, rows by column (GRAD_INPUT)
     q4_ptr,  # [T, HQ, D/2] uint8 (QK_NVFP4)
     q4_scale_ptr,  # [T, HQ, D/16] e4m3
     q4_exp_ptr,  # [HQ, T] int8
@@ -223,6 +268,7 @@ def attn_bwd_kernel(
     QK_NVFP4: tl.constexpr,
     DEBUG_P: tl.constexpr,
     WITH_DQ: tl.constexpr,
+    GRAD_INPUT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Program ``(item * HKV + kv_head) * (D // D_OUT) + head-dim part`` (a tile's parts
@@ -262,7 +308,11 @@ def attn_bwd_kernel(
     v_fac = tl.where(key_ok, exp2i(ev), 0.0)
     # loaded once per program: masked, so a tile past its document reads zeros
     v_tile = _key_tile(vt_ptr, hk, v_t_start + key0, t_pad, key_ok, 0, D, D, BLOCK_N)
-    kt_tile = _key_tile(kt_ptr, hk, v_t_start + key0, t_pad, key_ok, d0, D, D_OUT, BLOCK_N)
+    if GRAD_INPUT:  # K·2^-eK in BF16, rows in the tile's order
+        kt_tile = _row_tile(k_rows_ptr, hk, v_t_start + kj, key_ok, d0, HKV, D, D_OUT,
+                            INTERPRET)  # fmt: skip
+    else:
+        kt_tile = _key_tile(kt_ptr, hk, v_t_start + key0, t_pad, key_ok, d0, D, D_OUT, BLOCK_N)
     kt_tile = tl.trans(kt_tile)  # [D_OUT, BN]
     dk_acc = tl.zeros([BLOCK_N, D_OUT], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, D_OUT], tl.float32)
@@ -273,22 +323,22 @@ def attn_bwd_kernel(
             dk_acc, dv_acc = _bwd_steps(
                 dk_acc, dv_acc, key0, lo, k_tile, v_tile, kt_tile, kfac, k8fac, ev_add,
                 v_inv, v_fac, kj, h, doc_start, length, v_t_start, d0,
-                q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
+                q8_ptr, q_exp_ptr, qt_ptr, q_rows_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
                 do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
                 qk_scale, softmax_scale, t_pad, n_tokens,
                 HQ, D, D_OUT, BLOCK_M, BLOCK_N, DK_KEYS, True, QK_NVFP4, DEBUG_P, WITH_DQ,
-                INTERPRET,
+                GRAD_INPUT, INTERPRET,
             )  # fmt: skip
         else:
             lo = 0
         dk_acc, dv_acc = _bwd_steps(
             dk_acc, dv_acc, lo, length, k_tile, v_tile, kt_tile, kfac, k8fac, ev_add,
             v_inv, v_fac, kj, h, doc_start, length, v_t_start, d0,
-            q8_ptr, q_exp_ptr, qt_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
+            q8_ptr, q_exp_ptr, qt_ptr, q_rows_ptr, q4_ptr, q4_scale_ptr, q4_exp_ptr,
             do8_ptr, do_exp_ptr, gt_ptr, g_exp_ptr, delta_ptr, m_ptr, lse_ptr, dq_ptr, dbg_ptr,
             qk_scale, softmax_scale, t_pad, n_tokens,
             HQ, D, D_OUT, BLOCK_M, BLOCK_N, DK_KEYS, False, QK_NVFP4, DEBUG_P, WITH_DQ,
-            INTERPRET,
+            GRAD_INPUT, INTERPRET,
         )  # fmt: skip
     cols = d0 + tl.arange(0, D_OUT)
     out_at = ((doc_start + kj).to(tl.int64) * HKV + hk)[:, None] * D + cols[None, :]

@@ -120,6 +120,7 @@ def quantize_qkv(
     defer_q: bool = False,
     q_transposed: bool = True,
     q_rows: bool = False,
+    k_rows: bool = False,
 ) -> KernelQKV:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
 
@@ -147,7 +148,9 @@ def quantize_qkv(
     codes and exponents are left unwritten). With ``with_transposed``, Q's codes for the
     backward's dK = dSᵀ·Q̂: ``q_t`` (the column copy, unless ``q_transposed=False``) and/or
     ``q_rows`` (``q_rows=True``: BF16 rows by column, written by the kernel; the CuTe
-    backward's operand where it multiplies dK in BF16, ``KernelQKV.q_rows``).
+    backward's operand where it multiplies dK in BF16, ``KernelQKV.q_rows``). ``k_rows``: the
+    same for K (dQ's operand). With ``recipe.grad_qk == "input"`` the rows hold the inputs'
+    ``grad_operand`` instead of the codes' values (``KernelQKV.grad_input``).
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -167,8 +170,8 @@ def quantize_qkv(
             f"with_transposed or scores_only (got recipe {rec.name}, with_transposed="
             f"{with_transposed}, scores_only={scores_only})"
         )
-    if q_rows and not with_transposed:
-        raise ValueError("q_rows is a backward operand: it needs with_transposed=True")
+    if (q_rows or k_rows) and not with_transposed:
+        raise ValueError("q_rows/k_rows are backward operands: they need with_transposed=True")
     total, heads_q, d = q.shape
     heads_kv = k.shape[1]
     dev = q.device
@@ -196,6 +199,8 @@ def quantize_qkv(
     q_wide = buf.empty("q_wide", (total, heads_q, d), bf16) if widen else None
     k_wide = buf.empty("k_wide", (total, heads_kv, d), bf16) if widen else None
     q_values = buf.zeros("q_rows", (t_pad, heads_q, d), bf16) if q_rows else None
+    k_values = buf.zeros("k_rows", (t_pad, heads_kv, d), bf16) if k_rows else None
+    grad_input = rec.grad_qk == "input"
     if total > 0:
         heads = (0 if defer_q else heads_q) + 2 * heads_kv
         grid = (_num_programs(dev, blocks.num_slots * heads, programs_per_sm),)
@@ -204,13 +209,14 @@ def quantize_qkv(
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q if q_wide is None else q_wide, k if k_wide is None else k_wide,
-            q if q_values is None else q_values,
+            q if q_values is None else q_values, k if k_values is None else k_values,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             t_pad, total, blocks.num_slots,
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, WIDE=widen, SCORES_ONLY=bool(scores_only),
-            SKIP_Q=bool(defer_q), Q_ROWS=q_rows, INTERPRET=interpreted(),
+            SKIP_Q=bool(defer_q), Q_ROWS=q_rows, K_ROWS=k_rows, GRAD_INPUT=grad_input,
+            INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
@@ -226,7 +232,7 @@ def quantize_qkv(
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
         q_t, k_t, column_align, columns, q_wide, k_wide, bool(scores_only),
-        q if defer_q else None, q_values,
+        q if defer_q else None, q_values, k_values, grad_input,
     )  # fmt: skip
 
 

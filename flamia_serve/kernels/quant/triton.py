@@ -31,17 +31,22 @@ def _quantize_qk_head(
     out_wide, n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     PER_TOKEN: tl.constexpr, QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr, WIDE: tl.constexpr, SCORES_ONLY: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    GRAD_INPUT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``)
     and NVFP4 when asked (``WIDE``: also its values without the per-token power of two, BF16,
     at ``out_wide``; ``SCORES_ONLY``: only those and the second level); returns the exponents
-    of the score operand (int32 per row: E4M3's, or NVFP4's second level) and the E4M3
-    codes."""
+    of the score operand (int32 per row: E4M3's, or NVFP4's second level) and the gradient
+    products' operand in BF16: the E4M3 codes' values, or with ``GRAD_INPUT`` the input over
+    the E4M3 exponents (``numerics.grad_operand``)."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     codes, e = fp8_rows(x, PER_TOKEN, INTERPRET)
+    if GRAD_INPUT:
+        grad = to_bf16(x * exp2i(-e)[:, None], INTERPRET)
+    else:
+        grad = codes.to(tl.float32).to(tl.bfloat16)
     row_off = tok * N_HEADS + h
     if not SCORES_ONLY:
         tl.store(out8 + row_off[:, None] * D + cols[None, :], codes, mask=row_ok[:, None])
@@ -62,7 +67,7 @@ def _quantize_qk_head(
             wide = to_bf16(values, INTERPRET)
             tl.store(out_wide + row_off[:, None] * D + cols[None, :], wide, mask=row_ok[:, None])
         e = e4
-    return e, codes
+    return e, grad
 
 
 @triton.jit
@@ -113,7 +118,8 @@ def quantize_qkv_kernel(
     k4_exp_ptr,  # [HKV, T] int8
     q_wide_ptr,  # [T, HQ, D] bf16 (WIDE): NVFP4 Q values without the per-token power of two
     k_wide_ptr,  # [T, HKV, D] bf16 (WIDE)
-    q_rows_ptr,  # [t_pad, HQ, D] bf16 (Q_ROWS): Q's E4M3 codes by column, tokens in order
+    q_rows_ptr,  # [t_pad, HQ, D] bf16 (Q_ROWS): Q's gradient operand by column, tokens in order
+    k_rows_ptr,  # [t_pad, HKV, D] bf16 (K_ROWS): K's
     stride_qt,
     stride_qh,
     stride_kt,
@@ -135,13 +141,17 @@ def quantize_qkv_kernel(
     SCORES_ONLY: tl.constexpr,
     SKIP_Q: tl.constexpr,
     Q_ROWS: tl.constexpr,
+    K_ROWS: tl.constexpr,
+    GRAD_INPUT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
     item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
-    ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it). ``Q_ROWS``: Q's
-    codes also as BF16 (exact), one row per column of the layout with each document's tokens
-    in order (``v_t_key`` of the column), the padding left as it is (zero).
+    ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it). ``Q_ROWS`` /
+    ``K_ROWS``: the gradient products' Q / K operand in BF16 (the E4M3 codes' values, exact,
+    or with ``GRAD_INPUT`` the inputs over their E4M3 exponents), one row per column of the
+    layout with each document's tokens in order (``v_t_key`` of the column), the padding left
+    as it is (zero).
 
     Not software-pipelined (``num_stages=1``): staging the next items' tiles through shared
     memory measured 2-3x slower on the H200 than many resident programs each streaming its
@@ -158,26 +168,30 @@ def quantize_qkv_kernel(
             block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
         )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
-        _e, codes = _quantize_qk_head(
+        _e, grad = _quantize_qk_head(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
             q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
-            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY, INTERPRET,
+            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
+            GRAD_INPUT, INTERPRET,
         )  # fmt: skip
         if Q_ROWS:
             q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
-            q_values = codes.to(tl.float32).to(q_rows_ptr.dtype.element_ty)
-            tl.store(q_at, q_values, mask=row_ok[:, None])
+            tl.store(q_at, grad, mask=row_ok[:, None])
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         start, length, col0 = _slot_entry(
             block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
         )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
-        e, _codes = _quantize_qk_head(
+        e, grad = _quantize_qk_head(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
-            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY, INTERPRET,
+            HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
+            GRAD_INPUT, INTERPRET,
         )  # fmt: skip
+        if K_ROWS:
+            k_at = k_rows_ptr + (v_t_key(col) * HKV + h)[:, None] * D + cols[None, :]
+            tl.store(k_at, grad, mask=row_ok[:, None])
         # the score operand's K factor (E4M3: a token block's exponent; NVFP4: per token)
         factor_at = kv_factor_ptr + h * 3 * t_pad + col
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
