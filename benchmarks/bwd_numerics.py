@@ -55,7 +55,7 @@ def _grads(fn, q, k, v, d_out) -> list[torch.Tensor]:
 
 def accuracy(q, k, v, cu, ms, d_out, exact) -> list[dict]:
     rows = []
-    for recipe in ("mxfp8", "mixed_nvfp4", "mixed_nvfp4_hadamard"):
+    for recipe in ("mxfp8", "mxfp8_grad_input", "mixed_nvfp4", "mixed_nvfp4_hadamard"):
         got = _grads(lambda *a, r=recipe: flamia_attn_varlen(*a, cu, ms, recipe=r), q, k, v, d_out)
         for name, g, e in zip(("O", "dQ", "dK", "dV"), got, exact, strict=True):
             row = {"recipe": recipe, "tensor": name, "cos": cos64(g, e), "rel_err": rel64(g, e)}

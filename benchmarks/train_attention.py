@@ -10,6 +10,9 @@ Impls (each dropped with a printed reason when its package is missing):
 * ``flamia-mxfp8-no-windows`` the default without short-document windows (``FwdConfig.windows``)
 * ``flamia-mxfp8-separate-q`` the default with Q quantized by the quantization launch
                           (``FwdConfig.quantize_q=False``) instead of inside the CuTe forward
+* ``flamia-mxfp8_grad_input`` the ``mxfp8_grad_input`` recipe (dK/dQ multiply the
+                          unquantized Q/K: DESIGN N6), the library's default kernels (its
+                          backward runs on Triton: the CuTe one multiplies dQ by K̂)
 * ``flamia-mixed_nvfp4``  mixed NVFP4 Q/K recipe, the library's default kernels (CuTe on
                           sm_90 when installed: BF16 scores from the widened NVFP4 values)
 * ``flamia-mixed_nvfp4-triton`` the same on the portable Triton kernels (forward and backward)
@@ -396,6 +399,7 @@ IMPLS: dict[str, tuple[str, Callable[[], Builder], bool]] = {
     # the backward kernel forced (the forward the library's choice)
     "flamia-mxfp8-cute-bwd": ("fwd", _flamia_loader("mxfp8", bwd_kernel="cute"), False),
     "flamia-mxfp8-triton-bwd": ("fwd", _flamia_loader("mxfp8", bwd_kernel="triton"), False),
+    "flamia-mxfp8_grad_input": ("fwd", _flamia_loader("mxfp8_grad_input"), False),
     "flamia-mixed_nvfp4": ("fwd", _flamia_loader("mixed_nvfp4"), False),
     "flamia-mixed_nvfp4-triton": ("fwd", _flamia_loader("mixed_nvfp4", kernel="triton"), False),
     "flamia-mixed_nvfp4-cute": ("fwd", _flamia_loader("mixed_nvfp4", kernel="cute"), False),
