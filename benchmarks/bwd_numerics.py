@@ -54,13 +54,28 @@ def _grads(fn, q, k, v, d_out) -> list[torch.Tensor]:
 
 
 def accuracy(q, k, v, cu, ms, d_out, exact) -> list[dict]:
+    """Per recipe (the library's default kernels), and ``mxfp8_grad_input`` also on the CuTe
+    backward (``backward: "cute"``) where it runs."""
+    from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG
+    from flamia_serve.kernels.attn_fwd.ops import cute_available
+
+    runs = [(r, None) for r in ("mxfp8", "mxfp8_grad_input", "mixed_nvfp4",
+                                "mixed_nvfp4_hadamard")]  # fmt: skip
+    if cute_available(q.device):
+        runs.insert(2, ("mxfp8_grad_input", CUTE_BWD_CONFIG))
     rows = []
-    for recipe in ("mxfp8", "mxfp8_grad_input", "mixed_nvfp4", "mixed_nvfp4_hadamard"):
-        got = _grads(lambda *a, r=recipe: flamia_attn_varlen(*a, cu, ms, recipe=r), q, k, v, d_out)
+    for recipe, bcfg in runs:
+        got = _grads(
+            lambda *a, r=recipe, b=bcfg: flamia_attn_varlen(*a, cu, ms, recipe=r, bwd_config=b),
+            q, k, v, d_out,
+        )  # fmt: skip
+        label = recipe + (" (CuTe backward)" if bcfg is not None else "")
         for name, g, e in zip(("O", "dQ", "dK", "dV"), got, exact, strict=True):
             row = {"recipe": recipe, "tensor": name, "cos": cos64(g, e), "rel_err": rel64(g, e)}
+            if bcfg is not None:
+                row["backward"] = "cute"
             rows.append(row)
-            print(f"  {recipe:22s} {name}: cos {rows[-1]['cos']:.6f} rel {rows[-1]['rel_err']:.4f}")
+            print(f"  {label:38s} {name}: cos {row['cos']:.6f} rel {row['rel_err']:.4f}")
     return rows
 
 

@@ -29,14 +29,21 @@ from flamia_serve.kernels.attn_bwd import cute_sm90
 from flamia_serve.kernels.attn_bwd.ops import CUTE_BF16_KV_HEAD_DIMS
 
 
-def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = False) -> list:
+def _fake_args(
+    total: int, heads_q: int, heads_kv: int, d: int, wide: bool = False, grad_input: bool = False
+) -> list:
     """(fake CUDA tensor, byte alignment) pairs with the launcher's shapes, dtypes, strides
-    and alignments (``wide``: NVFP4 Q/K widened to BF16 for Sᵀ)."""
+    and alignments (``wide``: NVFP4 Q/K widened to BF16 for Sᵀ; ``grad_input``: Q/K rows of
+    ``grad_qk="input"``, a BF16 dQ product)."""
     t_pad = total + 128 + 64
-    step = cute_sm90.step_queries(d, wide)
+    step = cute_sm90.step_queries(d, wide, grad_input)
     u8, i16, i32 = torch.uint8, torch.int16, torch.int32
     qk = torch.bfloat16 if wide else u8
-    if d in CUTE_BF16_KV_HEAD_DIMS:  # dK's / dV's B: Q codes and Ĝ·2^eG, BF16 rows by column
+    if grad_input:  # dQ's A: K·2^-eK, BF16 rows by column
+        k_a = (torch.empty(t_pad, heads_kv, d, dtype=torch.bfloat16), 16)
+    else:  # k_t: E4M3 codes in the column layout
+        k_a = (torch.empty(heads_kv, d, t_pad, dtype=u8).permute(1, 2, 0), 16)
+    if d in CUTE_BF16_KV_HEAD_DIMS or grad_input:  # dK's / dV's B: BF16 rows by column
         q_b = g_b = (torch.empty(t_pad, heads_q, d, dtype=torch.bfloat16), 16)
     else:  # q_t / g_t: E4M3 codes in the column layout
         q_b = g_b = (torch.empty(heads_q, d, t_pad, dtype=u8).permute(1, 2, 0), 16)
@@ -46,7 +53,7 @@ def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = Fal
         (torch.empty(total, heads_kv, d, dtype=u8), 16),  # V codes
         (torch.empty(total, heads_q, d, dtype=u8), 16),  # dO codes
         q_b,
-        (torch.empty(heads_kv, d, t_pad, dtype=u8).permute(1, 2, 0), 16),  # k_t
+        k_a,
         g_b,
         (torch.empty(heads_q, total, dtype=i16), 4),  # Q exponents
         (torch.empty(heads_q, total, dtype=torch.int8 if wide else i16), 4),  # scores' Q exp
@@ -78,6 +85,8 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=0, help="queries per step (0: STEP_FOR_D)")
     parser.add_argument("--mode", default="", help="only this FlamiaBwdSm90 mode (with --d): "
                         "parts, dkdq or dv")
+    parser.add_argument("--grad-input", action="store_true",
+                        help="with --d: the grad_qk='input' form (BF16 dQ product)")
     args = parser.parse_args()
     keep, module = args.keep, cute_sm90
     if args.variant:
@@ -86,34 +95,42 @@ def main() -> None:
         spec.loader.exec_module(module)
     if args.step:
         module.STEP_FOR_D[args.d] = args.step
+    # (d, causal, wide, block exponents, grad_input)
     cases = (
-        (128, True, False, True), (64, True, False, True), (128, False, False, True),
-        (128, True, False, False), (128, True, True, True), (64, False, True, True),
-        (256, True, False, True), (256, False, False, False), (256, True, True, True),
+        (128, True, False, True, False), (64, True, False, True, False),
+        (128, False, False, True, False), (128, True, False, False, False),
+        (128, True, True, True, False), (64, False, True, True, False),
+        (256, True, False, True, False), (256, False, False, False, False),
+        (256, True, True, True, False), (64, True, False, True, True),
+        (128, True, False, True, True), (128, False, False, False, True),
+        (256, True, False, True, True),
     )  # fmt: skip
     if args.d:
-        cases = ((args.d, True, False, True),)
+        cases = ((args.d, True, False, True, args.grad_input),)
     with FakeTensorMode():
         torch.set_default_device("cuda")
         # the default config (block exponents) at d = 128 / 64, causal or not, and with
         # per-token exponents (exact_causal); then the mixed recipes' (BF16 Sᵀ)
-        for d, causal, wide, block in cases:
-            bf16_kv = d in CUTE_BF16_KV_HEAD_DIMS
+        for d, causal, wide, block, grad_input in cases:
+            bf16_kv = d in CUTE_BF16_KV_HEAD_DIMS or grad_input
             # the kernels the launcher runs for this config (d = 256: two passes), or --mode
-            modes = (args.mode,) if args.mode else module.bwd_modes(d, wide, bf16_kv)
+            modes = (
+                (args.mode,) if args.mode else module.bwd_modes(d, wide, bf16_kv, grad_input)
+            )
             for mode in modes:
                 kernel = module.FlamiaBwdSm90(
                     d, 8, 2, causal, 32, args.stages, False, wide, bf16_kv=bf16_kv,
-                    block_exponents=block, mode=mode,
+                    block_exponents=block, mode=mode, bf16_dq=grad_input,
                 )  # fmt: skip
                 tag = ("_wide" if wide else "") + ("" if block else "_exact") + f"_{mode}"
+                tag += "_grad_input" if grad_input else ""
                 name = f"bwd_d{d}_causal{int(causal)}{tag}_s{args.stages}.cubin"
                 compiled = compile_and_keep(
-                    kernel, _fake_args(1024, 8, 2, d, wide), Float32(0.1), Float32(0.1),
-                    Int32(1), keep=keep, name=name,
+                    kernel, _fake_args(1024, 8, 2, d, wide, grad_input), Float32(0.1),
+                    Float32(0.1), Int32(1), keep=keep, name=name,
                 )  # fmt: skip
                 print(f"cute backward d={d} causal={causal} wide={wide} block={block} "
-                      f"stages={args.stages} step={kernel.step_q} "
+                      f"grad_input={grad_input} stages={args.stages} step={kernel.step_q} "
                       f"mode={mode}: compiled, {kernel.smem_bytes} B of shared memory")
                 del compiled
 

@@ -20,7 +20,12 @@ import torch
 
 from flamia_serve import flamia_attn_varlen, plan_varlen
 from flamia_serve.attention import debug_p_hat
-from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd, default_bwd_config
+from flamia_serve.kernels.attn_bwd.ops import (
+    BwdConfig,
+    attn_bwd,
+    bwd_reads_rows,
+    default_bwd_config,
+)
 from flamia_serve.kernels.attn_fwd.ops import attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import build_key_work_list
@@ -232,8 +237,9 @@ def test_quantize_qkv_grad_input_rows(dtype, exact, device) -> None:
 
 
 def test_grad_input_backward_errors(device) -> None:
-    """The backward refuses operands quantized for the other ``grad_qk``, a grad_qk="input"
-    quantization without its rows, and the CuTe kernel for that recipe."""
+    """The backward refuses operands quantized for the other ``grad_qk`` and a
+    grad_qk="input" quantization without its rows; the CuTe kernel takes the recipe on its
+    own layout only, reading Q as BF16 rows at every head dim."""
     q, k, v, cu, _ms = make_pack((40, 9), 2, 1, 64, seed=2, device=device)
     rows = quantize_qkv(q, k, v, cu, recipe="mxfp8_grad_input", with_transposed=True,
                         q_rows=True, k_rows=True)  # fmt: skip
@@ -245,12 +251,13 @@ def test_grad_input_backward_errors(device) -> None:
         attn_bwd(rows, qdo, m, lse, cu, recipe="mxfp8", **call)
     with pytest.raises(ValueError, match="q_rows=True and k_rows=True"):
         attn_bwd(no_rows, qdo, m, lse, cu, recipe="mxfp8_grad_input", **call)
-    with pytest.raises(ValueError, match="runs on kernel='triton'"):
+    with pytest.raises(ValueError, match="multiple of 128"):  # the CuTe kernel's layout
         attn_bwd(rows, qdo, m, lse, cu, recipe="mxfp8_grad_input",
                  config=BwdConfig(kernel="cute"), **call)  # fmt: skip
-    with pytest.raises(ValueError, match="grad_qk='input'"):
-        flamia_attn_varlen(q.requires_grad_(), k, v, cu, 40, recipe="mxfp8_grad_input",
-                           bwd_config=BwdConfig(kernel="cute"))  # fmt: skip
+    # the CuTe backward reads Q (and Ĝ) as BF16 rows for this recipe at every head dim
+    cute = BwdConfig(kernel="cute")
+    assert bwd_reads_rows(cute, 64, grad_input=True) and not bwd_reads_rows(cute, 64)
+    assert not bwd_reads_rows(BwdConfig(), 128, grad_input=True)
     dq, dk, _dv = attn_bwd(rows, qdo, m, lse, cu, recipe="mxfp8_grad_input", **call)
     assert bool(dq.abs().sum() > 0) and bool(dk.abs().sum() > 0)
 

@@ -47,8 +47,9 @@ CASES = [
 def _operands(lens, hq, hkv, d, causal, exact, seed=5, recipe="mxfp8"):
     q, k, v, cu, _ = make_pack(lens, hq, hkv, d, seed=seed, device="cuda")
     d_out = make_pack(lens, hq, hkv, d, seed=seed + 1, device="cuda")[0]
+    rows = RECIPES[recipe].grad_qk == "input"  # (both kernels read Q/K rows then)
     qkv = quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact, with_transposed=True,
-                       column_align=128, widen=True)  # fmt: skip
+                       column_align=128, widen=True, q_rows=rows, k_rows=rows)  # fmt: skip
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
     qdo = quantize_do(d_out, out, m, lse, cu, recipe=recipe, column_align=128)
     return qkv, qdo, m, lse, cu, d_out, out
@@ -64,15 +65,19 @@ MIXED = [
     (*CASES[0], "mixed_nvfp4"), (*CASES[2], "mixed_nvfp4_hadamard"), (*CASES[3], "mixed_nvfp4"),
     (*CASES[4], "mixed_nvfp4_hadamard"), (*CASES[6], "mixed_nvfp4"),
 ]
+# grad_qk="input": BF16 dQ from K's rows, 32-query steps at d = 128, parts at d = 256
+# (compiled for sm_90a on the CPU, 2026-12-04; not yet run on a GPU)
+GRAD_INPUT = [(*CASES[i], "mxfp8_grad_input") for i in (0, 1, 2, 4, 5, 6, 7)]
 
 
 @pytest.mark.parametrize(
     ("lens", "hq", "hkv", "d", "causal", "exact", "recipe"),
-    [(*c, "mxfp8") for c in CASES] + MIXED,
+    [(*c, "mxfp8") for c in CASES] + MIXED + GRAD_INPUT,
 )
 def test_cute_bwd_matches_reference(lens, hq, hkv, d, causal, exact, recipe) -> None:
     """Against the reference backward and the Triton kernel on the same codes; mixed
-    recipes rebuild Sᵀ from the widened NVFP4 values (BF16 ``wgmma``)."""
+    recipes rebuild Sᵀ from the widened NVFP4 values (BF16 ``wgmma``); ``mxfp8_grad_input``
+    multiplies dŜ by Q/K's BF16 rows (dQ as a BF16 ``wgmma``)."""
     ops = _operands(lens, hq, hkv, d, causal, exact, recipe=recipe)
     qkv, qdo, m, lse, cu, d_out, out = ops
     got = _bwd(ops, hq, d, causal, CUTE_BWD_CONFIG, recipe=recipe)

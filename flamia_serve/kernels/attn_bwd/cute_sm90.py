@@ -60,6 +60,16 @@ of the NVFP4 values widened exactly (``KernelQKV.q_wide``/``k_wide``) with the s
 exponents as factors; dK and dQ contract the E4M3 codes as in ``mxfp8`` (their K exponent
 ``kdq`` then comes from ``k_exp``).
 
+``grad_qk="input"`` (``mxfp8_grad_input``; the kernel's ``bf16_dq``): dK's B rows
+(``q_rows``) hold Q's input over its exponents (BF16 dK at every head dim then), and dQᵀ =
+Kᵀ·dŜᵀ is a BF16 ``wgmma`` of K·2^-eK's rows (``KernelQKV.k_rows``, keys in order, read
+MN-major) and dŜ's E4M3 values staged as BF16 (keys x queries, two queries a word, read
+MN-major), with the same dŜ codes and factors. Its tiles take 32 KB more shared memory than
+the E4M3 ones at d = 128: 32-query steps there (two would need 233,472 B), and the one-kernel
+"parts" form at d = 256. Compiled for sm_90a on a CPU (2026-12-04: 168 registers; 0 / 8 /
+16 B of stack at d = 64 / 128 / 256); not yet run on a GPU, so ``ops.default_bwd_config``
+keeps the Triton kernel for the recipe until ``test_gpu_cute_bwd.py`` has passed.
+
 Validity: rows past the document are masked by selects (the token-major tiles may hold the
 next document's codes, which a select, unlike a zero weight, keeps out even when they are
 NaN); the column-layout tiles and the BF16 rows by column hold zeros there (the layout's
@@ -132,10 +142,13 @@ STEP_DV_PASS = 64
 STEP_WIDE_D128 = HALF
 
 
-def step_queries(head_dim: int, qk_wide: bool) -> int:
-    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles at d = 128, else ``STEP_FOR_D``
-    (one half at d = 256: two would not fit shared memory with two stages)."""
-    return STEP_WIDE_D128 if qk_wide and head_dim == 128 else STEP_FOR_D[head_dim]
+def step_queries(head_dim: int, qk_wide: bool, bf16_dq: bool = False) -> int:
+    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles or a BF16 dQ product at
+    d = 128, else ``STEP_FOR_D`` (one half at d = 256: two would not fit shared memory with
+    two stages)."""
+    if (qk_wide or bf16_dq) and head_dim == 128:
+        return STEP_WIDE_D128
+    return STEP_FOR_D[head_dim]
 
 
 #: keys per consumer warpgroup, warpgroups per CTA
@@ -167,6 +180,7 @@ class FlamiaBwdSm90:
         bf16_kv: bool = False,
         block_exponents: bool = False,
         mode: str = "parts",
+        bf16_dq: bool = False,
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe backward supports 64, 128 and 256")
@@ -183,6 +197,8 @@ class FlamiaBwdSm90:
                 raise ValueError(f"mode {mode!r} needs E4M3 Q/K and BF16 dK/dV (bf16_kv)")
             if head_dim // 64 < NUM_WG:
                 raise ValueError(f"mode {mode!r}: head_dim {head_dim} has too few pieces")
+        if bf16_dq and (not bf16_kv or mode != "parts"):
+            raise ValueError("bf16_dq (grad_qk='input') needs bf16_kv and mode 'parts'")
         parts = PARTS_FOR_D[head_dim] if mode == "parts" else 1
         if dk_keys not in (16, 32, 64):
             raise ValueError(f"dk_keys {dk_keys}: the CuTe backward supports 16, 32 and 64")
@@ -201,7 +217,7 @@ class FlamiaBwdSm90:
         self.qk_wide = qk_wide
         self.qk_dtype = cutlass.BFloat16 if qk_wide else FP8
         self.num_threads = 128 * (NUM_WG + 1)
-        self.step_q = STEP_DV_PASS if mode == "dv" else step_queries(head_dim, qk_wide)
+        self.step_q = STEP_DV_PASS if mode == "dv" else step_queries(head_dim, qk_wide, bf16_dq)
         # dK/dV's B operands (Q̂ and Ĝ): BF16 rows by column read MN-major (products in BF16,
         # accumulated in FP32 across steps), or E4M3 column-layout tiles (FP8 products per
         # half, promoted); box = one 64-column piece of a step
@@ -212,6 +228,16 @@ class FlamiaBwdSm90:
         self.dq_pieces = self.halves // NUM_WG if self.joint_dq else self.halves
         self.ds_bufs = 2 if self.joint_dq else 1  # dŜ tiles double-buffered by step parity
         self.kv_b_dtype = BF16 if self.bf16_kv else FP8
+        # dQᵀ = Kᵀ·dŜᵀ: FP8 of K̂ᵀ's column-layout tiles and dŜ's codes (keys in the column
+        # layout's order), or (``bf16_dq``, recipes with grad_qk="input") BF16 of the rows of
+        # K·2^-eK (``KernelQKV.k_rows``, keys in order) and dŜ's values, both read MN-major
+        self.bf16_dq = bf16_dq
+        self.dq_dtype = BF16 if bf16_dq else FP8
+        # dŜ's tile in 32-bit words: (queries, keys / 4) of codes or (keys, queries / 2) of
+        # BF16 values
+        self.ds_words_shape = (
+            (WG_KEYS, self.step_q // 2) if bf16_dq else (self.step_q, WG_KEYS // 4)
+        )
         self.kv_b_box = (self.step_q, 64) if self.bf16_kv else (64, self.step_q)
         # lanes staging the halves' exponent factors: dÔ's, and (E4M3 B operands) Ĝ's
         self.exp_lanes = 2 if self.bf16_kv else 4
@@ -232,7 +258,8 @@ class FlamiaBwdSm90:
         mDO: cute.Tensor,  # (T, Hq, d) e4m3
         mQt: cute.Tensor,  # dK's B: (t_pad, Hq, d) bf16 Q codes by column (bf16_kv), else
         #                    (d, t_pad, Hq) e4m3 in the column layout
-        mKt: cute.Tensor,  # (d, t_pad, Hkv) e4m3, column layout
+        mKt: cute.Tensor,  # dQ's A: (d, t_pad, Hkv) e4m3, column layout, or (bf16_dq) (t_pad,
+        #                    Hkv, d) bf16 K·2^-eK by column
         mGt: cute.Tensor,  # dV's B: (t_pad, Hq, d) bf16 Ĝ·2^eG by column (bf16_kv), else
         #                    (d, t_pad, Hq) e4m3 Ĝ codes in the column layout
         mQexp: cute.Tensor,  # (Hq, T) int16
@@ -263,14 +290,18 @@ class FlamiaBwdSm90:
         mK, mV = (layout_utils.select(t, [0, 2, 1]) for t in (mK, mV))
         if const_expr(self.bf16_kv):
             mQt, mGt = (layout_utils.select(t, [0, 2, 1]) for t in (mQt, mGt))  # (t_pad, d, H)
+        if const_expr(self.bf16_dq):
+            mKt = layout_utils.select(mKt, [0, 2, 1])  # (t_pad, d, Hkv)
         halves = self.halves
         qk = self.qk_dtype
         rows_layout = sm90_utils.make_smem_layout(FP8, LayoutEnum.ROW_MAJOR, (WG_KEYS, d), NUM_WG)
         k_rows_layout = sm90_utils.make_smem_layout(qk, LayoutEnum.ROW_MAJOR, (WG_KEYS, d), NUM_WG)
-        # column-layout tiles in 64-row pieces of the head dimension: (warpgroup or stage,
-        # piece) -> index wg·halves + piece
-        cols_layout = sm90_utils.make_smem_layout(
-            FP8, LayoutEnum.ROW_MAJOR, (64, WG_KEYS), NUM_WG * halves
+        # dQ's A in 64-column pieces of the head dimension: (warpgroup, piece) -> index
+        # wg·halves + piece; column-layout tiles (64 head-dim rows x keys) or BF16 rows (keys
+        # x 64 head-dim columns, read MN-major through transposed views)
+        kt_box = (WG_KEYS, 64) if self.bf16_dq else (64, WG_KEYS)
+        kt_layout = sm90_utils.make_smem_layout(
+            self.dq_dtype, LayoutEnum.ROW_MAJOR, kt_box, NUM_WG * halves
         )
         step_layout = sm90_utils.make_smem_layout(
             FP8, LayoutEnum.ROW_MAJOR, (self.step_q, d), self.num_stages
@@ -283,8 +314,11 @@ class FlamiaBwdSm90:
         step_t_layout = sm90_utils.make_smem_layout(
             self.kv_b_dtype, LayoutEnum.ROW_MAJOR, self.kv_b_box, self.num_stages * halves
         )
+        # dŜ per warpgroup (and step parity): queries x keys (E4M3 codes) or, bf16_dq, keys x
+        # queries (BF16 values, read MN-major)
+        ds_box = (WG_KEYS, self.step_q) if self.bf16_dq else (self.step_q, WG_KEYS)
         ds_layout = sm90_utils.make_smem_layout(
-            FP8, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS), NUM_WG * self.ds_bufs
+            self.dq_dtype, LayoutEnum.ROW_MAJOR, ds_box, NUM_WG * self.ds_bufs
         )
         # dQᵀ pieces in the accumulators' fragment order (``dq_fragment_index``): per warpgroup,
         # (64·step values of a piece, piece)
@@ -313,8 +347,9 @@ class FlamiaBwdSm90:
             tiler_mn=(WG_KEYS, 64), a_source=warpgroup.OperandSource.RMEM, **mma_kw,
         )  # fmt: skip
         # dQᵀ pieces: 64 head columns x queries, contraction over the warpgroup's keys
+        dq_major = warpgroup.OperandMajorMode.MN if self.bf16_dq else warpgroup.OperandMajorMode.K
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            self.dq_dtype, self.dq_dtype, dq_major, dq_major, Float32,
             tiler_mn=(64, self.step_q), **mma_kw,
         )  # fmt: skip
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
@@ -326,16 +361,16 @@ class FlamiaBwdSm90:
 
         atom_k, tma_k = atom(mK, k_rows_layout, (WG_KEYS, d))
         atom_v, tma_v = atom(mV, rows_layout, (WG_KEYS, d))
-        atom_kt, tma_kt = atom(mKt, cols_layout, (64, WG_KEYS))
+        atom_kt, tma_kt = atom(mKt, kt_layout, kt_box)
         atom_q, tma_q = atom(mQ, q_step_layout, (self.step_q, d))
         atom_do, tma_do = atom(mDO, step_layout, (self.step_q, d))
         atom_qt, tma_qt = atom(mQt, step_t_layout, self.kv_b_box)
         atom_gt, tma_gt = atom(mGt, step_t_layout, self.kv_b_box)
         qk_bytes = qk.width // 8
         do_dv, do_ds = int(self.do_dv), int(self.do_ds)
-        # K̂ (and with dS: V̂, K̂ᵀ pieces)
+        # K̂ (and with dS: V̂, dQ's K pieces)
         self.kv_bytes = (do_ds + qk_bytes) * NUM_WG * WG_KEYS * d + (
-            do_ds * NUM_WG * WG_KEYS * 64 * halves)
+            do_ds * (self.dq_dtype.width // 8) * NUM_WG * WG_KEYS * 64 * halves)
         # per query: Q̂ (scores), dÔ (dS), and dK's / dV's B operands
         self.step_bytes = (do_ds + qk_bytes) * self.step_q * d + (
             (do_dv + do_ds) * self.kv_b_dtype.width // 8) * self.step_q * 64 * halves
@@ -355,12 +390,12 @@ class FlamiaBwdSm90:
             "sDqFac": cute.struct.MemRange[Float32, 2 * NUM_WG * 2],
             "sK": tile(qk, k_rows_layout),
             "sV": tile(FP8, rows_layout),
-            "sKt": tile(FP8, cols_layout),
+            "sKt": tile(self.dq_dtype, kt_layout),
             "sQ": tile(qk, q_step_layout),
             "sDO": tile(FP8, step_layout),
             "sQt": tile(self.kv_b_dtype, step_t_layout),
             "sGt": tile(self.kv_b_dtype, step_t_layout),
-            "sDS": tile(FP8, ds_layout),
+            "sDS": tile(self.dq_dtype, ds_layout),
             "sDQ": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 128],
         }
         ds_only = ("sAmax", "sDqFac", "sV", "sKt", "sDO", "sQt", "sDS", "sDQ")
@@ -376,7 +411,7 @@ class FlamiaBwdSm90:
             (atom_k, atom_v, atom_kt, atom_q, atom_do, atom_qt, atom_gt),
             (mQexp, mQsexp, mKexp), mFactors, mDOexp, mGexp, mDelta, mM, mLSE, mCu, mVtStart,
             mItemDoc, mItemTile, mCount, mDQ, mDK, mDV, mDbg, qk_scale, softmax_scale,
-            (rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout,
+            (rows_layout, kt_layout, step_layout, step_t_layout, ds_layout, dq_layout,
              amax_layout, stats_layout, k_rows_layout, q_step_layout),
             (tiled_mma_s, tiled_mma_kv, tiled_mma_dq, tiled_mma_qk), Storage,
         ).launch(
@@ -412,7 +447,7 @@ class FlamiaBwdSm90:
         mmas: tuple,
         Storage: cutlass.Constexpr,
     ):
-        (rows_layout, cols_layout, step_layout, step_t_layout, ds_layout, dq_layout, amax_layout,
+        (rows_layout, kt_layout, step_layout, step_t_layout, ds_layout, dq_layout, amax_layout,
          stats_layout, k_rows_layout, q_step_layout) = layouts  # fmt: skip
         mQexp, mQsexp, mKexp = exps
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -447,7 +482,7 @@ class FlamiaBwdSm90:
             getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
             if name in self.smem_fields else None
             for name, layout in (
-                ("sK", k_rows_layout), ("sV", rows_layout), ("sKt", cols_layout),
+                ("sK", k_rows_layout), ("sV", rows_layout), ("sKt", kt_layout),
                 ("sQ", q_step_layout), ("sDO", step_layout), ("sQt", step_t_layout),
                 ("sGt", step_t_layout), ("sDS", ds_layout),
             )
@@ -456,9 +491,9 @@ class FlamiaBwdSm90:
         sAmax = None
         sDqFac = None
         if const_expr(self.do_ds):
-            # dŜ's tile as 32-bit words: the same 64-byte swizzle in 4-byte units
+            # dŜ's tile as 32-bit words: the same swizzle (by row bytes) in 4-byte units
             ds_words_layout = sm90_utils.make_smem_layout(
-                Int32, LayoutEnum.ROW_MAJOR, (self.step_q, WG_KEYS // 4), NUM_WG * self.ds_bufs
+                Int32, LayoutEnum.ROW_MAJOR, self.ds_words_shape, NUM_WG * self.ds_bufs
             )
             smem_tensors.append(
                 storage.sDS.get_tensor(
@@ -539,9 +574,15 @@ class FlamiaBwdSm90:
             if const_expr(self.do_ds):
                 load_v(src_idx=key0 // WG_KEYS + wg, dst_idx=wg, tma_bar_ptr=kv_bar)
                 for hf in cutlass.range_constexpr(halves):
-                    load_kt = _cols_copy(
-                        atom_kt, tma_kt, hk, (64, WG_KEYS), sKt, w["part"] * halves + hf, vt_start
-                    )
+                    kt_piece = w["part"] * halves + hf
+                    if const_expr(self.bf16_dq):  # K·2^-eK rows, keys in order
+                        load_kt = _rows_piece_copy(
+                            atom_kt, tma_kt, hk, (WG_KEYS, 64), sKt, kt_piece, vt_start
+                        )
+                    else:
+                        load_kt = _cols_copy(
+                            atom_kt, tma_kt, hk, (64, WG_KEYS), sKt, kt_piece, vt_start
+                        )
                     load_kt(
                         src_idx=key0 // WG_KEYS + wg, dst_idx=wg * halves + hf, tma_bar_ptr=kv_bar
                     )
@@ -671,6 +712,8 @@ class FlamiaBwdSm90:
                 sQt = layout_utils.transpose_view(sQt)
             _, frag_ds, tKrQ = sm90_utils.partition_fragment_ABC(wg_kv, kv_shape, None, sQt)
             dq_shape = (64, self.step_q, WG_KEYS)
+            if const_expr(self.bf16_dq):  # keys x head dim / keys x queries, read MN-major
+                sKt, sDS = layout_utils.transpose_view(sKt), layout_utils.transpose_view(sDS)
             _, tQrK, tQrS = sm90_utils.partition_fragment_ABC(wg_dq, dq_shape, sKt, sDS)
         # a dQᵀ piece's accumulator to shared memory as it lies in registers: 16-byte stores,
         # thread t's n-th four values at 512·n + 4·t (consecutive threads, consecutive banks)
@@ -696,10 +739,10 @@ class FlamiaBwdSm90:
                 acc_dv.append(
                     cute.make_rmem_tensor(thr_kv.partition_shape_C((WG_KEYS, 64)), Float32)
                 )
-        # this thread's rows (keys) and columns (queries) of a step's score tile
-        tScS = layout_utils.reshape_acc_to_mn(
-            thr_s.partition_C(cute.make_identity_tensor((WG_KEYS, self.step_q)))
-        )
+        # this thread's rows (keys) and columns (queries) of a step's score tile, in register
+        # order (tCcS) and as (rows, columns) (tScS)
+        tCcS = thr_s.partition_C(cute.make_identity_tensor((WG_KEYS, self.step_q)))
+        tScS = layout_utils.reshape_acc_to_mn(tCcS)
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
         col0 = tScS[0, 0][1]
@@ -746,7 +789,7 @@ class FlamiaBwdSm90:
         wg_live = key0 < seqlen
         ctx = dict(
             w=w, wg=wg, t=t, warp=warp, col0=col0, key=key, kfac=kfac, kdq=kdq, ev=ev, vinv=vinv,
-            vfac=vfac, tScS=tScS, n_rows=n_rows, n_cols=n_cols, tSrK=tSrK, tSrQ=tSrQ,
+            vfac=vfac, tScS=tScS, tCcS=tCcS, n_rows=n_rows, n_cols=n_cols, tSrK=tSrK, tSrQ=tSrQ,
             tPrV=tPrV, tPrDO=tPrDO, frag_p=frag_p, frag_ds=frag_ds, tVrG=tVrG, tKrQ=tKrQ,
             tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS, sDSw=sDSw,
             sDQ=sDQ, tDQs=tDQs, sAmax=sAmax, mmas=mmas, seqlen=seqlen, key0=key0,
@@ -1039,15 +1082,26 @@ class FlamiaBwdSm90:
         ds_buf = wg
         if const_expr(self.joint_dq):
             ds_buf = parity * NUM_WG + wg
-        ds_words = cute.recast_tensor(ds8, Int32)
-        odd = Int32(tScS[0, 0][0]) & 1
-        sel = Int32(0x6240) if odd == 0 else Int32(0x3715)
-        for n in cutlass.range_constexpr(n_cols // 2):
-            mine = ds_words[n]
-            other = cute.arch.shuffle_sync_bfly(mine, offset=4)
-            word = Int32(cute.arch.prmt(mine, other, sel))
-            q = tScS[0, 2 * n][1] + odd
-            sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, ds_buf] = word
+        if const_expr(self.bf16_dq):
+            # BF16 dŜ (the E4M3 values just rounded, widened exactly), keys x queries, keys in
+            # order as in K's rows: register values 2n, 2n + 1 are one key's queries 2m, 2m + 1,
+            # one word
+            acc_dp.store(ds8.load().to(Float32))
+            tCcS = ctx["tCcS"]
+            for n in cutlass.range_constexpr(cute.size(acc_dp) // 2):
+                at = tCcS[2 * n]
+                word = fa_utils.cvt_f16x2_f32(acc_dp[2 * n], acc_dp[2 * n + 1], BF16)
+                sDS_w[at[0], at[1] // 2, ds_buf] = word
+        else:
+            ds_words = cute.recast_tensor(ds8, Int32)
+            odd = Int32(tScS[0, 0][0]) & 1
+            sel = Int32(0x6240) if odd == 0 else Int32(0x3715)
+            for n in cutlass.range_constexpr(n_cols // 2):
+                mine = ds_words[n]
+                other = cute.arch.shuffle_sync_bfly(mine, offset=4)
+                word = Int32(cute.arch.prmt(mine, other, sel))
+                q = tScS[0, 2 * n][1] + odd
+                sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, ds_buf] = word
         if ctx["t"] == 0:  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(self.joint_dq):
@@ -1137,10 +1191,10 @@ class FlamiaBwdSm90:
         wg = ctx["wg"]
         t = ctx["t"]
         sDS_w = ctx["sDSw"]
-        words = self.step_q * WG_KEYS // 4
-        for n in cutlass.range_constexpr(words // 128):
+        rows, per_row = self.ds_words_shape
+        for n in cutlass.range_constexpr(rows * per_row // 128):
             at = n * 128 + t
-            sDS_w[at // (WG_KEYS // 4), at % (WG_KEYS // 4), parity * NUM_WG + wg] = Int32(0)
+            sDS_w[at // per_row, at % per_row, parity * NUM_WG + wg] = Int32(0)
         sDqFac = ctx["sDqFac"]
         if t == 0:
             for hb in cutlass.range_constexpr(self.step_q // HALF):
@@ -1308,10 +1362,11 @@ _COMPILED: dict[tuple, object] = {}
 PASS_HEAD_DIMS = frozenset({256})
 
 
-def bwd_modes(d: int, wide: bool, bf16_kv: bool) -> tuple[str, ...]:
+def bwd_modes(d: int, wide: bool, bf16_kv: bool, bf16_dq: bool = False) -> tuple[str, ...]:
     """The kernels ``attn_bwd_sm90`` launches, in order: ``("dkdq", "dv")`` for E4M3 Q/K and
-    BF16 dK/dV at a head dim in ``PASS_HEAD_DIMS``, else ``("parts",)``."""
-    if d in PASS_HEAD_DIMS and not wide and bf16_kv:
+    BF16 dK/dV at a head dim in ``PASS_HEAD_DIMS``, else ``("parts",)`` (also with a BF16 dQ
+    product, ``bf16_dq``: its BF16 K and dŜ tiles do not fit the dK/dQ pass's shared memory)."""
+    if d in PASS_HEAD_DIMS and not wide and bf16_kv and not bf16_dq:
         return ("dkdq", "dv")
     return ("parts",)
 
@@ -1380,13 +1435,18 @@ def attn_bwd_sm90(
     (``ops.attn_bwd``'s contract); ``work`` is a key-tile list with ``block_n = TILE_N``;
     the column layout's alignment must be a multiple of ``TILE_N``. ``bf16_kv``: dK/dV as
     BF16 products of ``q_rows``/``g_rows`` (else FP8 ones of ``q_t``/``g_t``, promoted).
-    ``workspace``: the pack's, for the dQ accumulator and the token-major V codes."""
+    ``workspace``: the pack's, for the dQ accumulator and the token-major V codes. Operands
+    quantized for ``grad_qk="input"`` (``qkv.grad_input``) run the BF16 dQ product of
+    ``qkv.k_rows`` (``bf16_dq``; ``bf16_kv`` then required: ``q_rows`` holds Q's input)."""
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     q_in, k_in, q_score_exp = qkv.score_operands("CuTe backward")  # Sᵀ's
     wide = qkv.q4 is not None
+    bf16_dq = qkv.grad_input
+    if bf16_dq and (not bf16_kv or qkv.q_rows is None or qkv.k_rows is None):
+        raise ValueError("grad_qk='input' on the CuTe backward needs bf16_kv, q_rows and k_rows")
     t_pad = qkv.v_t.shape[2]
-    step = step_queries(d, wide)
+    step = step_queries(d, wide, bf16_dq)
     dq_acc = zeroed_accumulator(workspace, (heads_q, t_pad // step, step * d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
@@ -1400,7 +1460,8 @@ def attn_bwd_sm90(
     dbg = debug_p if debug_p is not None else _placeholder(dev)
     aligned = (
         (q_in, 16), (k_in, 16), (v_codes, 16), (qdo.do_codes, 16),
-        q_b, (qkv.k_t.permute(1, 2, 0), 16), g_b, (qkv.q_exp.t(), 4),
+        q_b, (qkv.k_rows, 16) if bf16_dq else (qkv.k_t.permute(1, 2, 0), 16), g_b,
+        (qkv.q_exp.t(), 4),
         (q_score_exp, 4), (qkv.k_exp, 4), (qkv.kv_factors, 16),
         (qdo.do_exp.t(), 4), (qdo.g_exp, 4), (qdo.delta.t(), 4), (m_rows.contiguous(), 4),
         (lse_rows.contiguous(), 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),
@@ -1411,13 +1472,13 @@ def attn_bwd_sm90(
     # P̂ for debug_p: every kernel writes it (both passes rebuild the same bits; a GPU test
     # runs each pass alone and compares)
     debug = debug_p is not None
-    for mode in bwd_modes(d, wide, bf16_kv):
+    for mode in bwd_modes(d, wide, bf16_kv, bf16_dq):
         key = (d, heads_q, heads_kv, causal, dk_keys, num_stages, debug, out_dtype, wide,
-               bf16_kv, block_exponents, mode)  # fmt: skip
+               bf16_kv, block_exponents, mode, bf16_dq)  # fmt: skip
         if key not in _COMPILED:
             kernel = FlamiaBwdSm90(
                 d, heads_q, heads_kv, causal, dk_keys, num_stages, debug, wide, bf16_kv,
-                block_exponents, mode=mode,
+                block_exponents, mode=mode, bf16_dq=bf16_dq,
             )
             _COMPILED[key] = compile_kernel(
                 kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)

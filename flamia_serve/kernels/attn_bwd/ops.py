@@ -98,11 +98,14 @@ CUTE_BWD_MIN_MEAN_DOCUMENT = 8
 CUTE_BF16_KV_HEAD_DIMS = frozenset({128, 256})
 
 
-def bwd_reads_rows(config: BwdConfig, head_dim: int) -> bool:
+def bwd_reads_rows(config: BwdConfig, head_dim: int, grad_input: bool = False) -> bool:
     """Whether the backward of ``config`` reads Q's codes and Ĝ as BF16 rows by column
     (quantize with ``quantize_qkv(q_rows=True, q_transposed=False)`` and
-    ``quantize_do(g_rows=True, g_columns=False)``) instead of the E4M3 column layout."""
-    return config.kernel == "cute" and head_dim in CUTE_BF16_KV_HEAD_DIMS
+    ``quantize_do(g_rows=True, g_columns=False)``) instead of the E4M3 column layout: the
+    CuTe kernel at ``CUTE_BF16_KV_HEAD_DIMS``, and at every head dim for a recipe with
+    ``grad_qk="input"`` (``grad_input``; its ``q_rows`` hold Q's input, and the Triton kernel
+    reads them too, but Ĝ from the column layout)."""
+    return config.kernel == "cute" and (head_dim in CUTE_BF16_KV_HEAD_DIMS or grad_input)
 
 
 def cute_bwd_runs(head_dim: int, column_align: int = CUTE_BWD_COLUMN_ALIGN) -> bool:
@@ -124,7 +127,9 @@ def default_bwd_config(
     extra), whichever kernel ran the forward (the backward quantizes into its own layout,
     ``BwdConfig.column_align``), unless documents are under ``CUTE_BWD_MIN_MEAN_DOCUMENT``
     tokens on average (when ``mean_doc_len`` is given) or the recipe's ``grad_qk`` is
-    ``"input"`` (``grad_input``: the CuTe kernel multiplies dQ by K̂); else the Triton kernel:
+    ``"input"`` (``grad_input``: the CuTe kernel's BF16 dQ form has compiled for sm_90a on a
+    CPU but not yet run on a GPU; ``BwdConfig(kernel="cute")`` asks for it); else the Triton
+    kernel:
     one warpgroup; at d=256 two programs per key tile, each with 128 columns of dK/dV/dQ
     (H200, P2's shape: 63.5 ms against 69.3 for 8 warps unsplit,
     ``results/tune_bwd_d256_2026-12-04.json``; the CuTe kernel 8.9 ms). H200, T=8192
@@ -157,11 +162,6 @@ def check_bwd_config(cfg: BwdConfig, recipe: Recipe) -> None:
         )
     if cfg.kernel not in ("triton", "cute"):
         raise ValueError(f"backward config.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
-    if cfg.kernel == "cute" and recipe.grad_qk == "input":
-        raise ValueError(
-            f"backward config.kernel='cute' multiplies dQ by the E4M3 K̂; recipe {recipe.name} "
-            "(grad_qk='input') runs on kernel='triton'"
-        )
     if cfg.kernel == "cute" and (cfg.block_m, cfg.block_n) != (32, 64):
         raise ValueError(
             f"backward config.kernel='cute' takes (block_m, block_n) = (32, 64), got "
@@ -280,7 +280,8 @@ def attn_bwd(
         dq, dk, dv = attn_bwd_sm90(
             qkv, qdo, m_rows, lse_rows, cu_seqlens, work, heads_q=heads_q, causal=causal,
             softmax_scale=softmax_scale, qk_scale=softmax_scale * LOG2E * qkv.qk_rescale,
-            dk_keys=rec.ds_block[1], out_dtype=out_dtype, bf16_kv=bwd_reads_rows(cfg, d),
+            dk_keys=rec.ds_block[1], out_dtype=out_dtype,
+            bf16_kv=bwd_reads_rows(cfg, d, qkv.grad_input),
             debug_p=debug_p,
             num_stages=cfg.num_stages, workspace=workspace,
         )  # fmt: skip
