@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "pretrain.json"
-COLORS = {"bf16": "black", "mxfp8": "tab:blue", "mixed_nvfp4": "tab:orange",
-          "mixed_nvfp4_hadamard": "tab:green"}
+COLORS = {"bf16": "black", "mxfp8": "tab:blue", "mxfp8_grad_input": "tab:purple",
+          "mixed_nvfp4": "tab:orange", "mixed_nvfp4_hadamard": "tab:green"}
 
 
 def smooth(values: list[float], alpha: float = 0.02) -> list[float]:

@@ -158,7 +158,8 @@ def flamia_attn_varlen(
         cu_seqlens: ``[B+1]`` int32 on the same device: 0, ..., T, non-decreasing.
         max_seqlen: int >= the longest document.
         causal: mask keys after the query inside its document.
-        recipe: ``"mxfp8"`` (default), ``"mixed_nvfp4"``, ``"mixed_nvfp4_hadamard"``.
+        recipe: ``"mxfp8"`` (default), ``"mxfp8_grad_input"``, ``"mixed_nvfp4"``,
+            ``"mixed_nvfp4_hadamard"``.
         exact_causal: per-token Q/K exponents, so no output depends on a later token.
         softmax_scale: defaults to ``1/sqrt(d)``.
         return_stats: also return ``M`` (integer row reference) and ``lse`` (base 2), both

@@ -388,7 +388,8 @@ def attention(
         cu_seqlens: ``[B+1]`` int32, 0 first, non-decreasing, T last.
         max_seqlen: an int >= the longest document.
         causal: mask keys after the query (within its document).
-        recipe: ``"mxfp8"``, ``"mixed_nvfp4"``, ``"mixed_nvfp4_hadamard"`` or a Recipe.
+        recipe: ``"mxfp8"``, ``"mxfp8_grad_input"``, ``"mixed_nvfp4"``,
+            ``"mixed_nvfp4_hadamard"`` or a Recipe.
         exact_causal: per-token Q/K exponents, so no output depends on a later token.
         softmax_scale: defaults to ``1/sqrt(d)``.
 

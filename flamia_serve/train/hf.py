@@ -4,7 +4,8 @@
 interface, with the flash-attention rule: no dense mask, a 2-D padding mask only when
 there is padding). Model configs choose the numerics with three optional fields:
 
-* ``flamia_recipe`` — ``"mxfp8"`` (default), ``"mixed_nvfp4"``, ``"mixed_nvfp4_hadamard"``;
+* ``flamia_recipe`` — ``"mxfp8"`` (default), ``"mxfp8_grad_input"``, ``"mixed_nvfp4"``,
+  ``"mixed_nvfp4_hadamard"`` (``numerics.RECIPES``);
 * ``flamia_exact_causal`` — per-token Q/K exponents (default ``False``);
 * ``flamia_path`` — ``"auto"`` (kernels on CUDA, the reference twin elsewhere),
   ``"kernel"`` or ``"reference"``.

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from flamia_serve.train import data as pdata
 
-ATTENTIONS = ("bf16", "mxfp8", "mixed_nvfp4", "mixed_nvfp4_hadamard")
+ATTENTIONS = ("bf16", "mxfp8", "mxfp8_grad_input", "mixed_nvfp4", "mixed_nvfp4_hadamard")
 FLAMIA_RECIPES = ATTENTIONS[1:]
 
 
