@@ -40,6 +40,7 @@ LEAKAGE_METHODS: tuple[tuple[str, str | None, bool], ...] = (
     ("mxfp8 exact_causal", "mxfp8", True),
     ("mixed_nvfp4", "mixed_nvfp4", False),
     ("mixed_nvfp4 exact_causal", "mixed_nvfp4", True),
+    ("mxfp8_grad_input exact_causal", "mxfp8_grad_input", True),
     ("per-tensor fp8 (leaky)", None, False),
 )
 ACCURACY_RECIPES = ("mxfp8", "mxfp8_grad_input", "mixed_nvfp4", "mixed_nvfp4_hadamard")

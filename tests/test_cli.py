@@ -304,7 +304,7 @@ def test_real_probe_leakage_follows_the_contract(real_probe: tuple[str, dict]) -
     _, result = real_probe
     assert result["backward"] is True and result["device"] == "cpu"
     rows = result["leakage"]
-    assert len(rows) == 10
+    assert len(rows) == 12
     for r in rows:
         if r["method"].startswith("per-tensor"):
             assert r["future_leak"] > 0 and r["cross_doc_leak"] > 0
