@@ -111,7 +111,7 @@ def _attn_call(
     )
     bcfg = bwd_config or default_bwd_config(
         shape.head_dim, q.device, qk_nvfp4=nvfp4, mean_doc_len=mean_doc_len,
-        grad_input=rec.grad_qk == "input",
+        grad_input=rec.grad_input,
     )
     causal = bool(causal)
     bwd_work = None

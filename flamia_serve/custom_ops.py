@@ -117,7 +117,7 @@ def attention_backward(
     if call.bwd_work is None:
         raise RuntimeError("flamia attention: the forward ran without gradients enabled")
     blocks, align, columns = call.backward_layout()
-    grad_input = call.recipe.grad_qk == "input"  # dK/dQ read Q/K as BF16 rows
+    grad_input = call.recipe.grad_input  # dK/dQ read Q/K as BF16 rows
     rows = bwd_reads_rows(call.bwd_config, q.shape[2], grad_input)  # Q and Ĝ as BF16 rows
     qkv = quantize_qkv(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,

@@ -177,6 +177,17 @@ def e4m3_signed_value(x):
 
 
 @triton.jit
+def bf16_operand(x, INTERPRET: tl.constexpr):
+    """``x`` (values exact in BF16) as a BF16 ``tl.dot`` operand; float32 under Triton 3.6's
+    interpreter, which keeps BF16 as uint16 and multiplies those raw integers in a dot."""
+    if INTERPRET:
+        x = x.to(tl.float32)
+    else:
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
 def to_bf16(x, INTERPRET: tl.constexpr):
     """Round-to-nearest-even cast of float32 to BF16 (the interpreter's cast truncates, so
     there the rounding is done on the bits first)."""

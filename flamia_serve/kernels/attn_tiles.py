@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import nvfp4_values
+from flamia_serve.kernels._common import bf16_operand, nvfp4_values
 
 
 @triton.jit
@@ -25,10 +25,7 @@ def load_nvfp4_tile(
     scales = scale_ptr.to(tl.pointer_type(tl.uint8)) + first * (D // 16)
     scales += offs[:, None] * (H * D // 16) + groups[None, :]
     scale = tl.load(scales, mask=row_ok[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-    vals = nvfp4_values(packed, scale.to(tl.float32), ROWS, D)
-    if INTERPRET:
-        return vals
-    return vals.to(tl.bfloat16)
+    return bf16_operand(nvfp4_values(packed, scale.to(tl.float32), ROWS, D), INTERPRET)
 
 
 @triton.jit

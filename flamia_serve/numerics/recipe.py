@@ -41,6 +41,11 @@ class Recipe:
         if self.grad_qk not in ("codes", "input"):
             raise ValueError(f"Recipe.grad_qk must be 'codes' or 'input', got {self.grad_qk!r}")
 
+    @property
+    def grad_input(self) -> bool:
+        """dK/dQ multiply the unquantized Q/K (``grad_qk == "input"``)."""
+        return self.grad_qk == "input"
+
 
 RECIPES: dict[str, Recipe] = {
     "mxfp8": Recipe("mxfp8"),

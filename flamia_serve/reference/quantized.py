@@ -80,7 +80,7 @@ def quantize_qkv(
     k8 = quantize_fp8(k, cu_seqlens, qk_gran, recipe.token_block)
     v8 = quantize_fp8(v, cu_seqlens, Granularity.TOKEN)
     grads = {}
-    if recipe.grad_qk == "input":
+    if recipe.grad_input:
         grads = dict(q_grad=grad_operand(q, q8.exponents), k_grad=grad_operand(k, k8.exponents))
     if recipe.qk_format == "e4m3":
         return QuantizedQKV(q8, k8, v8, **grads)
@@ -279,7 +279,7 @@ def backward_ds(
 def _grad_operands(qkv: QuantizedQKV, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 Q and K operands of dK/dQ in the codes' units: the codes, or the inputs'
     ``grad_operand`` (``recipe.grad_qk == "input"``)."""
-    if recipe.grad_qk == "codes":
+    if not recipe.grad_input:
         return qkv.q8.codes.float(), qkv.k8.codes.float()
     if qkv.q_grad is None or qkv.k_grad is None:
         raise ValueError(

@@ -65,7 +65,7 @@ def _kernel_backward(lens, hq, hkv, d, recipe, causal, exact, device, seed=5):
     q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=seed, device=device)
     d_out = make_pack(lens, hq, hkv, d, seed=seed + 1, device=device)[0]
     rec = RECIPES[recipe]
-    rows = rec.grad_qk == "input"
+    rows = rec.grad_input
     qkv = quantize_qkv(q, k, v, cu, recipe=rec, exact_causal=exact, with_transposed=True,
                        q_rows=rows, k_rows=rows)  # fmt: skip
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)

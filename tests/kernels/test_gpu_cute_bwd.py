@@ -47,7 +47,7 @@ CASES = [
 def _operands(lens, hq, hkv, d, causal, exact, seed=5, recipe="mxfp8"):
     q, k, v, cu, _ = make_pack(lens, hq, hkv, d, seed=seed, device="cuda")
     d_out = make_pack(lens, hq, hkv, d, seed=seed + 1, device="cuda")[0]
-    rows = RECIPES[recipe].grad_qk == "input"  # (both kernels read Q/K rows then)
+    rows = RECIPES[recipe].grad_input  # (both kernels read Q/K rows then)
     qkv = quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact, with_transposed=True,
                        column_align=128, widen=True, q_rows=rows, k_rows=rows)  # fmt: skip
     out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)

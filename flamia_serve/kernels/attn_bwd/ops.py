@@ -237,7 +237,7 @@ def attn_bwd(
     pack's (``VarlenPlan.workspace``), for the dQ accumulator and layout copies.
     """
     rec = resolve_recipe(recipe)
-    if qkv.grad_input != (rec.grad_qk == "input"):
+    if qkv.grad_input != rec.grad_input:
         raise ValueError(
             f"recipe {rec.name} has grad_qk={rec.grad_qk!r}, qkv was quantized for "
             f"grad_qk={'input' if qkv.grad_input else 'codes'}: quantize with the recipe the "

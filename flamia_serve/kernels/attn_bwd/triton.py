@@ -45,6 +45,7 @@ import triton.language as tl
 from flamia_serve.kernels._common import (
     E4M3_EXP,
     E4M3_MANT,
+    bf16_operand,
     e4m3_signed_value,
     e4m3_value,
     exp2i,
@@ -81,16 +82,13 @@ def _row_tile(
     rows_ptr, h, rows, ok, d0, H: tl.constexpr, D: tl.constexpr, DW: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """``[len(rows), DW]`` BF16 (float32 under the interpreter, whose BF16 dot is broken):
+    """``[len(rows), DW]`` BF16 (``bf16_operand``: float32 under the interpreter):
     rows ``rows`` of head ``h`` of a rows-by-column array ``[t_pad, H, D]``
     (``KernelQKV.q_rows``/``k_rows``), head-dim columns ``d0 .. d0 + DW``; rows not ``ok``
     read as 0 (past the document: another document's row, or the array's end)."""
     cols = d0 + tl.arange(0, DW)
     ptrs = rows_ptr + (rows.to(tl.int64) * H + h)[:, None] * D + cols[None, :]
-    tile = tl.load(ptrs, mask=ok[:, None], other=0.0)
-    if INTERPRET:
-        tile = tile.to(tl.float32)
-    return tile
+    return bf16_operand(tl.load(ptrs, mask=ok[:, None], other=0.0), INTERPRET)
 
 
 @triton.jit
@@ -190,12 +188,10 @@ def _bwd_steps(
 def _ds_operand(x, GRAD_INPUT: tl.constexpr, INTERPRET: tl.constexpr):
     """dŜ = E4M3(x) (``|x| <= 448``, round to nearest even) as the MMA operand beside Q/K:
     the E4M3 codes, or for a product with the inputs' BF16 rows (``GRAD_INPUT``) their values
-    in BF16 (exact; built from the float, not by widening the codes: ``e4m3_value``; float32
-    under the interpreter, as ``_row_tile``)."""
+    in BF16 (exact; built from the float, not by widening the codes: ``e4m3_value``;
+    ``bf16_operand``)."""
     if GRAD_INPUT:
-        ds = e4m3_signed_value(x)
-        if not INTERPRET:
-            ds = ds.to(tl.bfloat16)
+        ds = bf16_operand(e4m3_signed_value(x), INTERPRET)
     else:
         ds = to_e4m3(x, INTERPRET)
     return ds

@@ -200,7 +200,6 @@ def quantize_qkv(
     k_wide = buf.empty("k_wide", (total, heads_kv, d), bf16) if widen else None
     q_values = buf.zeros("q_rows", (t_pad, heads_q, d), bf16) if q_rows else None
     k_values = buf.zeros("k_rows", (t_pad, heads_kv, d), bf16) if k_rows else None
-    grad_input = rec.grad_qk == "input"
     if total > 0:
         heads = (0 if defer_q else heads_q) + 2 * heads_kv
         grid = (_num_programs(dev, blocks.num_slots * heads, programs_per_sm),)
@@ -215,7 +214,7 @@ def quantize_qkv(
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, WIDE=widen, SCORES_ONLY=bool(scores_only),
-            SKIP_Q=bool(defer_q), Q_ROWS=q_rows, K_ROWS=k_rows, GRAD_INPUT=grad_input,
+            SKIP_Q=bool(defer_q), Q_ROWS=q_rows, K_ROWS=k_rows, GRAD_INPUT=rec.grad_input,
             INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
@@ -232,7 +231,7 @@ def quantize_qkv(
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
         q_t, k_t, column_align, columns, q_wide, k_wide, bool(scores_only),
-        q if defer_q else None, q_values, k_values, grad_input,
+        q if defer_q else None, q_values, k_values, rec.grad_input,
     )  # fmt: skip
 
 
