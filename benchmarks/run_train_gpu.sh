@@ -296,7 +296,7 @@ fi
 if [[ $steps == *,s19-w,* ]]; then  # W1–W9 and P3–P5 forward+backward beside FA4 and cuDNN
   RUN_TAIL="-n 45" run train_attention_s19_w 420 python benchmarks/train_attention.py \
     --quick --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd+bwd,bwd \
-    --impls flamia-mxfp8,fa4,cudnn-sdpa --name train_attention_s19_w
+    --impls "${FLAMIA_IMPLS:-flamia-mxfp8,fa4,cudnn-sdpa}" --name train_attention_s19_w
 fi
 if [[ $steps == *,d128-passes,* ]]; then  # experiment: d = 128 in the two passes too, three
   # copies of cute_sm90.py beside the current kernel: PASS_HEAD_DIMS = {128, 256}; and its dV
