@@ -17,6 +17,8 @@ import triton.language as tl
 from triton.compiler import CompiledKernel
 
 from flamia_serve.numerics import operands
+from flamia_serve.numerics.formats import NVFP4_ERROR_BITS as _NVFP4_ERROR_BITS
+from flamia_serve.numerics.formats import NVFP4_ERROR_CAP as _NVFP4_ERROR_CAP
 
 
 def _jit_int_rule(fn: types.FunctionType) -> triton.JITFunction:
@@ -224,6 +226,49 @@ def nvfp4_block_scale(t):
 
 
 @triton.jit
+def e4m3_next_down(c):
+    """Largest E4M3 value below ``c`` (E4M3 values >= 2^-9), floored at 2^-9
+    (numerics.e4m3_next_down)."""
+    bits = c.to(tl.int32, bitcast=True)
+    ec = ((bits >> 23) & 0xFF) - 127
+    step = exp2i(tl.maximum(ec, -6) - 3)
+    step = tl.where(((bits & 0x7FFFFF) == 0) & (ec > -6), step * 0.5, step)
+    return tl.maximum(c - step, 0.001953125)
+
+
+@triton.jit
+def nvfp4_group_error(groups, scale, unit):
+    """int32 squared error of ``groups`` ``[R, G, 16]`` coded with ``scale`` ``[R, G]``, in
+    ``unit`` ``[R, G, 1]`` per element, truncated and capped (numerics.nvfp4_group_scale)."""
+    safe = tl.where(scale > 0, scale, 1.0)
+    ratio = tl.math.div_rn(groups, safe[:, :, None])
+    ratio = tl.minimum(tl.maximum(tl.where(scale[:, :, None] > 0, ratio, 0.0), -6.0), 6.0)
+    _, e2m1 = e2m1_quantize(ratio)
+    units = tl.abs(e2m1 * scale[:, :, None] - groups) * unit
+    units = tl.where(units < NVFP4_ERROR_CAP, units, NVFP4_ERROR_CAP).to(tl.int32)
+    return tl.sum(units * units, axis=2)
+
+
+@triton.jit
+def nvfp4_scale_search(groups, scale, CANDIDATES: tl.constexpr):
+    """The block scale of least squared error among ``scale`` (the round-up one) and the
+    next ``CANDIDATES - 1`` E4M3 values below it, the earliest on a tie; ``groups`` ``[R, G,
+    16]`` float32 clamped to ±2688 (numerics.nvfp4_group_scale)."""
+    e0 = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    unit = exp2i(tl.minimum(NVFP4_ERROR_BITS - e0, 127))[:, :, None]
+    best = scale
+    best_err = nvfp4_group_error(groups, scale, unit)
+    c = scale
+    for _ in tl.static_range(CANDIDATES - 1):
+        c = tl.where(c > 0, e4m3_next_down(c), c)
+        err = nvfp4_group_error(groups, c, unit)
+        better = err < best_err
+        best = tl.where(better, c, best)
+        best_err = tl.where(better, err, best_err)
+    return best
+
+
+@triton.jit
 def e2m1_round(v):
     """``v`` (float32, 0 <= v <= 6) rounded to the nearest E2M1 value (0, 0.5, 1, 1.5, 2, 3,
     4, 6), ties to the even code: below 1 by the magic-number add (quantum 0.5), from 1 on
@@ -279,6 +324,8 @@ E4M3_EXP = tl.constexpr(8)  # 448 = 1.75 * 2**8
 E4M3_MANT = tl.constexpr(0x600000)
 NVFP4_EXP = tl.constexpr(11)  # 2688 = 6 * 448 = 1.3125 * 2**11
 NVFP4_MANT = tl.constexpr(0x280000)
+NVFP4_ERROR_BITS = tl.constexpr(_NVFP4_ERROR_BITS)
+NVFP4_ERROR_CAP = tl.constexpr(float(_NVFP4_ERROR_CAP))
 
 
 @triton.jit
@@ -307,9 +354,13 @@ def hadamard_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr)
 
 
 @triton.jit
-def nvfp4_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, SECOND_LEVEL: tl.constexpr):
+def nvfp4_rows(
+    x, BLOCK: tl.constexpr, D: tl.constexpr, SECOND_LEVEL: tl.constexpr,
+    SCALE_CANDIDATES: tl.constexpr,
+):  # fmt: skip
     """NVFP4 of a ``[BLOCK, D]`` fp32 tile: packed codes ``[BLOCK, D/2]`` uint8, E4M3 block
-    scales ``[BLOCK, D/16]`` (float32 values), per-row int32 exponents (0 without
+    scales ``[BLOCK, D/16]`` (float32 values; ``SCALE_CANDIDATES`` as
+    ``numerics.nvfp4_group_scale``'s ``candidates``), per-row int32 exponents (0 without
     SECOND_LEVEL: block scales then saturate at 448, numerics.quantize_nvfp4) and the
     values ``[BLOCK, D]`` the codes stand for without the exponents (E2M1 value x block
     scale, float32, exact: :func:`nvfp4_values` of the codes)."""
@@ -320,8 +371,12 @@ def nvfp4_rows(x, BLOCK: tl.constexpr, D: tl.constexpr, SECOND_LEVEL: tl.constex
         e = tl.zeros_like(e)
     p2 = exp2i(-e)
     scale = nvfp4_block_scale(tl.minimum(amax16 * p2[:, None], 2688.0))
+    scaled = x16 * p2[:, None, None]
+    if SCALE_CANDIDATES > 1:
+        clamped = tl.minimum(tl.maximum(scaled, -2688.0), 2688.0)
+        scale = nvfp4_scale_search(clamped, scale, SCALE_CANDIDATES)
     safe = tl.where(scale > 0, scale, 1.0)
-    ratio = tl.math.div_rn(x16 * p2[:, None, None], safe[:, :, None])
+    ratio = tl.math.div_rn(scaled, safe[:, :, None])
     ratio = tl.minimum(tl.maximum(tl.where(scale[:, :, None] > 0, ratio, 0.0), -6.0), 6.0)
     codes, e2m1 = e2m1_quantize(ratio)
     low, high = tl.split(tl.reshape(codes, (BLOCK, D // 2, 2)))

@@ -80,6 +80,16 @@ def _e4m3_next_up(c: torch.Tensor) -> torch.Tensor:
     return c + exp2i(ec.clamp(min=-6) - 3)
 
 
+def e4m3_next_down(c: torch.Tensor) -> torch.Tensor:
+    """Largest E4M3 value below ``c`` (E4M3 values in [2^-9, 448], float32, exact), never
+    below the smallest subnormal 2^-9 (which maps to itself)."""
+    ec, mc = _exponent_and_mantissa(c)
+    step = exp2i(ec.clamp(min=-6) - 3)
+    # below a power of two in the normal range the spacing halves
+    step = torch.where((mc == 0) & (ec > -6), step * 0.5, step)
+    return torch.clamp(c.float() - step, min=2.0**-9)
+
+
 def nvfp4_block_scale(amax16: torch.Tensor) -> torch.Tensor:
     """E4M3 block scale for an NVFP4 group of 16: smallest E4M3 ``c`` with ``6*c >= amax16``.
 
@@ -90,6 +100,56 @@ def nvfp4_block_scale(amax16: torch.Tensor) -> torch.Tensor:
     t = amax16.float()
     low = e4m3_ceil(t * (1.0 / 6.0) * (1.0 - 2.0**-20))
     return torch.where(6.0 * low >= t, low, _e4m3_next_up(low))
+
+
+#: the squared-error units of :func:`nvfp4_group_scale`: 2^-7 of the round-up scale's power
+#: of two, each element's error capped at 2^12 units so a group's sum stays below 2^31
+NVFP4_ERROR_BITS = 7
+NVFP4_ERROR_CAP = 4096
+
+
+def nvfp4_group_scale(groups: torch.Tensor, candidates: int = 1) -> torch.Tensor:
+    """E4M3 block scale of each NVFP4 group of 16, ``groups`` ``[..., G, 16]`` float32 (already
+    divided by the group's power-of-two second level; |values| <= 2688 unless saturating).
+
+    Candidate 0 is :func:`nvfp4_block_scale` of the group's maximum (round-up: no code clamps);
+    candidate ``i`` is :func:`e4m3_next_down` of candidate ``i - 1``. The group takes the
+    candidate whose codes (``e2m1_encode`` of value / scale, clamped to ±6) have the smallest
+    squared error, the earliest on a tie. The error is an exact integer, so every
+    implementation ranks the same way whatever its summation order: each element's
+    ``|scale·E2M1 − value|`` in units of ``2^(E0 − NVFP4_ERROR_BITS)`` (E0: candidate 0's
+    power-of-two exponent), truncated to an integer and capped at ``NVFP4_ERROR_CAP`` (NaN
+    too), squared and summed in int32. All-zero groups keep scale 0."""
+    if candidates < 1:
+        raise ValueError(f"candidates must be >= 1, got {candidates}")
+    groups = groups.float()
+    scale = nvfp4_block_scale(groups.abs().amax(dim=-1))
+    if candidates == 1:
+        return scale
+    e0, _ = _exponent_and_mantissa(scale)
+    unit = exp2i((NVFP4_ERROR_BITS - e0).clamp(max=127))[..., None]
+    best, best_err, c = scale, None, scale
+    for _ in range(candidates):
+        values = e2m1_decode(e2m1_encode(e2m1_ratio(groups, c))) * c[..., None]
+        units = (values - groups).abs() * unit
+        cap = torch.full_like(units, NVFP4_ERROR_CAP)
+        capped = torch.where(units < NVFP4_ERROR_CAP, units, cap)
+        err = (capped.to(torch.int32) ** 2).sum(dim=-1, dtype=torch.int32)
+        if best_err is None:
+            best_err = err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, c, best), torch.where(better, err, best_err)
+        c = torch.where(c > 0, e4m3_next_down(c), c)
+    return best
+
+
+def e2m1_ratio(groups: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``groups / scale`` clamped to ±6 (IEEE division, as the kernels' ``div_rn``); 0 where
+    the scale is 0."""
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    ratio = torch.where(scale[..., None] > 0, groups / safe, torch.zeros_like(groups))
+    return ratio.clamp(-E2M1_MAX, E2M1_MAX)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from typing import Literal
 
 QKFormat = Literal["e4m3", "nvfp4"]
 GradQK = Literal["codes", "input"]
+MAX_NVFP4_SCALE_CANDIDATES = 8
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class Recipe:
       BF16 (exact for BF16 inputs; ``numerics.grad_operand``) with Q̂/K̂'s E4M3 exponents,
       so dŜ's codes and scales are those of ``"codes"``. The scores keep Q̂/K̂ either way:
       the forward and P̂ do not change.
+    * ``nvfp4_scale_candidates`` — NVFP4 Q/K only (N7): E4M3 block scales tried per group of
+      16, from the round-up scale downwards one E4M3 step at a time; each group keeps the
+      one of least squared error (``numerics.nvfp4_group_scale``). 1 is the round-up scale
+      alone (no code clamps); the presets use 3 (relative error of normal data 0.100 →
+      0.087).
 
     V is always E4M3 per key (N3); P and dS are E4M3; dO is E4M3 with token-block scales.
     """
@@ -36,8 +42,14 @@ class Recipe:
     ds_block: tuple[int, int] = (32, 32)
     dq_ds_block: tuple[int, int] = (32, 64)
     grad_qk: GradQK = "codes"
+    nvfp4_scale_candidates: int = 3
 
     def __post_init__(self) -> None:
+        if not 1 <= self.nvfp4_scale_candidates <= MAX_NVFP4_SCALE_CANDIDATES:
+            raise ValueError(
+                f"Recipe.nvfp4_scale_candidates must be in [1, {MAX_NVFP4_SCALE_CANDIDATES}], "
+                f"got {self.nvfp4_scale_candidates!r}"
+            )
         if self.grad_qk not in ("codes", "input"):
             raise ValueError(f"Recipe.grad_qk must be 'codes' or 'input', got {self.grad_qk!r}")
 

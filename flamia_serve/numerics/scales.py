@@ -19,9 +19,10 @@ from flamia_serve.numerics.formats import (
     NVFP4_MAX,
     e2m1_decode,
     e2m1_encode,
+    e2m1_ratio,
     e4m3_encode,
     exp2i,
-    nvfp4_block_scale,
+    nvfp4_group_scale,
     pack_e2m1,
     pow2_exponent_ceil,
     unpack_e2m1,
@@ -146,13 +147,16 @@ def grad_operand(x: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     return (x.float() * exp2i(-exponents.int())[..., None]).to(torch.bfloat16)
 
 
-def quantize_nvfp4(x: torch.Tensor, *, second_level: bool = True) -> NVFP4Tensor:
+def quantize_nvfp4(
+    x: torch.Tensor, *, second_level: bool = True, scale_candidates: int = 1
+) -> NVFP4Tensor:
     """NVFP4 per token (N7, N10): E2M1 codes, one E4M3 scale per 16 elements.
 
     With ``second_level`` a per-token power-of-two exponent ``e = ceil(log2(amax/2688))``
     first brings the token into E4M3-scale range (never a per-tensor scale: that leaks the
-    future). Block scales round up, so no code clamps. Without it (KV-cache slot with no
-    room for the exponent) block scales saturate at 448.
+    future). Block scales: ``nvfp4_group_scale`` with ``scale_candidates`` (1: round up, so
+    no code clamps; more: the candidate of least squared error, N7). Without the second
+    level (KV-cache slot with no room for the exponent) block scales saturate at 448.
     """
     t, h, d = x.shape
     if d % NVFP4_GROUP:
@@ -164,12 +168,10 @@ def quantize_nvfp4(x: torch.Tensor, *, second_level: bool = True) -> NVFP4Tensor
     else:
         exponents = torch.zeros(t, h, dtype=torch.int8, device=x.device)
     pow2 = exp2i(-exponents.int())[..., None]
-    scaled_amax = (amax16 * pow2).clamp(max=NVFP4_MAX)
-    scale = nvfp4_block_scale(scaled_amax)
     scaled = xf * pow2[..., None]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
-    ratio = torch.where(scale[..., None] > 0, scaled / safe, torch.zeros_like(scaled))
-    codes = e2m1_encode(ratio.clamp(-6.0, 6.0)).reshape(t, h, d)
+    # the round-up scale of a group past 2688 (no second level) saturates at 448
+    scale = nvfp4_group_scale(scaled.clamp(-NVFP4_MAX, NVFP4_MAX), scale_candidates)
+    codes = e2m1_encode(e2m1_ratio(scaled, scale)).reshape(t, h, d)
     return NVFP4Tensor(pack_e2m1(codes), scale.to(torch.float8_e4m3fn), exponents)
 
 

@@ -42,6 +42,7 @@ Backward (N5, N6; ``attention_backward``, twin of the backward kernels):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -84,12 +85,11 @@ def quantize_qkv(
         grads = dict(q_grad=grad_operand(q, q8.exponents), k_grad=grad_operand(k, k8.exponents))
     if recipe.qk_format == "e4m3":
         return QuantizedQKV(q8, k8, v8, **grads)
+    nvfp4 = functools.partial(quantize_nvfp4, scale_candidates=recipe.nvfp4_scale_candidates)
     if not recipe.hadamard:
-        return QuantizedQKV(q8, k8, v8, quantize_nvfp4(q), quantize_nvfp4(k), **grads)
+        return QuantizedQKV(q8, k8, v8, nvfp4(q), nvfp4(k), **grads)
     qr, kr = hadamard_transform(q), hadamard_transform(k)
-    return QuantizedQKV(
-        q8, k8, v8, quantize_nvfp4(qr), quantize_nvfp4(kr), 1.0 / q.shape[-1], **grads
-    )
+    return QuantizedQKV(q8, k8, v8, nvfp4(qr), nvfp4(kr), 1.0 / q.shape[-1], **grads)
 
 
 def _qk_operands(

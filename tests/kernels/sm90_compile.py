@@ -96,6 +96,7 @@ def quant_variants() -> None:
                           HADAMARD=had, LOG2_D=d.bit_length() - 1, WIDE=wide,
                           SCORES_ONLY=scores_only, SKIP_Q=skip_q, Q_ROWS=q_rows,
                           K_ROWS=grad_input, GRAD_INPUT=grad_input,
+                          SCALE_CANDIDATES=3 if nvfp4 else 1,
                           INTERPRET=False)  # fmt: skip
             _compile(quantize_qkv_kernel, ptrs, consts, 4)
             print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide} "

@@ -106,7 +106,7 @@ def write_kv_cache_kernel(
             tl.store(code_row[:, None] + code_cols[None, :], codes, mask=head_ok[:, None])
             tl.store(scale_row, e, mask=head_ok)
         else:
-            packed, scale, _, _ = nvfp4_rows(x, HKV_P2, D, False)
+            packed, scale, _, _ = nvfp4_rows(x, HKV_P2, D, False, 1)
             half_cols = tl.arange(0, D // 2)
             groups = tl.arange(0, D // 16)
             tl.store(code_row[:, None] + half_cols[None, :], packed, mask=head_ok[:, None])

@@ -215,6 +215,7 @@ def quantize_qkv(
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, WIDE=widen, SCORES_ONLY=bool(scores_only),
             SKIP_Q=bool(defer_q), Q_ROWS=q_rows, K_ROWS=k_rows, GRAD_INPUT=rec.grad_input,
+            SCALE_CANDIDATES=rec.nvfp4_scale_candidates if nvfp4 else 1,
             INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip

@@ -31,7 +31,7 @@ def _quantize_qk_head(
     out_wide, n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     PER_TOKEN: tl.constexpr, QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr, WIDE: tl.constexpr, SCORES_ONLY: tl.constexpr,
-    GRAD_INPUT: tl.constexpr, INTERPRET: tl.constexpr,
+    GRAD_INPUT: tl.constexpr, SCALE_CANDIDATES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``)
     and NVFP4 when asked (``WIDE``: also its values without the per-token power of two, BF16,
@@ -54,7 +54,7 @@ def _quantize_qk_head(
     if QK_NVFP4:
         if HADAMARD:
             x = hadamard_rows(x, BLOCK, D, LOG2_D)
-        packed, scale, e4, values = nvfp4_rows(x, BLOCK, D, True)
+        packed, scale, e4, values = nvfp4_rows(x, BLOCK, D, True, SCALE_CANDIDATES)
         if not SCORES_ONLY:
             half = tl.arange(0, D // 2)
             groups = tl.arange(0, D // 16)
@@ -143,6 +143,7 @@ def quantize_qkv_kernel(
     Q_ROWS: tl.constexpr,
     K_ROWS: tl.constexpr,
     GRAD_INPUT: tl.constexpr,
+    SCALE_CANDIDATES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
@@ -172,7 +173,7 @@ def quantize_qkv_kernel(
             q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
             q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
             HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
-            GRAD_INPUT, INTERPRET,
+            GRAD_INPUT, SCALE_CANDIDATES, INTERPRET,
         )  # fmt: skip
         if Q_ROWS:
             q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
@@ -187,7 +188,7 @@ def quantize_qkv_kernel(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
             HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
-            GRAD_INPUT, INTERPRET,
+            GRAD_INPUT, SCALE_CANDIDATES, INTERPRET,
         )  # fmt: skip
         if K_ROWS:
             k_at = k_rows_ptr + (v_t_key(col) * HKV + h)[:, None] * D + cols[None, :]
