@@ -9,7 +9,8 @@
 #                                                   # q-producer, quant-prefetch, d256-bwd,
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
 #                                                   # mixed-short, s19, s19-bench, dv-step,
-#                                                   # d128-passes, s19-w, grad-input
+#                                                   # d128-passes, s19-w, grad-input,
+#                                                   # nvfp4-search
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -351,6 +352,16 @@ if [[ $steps == *,grad-input,* ]]; then  # the mxfp8_grad_input recipe (DESIGN N
     --accuracy-only --name bwd_numerics_grad_input
   RUN_TAIL="-n 17" run bwd_numerics_grad_input_d256 90 python benchmarks/bwd_numerics.py \
     --d 256 --accuracy-only --name bwd_numerics_grad_input_d256
+fi
+if [[ $steps == *,nvfp4-search,* ]]; then  # NVFP4 block scales by least squared error (three
+  # candidates, Recipe.nvfp4_scale_candidates): the quantizers bit-exact against the twin on
+  # the GPU, the quantization's time with one and three candidates, accuracy at d = 128
+  run pytest_gpu_nvfp4_search 150 python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_quant.py tests/numerics/test_scales.py -k "nvfp4 or mixed"
+  RUN_TAIL="-n 16" run tune_quant_nvfp4_search 150 python benchmarks/tune_quant.py \
+    --workloads W1,W3,W7 --recipes mixed_nvfp4,mixed_nvfp4:1 --name tune_quant_nvfp4_search
+  RUN_TAIL="-n 17" run bwd_numerics_nvfp4_search 100 python benchmarks/bwd_numerics.py \
+    --accuracy-only --name bwd_numerics_nvfp4_search
 fi
 if [[ $steps == *,bwd-profile,* ]]; then  # ncu of one CuTe backward launch (T = 8192,
   # d = ${FLAMIA_PROFILE_D:-128})

@@ -1,7 +1,9 @@
 """Sweep the fused quantization kernel (warps, persistent programs per SM) against the
 copy-bandwidth floor, per recipe.
 
-    python benchmarks/tune_quant.py [--workloads W1,W3,W4,W7] [--recipes mxfp8,mixed_nvfp4]
+    python benchmarks/tune_quant.py [--workloads W1,W3,W4,W7]
+        [--recipes mxfp8,mixed_nvfp4,mixed_nvfp4:1]
+(``name:N``: the preset with ``nvfp4_scale_candidates=N``)
 
 GPU time is the kernel replayed from a CUDA graph; ``eager`` adds the host-side launch
 (allocations, argument binding), which hides behind the attention kernel in training.
@@ -12,6 +14,7 @@ Writes ``tune_quant.json``; the best goes into ``quantize_qkv``'s defaults by ha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -23,6 +26,7 @@ import torch
 
 from benchmarks.common import copy_bandwidth, graph_time, time_ms, write_results
 from benchmarks.workloads import HEAD_DIM, HKV, HQ, training_workload
+from flamia_serve.numerics import Recipe, resolve_recipe
 
 SWEEP = [  # num_warps, persistent programs per SM
     (4, 7), (4, 16), (4, 32), (2, 16), (2, 32), (8, 8), (8, 16), (16, 4),
@@ -58,8 +62,9 @@ def main() -> int:
         k, v = (torch.randn(t, HKV, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in "kv")
         moved = quant_bytes(t, HQ + 2 * HKV, HEAD_DIM)
         floor_ms = moved / (copy["gbps"] * 1e9) * 1e3
-        for recipe in args.recipes.split(","):
-            widen = recipe != "mxfp8" and not args.no_widen
+        for label in args.recipes.split(","):
+            recipe = _recipe(label)
+            widen = recipe.qk_format == "nvfp4" and not args.no_widen
             for warps, per_sm, scores_only in [
                 (w, p, s) for s in ((False, True) if widen and args.scores_only else (False,))
                 for w, p in SWEEP
@@ -70,19 +75,28 @@ def main() -> int:
                 )  # fmt: skip
                 gpu = graph_time(run)
                 eager = time_ms(run)
-                print(f"{name} {recipe} widen={widen} scores_only={scores_only} warps={warps} "
+                print(f"{name} {label} widen={widen} scores_only={scores_only} warps={warps} "
                       f"programs/SM={per_sm}: "
                       f"GPU {gpu['ms'] * 1e3:.1f} us "
                       f"(mxfp8 floor {floor_ms * 1e3:.1f} us, ratio {gpu['ms'] / floor_ms:.2f}), "
                       f"eager {eager['ms'] * 1e3:.1f} us")  # fmt: skip
-                rows.append({"workload": name, "pass": "quant", "impl": f"flamia-{recipe}-quant",
-                             "recipe": recipe, "widen": widen, "scores_only": scores_only,
+                rows.append({"workload": name, "pass": "quant", "impl": f"flamia-{label}-quant",
+                             "recipe": label, "widen": widen, "scores_only": scores_only,
                              "num_warps": warps, "programs_per_sm": per_sm,
                              **gpu, "eager_ms": eager["ms"], "tflops": None,
                              "gbps": moved / (gpu["ms"] * 1e-3) / 1e9,
                              "floor_ratio": gpu["ms"] / floor_ms})  # fmt: skip
     write_results(args.name, rows)
     return 0
+
+
+def _recipe(label: str) -> Recipe:
+    """A preset name, or ``name:N`` for the preset with ``nvfp4_scale_candidates=N``."""
+    name, _, candidates = label.partition(":")
+    recipe = resolve_recipe(name)
+    if candidates:
+        recipe = dataclasses.replace(recipe, nvfp4_scale_candidates=int(candidates))
+    return recipe
 
 
 if __name__ == "__main__":
