@@ -61,6 +61,23 @@ def test_quant_kernel_bit_exact(lens, hq, hkv, d, recipe, exact, device) -> None
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("candidates", [1, 2, 5])
+def test_quant_kernel_nvfp4_scale_search_bit_exact(candidates, device) -> None:
+    """The NVFP4 block-scale search (``Recipe.nvfp4_scale_candidates``) picks the twin's
+    scales, bit for bit, on groups spread over ~2^40 with exact powers of two and zeros."""
+    recipe = dataclasses.replace(resolve_recipe("mixed_nvfp4"), nvfp4_scale_candidates=candidates)
+    q, k, v, cu, _ms = make_pack((45, 1, 50), 4, 2, 64, seed=9, device=device)
+    spread = torch.exp(torch.randn(q.shape[0], 1, 4, device=device) * 6).repeat_interleave(16, -1)
+    q = (q * spread).to(q.dtype)
+    k[:, :, :16] = 2.0 ** torch.randint(-10, 6, k[:, :, :16].shape, device=device).to(k.dtype)
+    k[5] = 0
+    got = quantize_qkv(q, k, v, cu, recipe=recipe).to_reference()
+    ref = reference_quantize_qkv(q, k, v, cu, recipe, False)
+    for a, b in ((got.q4, ref.q4), (got.k4, ref.k4)):
+        assert _same(a.codes, b.codes)
+        assert _same(a.block_scales, b.block_scales)
+
+
 def test_v_t_key_order() -> None:
     """``v_t_position`` permutes keys inside 16-key groups (the order that makes an FP8
     ``wgmma`` accumulator fragment the A fragment of the next one), ``v_t_key`` inverts it."""

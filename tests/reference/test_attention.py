@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from flamia_serve.numerics import Recipe, resolve_recipe
 from flamia_serve.probes import (
     attention_fn,
     cross_document_grad_leakage,
@@ -126,6 +129,27 @@ def test_grad_input_changes_only_dq_and_dk_and_makes_them_closer(exact: bool) ->
     for i in (1, 2):
         assert not torch.equal(codes[i], grad_input[i])
         assert _cos(grad_input[i], ref[i]) > _cos(codes[i], ref[i]) + 2e-4
+
+
+def test_nvfp4_scale_search_brings_mixed_closer_to_float64() -> None:
+    """Three block-scale candidates per NVFP4 group (the presets) against the round-up scale
+    alone: O, dQ, dK, dV of ``mixed_nvfp4`` all closer to float64 (DESIGN N7)."""
+    q, k, v, cu, ms = make_pack((1, 63, 200, 37), 8, 2, 128, seed=4)
+    d_out = torch.randn(q.shape).to(q.dtype)
+    ref = _grads(attention_float64, q, k, v, cu, ms, d_out.double())
+    searched = resolve_recipe("mixed_nvfp4")
+    round_up = dataclasses.replace(searched, nvfp4_scale_candidates=1)
+    one, three = (
+        _grads(lambda *a, r=r: attention(*a, recipe=r), q, k, v, cu, ms, d_out)
+        for r in (round_up, searched)
+    )
+    for i in range(4):
+        assert _cos(three[i], ref[i]) > _cos(one[i], ref[i]) + 5e-4, i
+
+
+def test_recipe_rejects_bad_scale_candidates() -> None:
+    with pytest.raises(ValueError, match="nvfp4_scale_candidates"):
+        Recipe("x", qk_format="nvfp4", nvfp4_scale_candidates=0)
 
 
 def test_per_tensor_fp8_leaks() -> None:
