@@ -178,10 +178,10 @@ def flamia_attn_varlen(
         ``O [T, Hq, d]`` in the input dtype (and the statistics when asked). Gradients flow
         to q, k, v (dQ is accumulated with FP32 atomics: not bitwise repeatable).
     """
-    if plan is not None and plan.cu_seqlens is not cu_seqlens:
-        raise ValueError("plan was built for another cu_seqlens tensor")
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
         check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)  # raises, naming the argument
+    if plan is not None:
+        plan.check_call(q.shape[0] if q.dim() else -1, cu_seqlens, max_seqlen)
     compiling = torch.compiler.is_compiling()
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     options = (causal, recipe, exact_causal, softmax_scale, config, bwd_config)

@@ -41,11 +41,35 @@ class VarlenPlan:
     max_seqlen: int
     blocks: TokenBlocks
     reuse: bool = True
+    #: ``cu_seqlens._version`` when planned (-1 inside ``torch.compile``): an in-place change
+    #: of ``cu_seqlens`` afterwards makes the plan stale (``check_call`` refuses it)
+    cu_version: int = -1
     _work: dict[tuple, WorkList] = field(default_factory=dict, repr=False)
     _blocks: dict[int, TokenBlocks] = field(default_factory=dict, repr=False)
     _columns: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _workspaces: dict[tuple, PackWorkspace] = field(default_factory=dict, repr=False)
     calls: dict[tuple, object] = field(default_factory=dict, repr=False)
+
+    def check_call(self, total_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: object) -> None:
+        """A call with this plan must pass the same ``cu_seqlens`` tensor, unchanged since
+        planning, ``max_seqlen`` and q/k/v of ``total_tokens`` tokens (``ValueError`` names
+        what differs): the kernels trust the plan's schedules, sized for its pack."""
+        if self.cu_seqlens is not cu_seqlens:
+            raise ValueError("plan was built for another cu_seqlens tensor")
+        compiling = torch.compiler.is_compiling()
+        if self.cu_version >= 0 and not compiling and cu_seqlens._version != self.cu_version:
+            raise ValueError(
+                "cu_seqlens was modified in place after plan_varlen built the plan: build a new "
+                "plan for the new values"
+            )
+        if total_tokens != self.total_tokens:
+            raise ValueError(
+                f"q has {total_tokens} tokens but the plan was built for {self.total_tokens}"
+            )
+        if max_seqlen != self.max_seqlen:
+            raise ValueError(
+                f"max_seqlen ({max_seqlen}) differs from the plan's ({self.max_seqlen})"
+            )
 
     def workspace(self, device: torch.device, stream: int | None) -> PackWorkspace:
         """The buffers of this pack's calls on ``device`` in the stream ``stream`` (a CUDA
@@ -117,4 +141,5 @@ def plan_varlen(
         device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
         check_max_seqlen(max_seqlen, check_cu_seqlens(cu_seqlens, total_tokens, device))
     blocks = token_block_table(cu_seqlens, total_tokens)
-    return VarlenPlan(cu_seqlens, total_tokens, max_seqlen, blocks, reuse)
+    version = -1 if torch.compiler.is_compiling() else cu_seqlens._version
+    return VarlenPlan(cu_seqlens, total_tokens, max_seqlen, blocks, reuse, version)

@@ -19,6 +19,7 @@ from triton.compiler import CompiledKernel
 from flamia_serve.numerics import operands
 from flamia_serve.numerics.formats import NVFP4_ERROR_BITS as _NVFP4_ERROR_BITS
 from flamia_serve.numerics.formats import NVFP4_ERROR_CAP as _NVFP4_ERROR_CAP
+from flamia_serve.numerics.scales import V_ZERO_EXPONENT as _V_ZERO_EXPONENT
 
 
 def _jit_int_rule(fn: types.FunctionType) -> triton.JITFunction:
@@ -325,6 +326,7 @@ E4M3_MANT = tl.constexpr(0x600000)
 NVFP4_EXP = tl.constexpr(11)  # 2688 = 6 * 448 = 1.3125 * 2**11
 NVFP4_MANT = tl.constexpr(0x280000)
 NVFP4_ERROR_BITS = tl.constexpr(_NVFP4_ERROR_BITS)
+V_ZERO_EXPONENT = tl.constexpr(_V_ZERO_EXPONENT)
 NVFP4_ERROR_CAP = tl.constexpr(float(_NVFP4_ERROR_CAP))
 
 
@@ -338,6 +340,13 @@ def fp8_rows(x, PER_TOKEN: tl.constexpr, INTERPRET: tl.constexpr):
     e = pow2_exponent_ceil(amax, E4M3_EXP, E4M3_MANT)
     codes = to_e4m3(x * exp2i(-e)[:, None], INTERPRET)
     return codes, e
+
+
+@triton.jit
+def v_row_exponents(x, e):
+    """``e`` with all-zero rows of ``x`` at ``V_ZERO_EXPONENT`` (numerics.quantize_fp8's
+    ``zero_exponent`` for V, N3)."""
+    return tl.where(tl.max(tl.abs(x), axis=1) == 0.0, V_ZERO_EXPONENT, e)
 
 
 @triton.jit

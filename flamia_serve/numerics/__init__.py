@@ -27,6 +27,7 @@ from flamia_serve.numerics.formats import (
 from flamia_serve.numerics.recipe import RECIPES, Recipe, resolve_recipe
 from flamia_serve.numerics.scales import (
     TOKEN_BLOCK,
+    V_ZERO_EXPONENT,
     Block2DTensor,
     FP8Tensor,
     Granularity,
@@ -50,6 +51,7 @@ __all__ = [
     "P_HAT_EXP",
     "RECIPES",
     "TOKEN_BLOCK",
+    "V_ZERO_EXPONENT",
     "Block2DTensor",
     "FP8Tensor",
     "Granularity",

@@ -35,14 +35,26 @@ def check_tensor(
     return x
 
 
+def check_cu_seqlens_layout(cu_seqlens: object, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` is a contiguous 1-D int32 tensor on ``device`` (no host read: the
+    kernels index it as a plain array, so a strided view would be read wrongly)."""
+    cu = check_tensor(cu_seqlens, "cu_seqlens", ndim=1, dtypes=(torch.int32,))
+    if cu.device != device:
+        raise ValueError(f"cu_seqlens must be on {device}, got {cu.device}")
+    if not cu.is_contiguous():
+        raise ValueError(
+            f"cu_seqlens must be contiguous (got stride {cu.stride(0)}); pass "
+            "cu_seqlens.contiguous()"
+        )
+    return cu
+
+
 def check_cu_seqlens(cu_seqlens: object, total_tokens: int, device: torch.device) -> int:
     """Validate ``cu_seqlens`` (int32, 1-D, starts at 0, non-decreasing, ends at T).
 
     Returns the largest document length. Reads the values on the host (one sync).
     """
-    cu = check_tensor(cu_seqlens, "cu_seqlens", ndim=1, dtypes=(torch.int32,))
-    if cu.device != device:
-        raise ValueError(f"cu_seqlens must be on {device}, got {cu.device}")
+    cu = check_cu_seqlens_layout(cu_seqlens, device)
     if cu.numel() < 2:
         raise ValueError(f"cu_seqlens needs at least 2 entries (B+1), got {cu.numel()}")
     host = cu.cpu()
@@ -102,6 +114,7 @@ def check_varlen_inputs(
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
     if not check_values:
+        check_cu_seqlens_layout(cu_seqlens, q.device)
         return VarlenShape(total, cu_seqlens.numel() - 1, hq, k.shape[1], d)
     check_max_seqlen(max_seqlen, check_cu_seqlens(cu_seqlens, total, q.device))
     return VarlenShape(total, cu_seqlens.numel() - 1, hq, hkv, d)

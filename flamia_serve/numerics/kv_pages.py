@@ -36,6 +36,7 @@ import torch
 from flamia_serve.numerics.formats import E4M3_MAX
 from flamia_serve.numerics.scales import (
     NVFP4_GROUP,
+    V_ZERO_EXPONENT,
     Granularity,
     NVFP4Tensor,
     quantize_fp8,
@@ -242,7 +243,7 @@ def encode_slots(
         codes = x.to(fmt.dtype.value_dtype).contiguous().view(torch.uint8)  # type: ignore[arg-type]
         return codes, none
     if fmt.dtype is KVCacheFormat.FP8:
-        q = quantize_fp8(x, None, Granularity.TOKEN)
+        q = quantize_fp8(x, None, Granularity.TOKEN, zero_exponent=V_ZERO_EXPONENT)
         scales = q.exponents.to(torch.int32).contiguous().view(torch.uint8).view(n, h, 4)
         return q.codes.view(torch.uint8), scales
     if fmt.dtype is KVCacheFormat.FP8_STATIC:

@@ -16,6 +16,7 @@ import torch
 
 from flamia_serve.numerics.formats import (
     E4M3_MAX,
+    EXP_MIN,
     NVFP4_MAX,
     e2m1_decode,
     e2m1_encode,
@@ -30,6 +31,10 @@ from flamia_serve.numerics.formats import (
 
 TOKEN_BLOCK = 32
 NVFP4_GROUP = 16
+#: exponent of an all-zero V row (N3): V's exponent is folded into the key's logit, so
+#: EXP_MIN would scale its probability by 2^-127, which underflows and drops the key from
+#: the normaliser (every other key's weight then comes out too large)
+V_ZERO_EXPONENT = 0
 
 
 class Granularity(enum.Enum):
@@ -115,15 +120,21 @@ def fp8_exponents(
     cu_seqlens: torch.Tensor | None,
     granularity: Granularity,
     block: int = TOKEN_BLOCK,
+    *,
+    zero_exponent: int = EXP_MIN,
 ) -> torch.Tensor:
-    """Scale exponents ``[T, H]`` int8 for E4M3 codes of ``x`` ``[T, H, d]`` (N1, N2, N4)."""
+    """Scale exponents ``[T, H]`` int8 for E4M3 codes of ``x`` ``[T, H, d]`` (N1, N2, N4);
+    all-zero groups get ``zero_exponent`` (their codes are zero whatever it is)."""
     if granularity is Granularity.TOKEN:
         amax = x.float().abs().amax(dim=-1)
     else:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens is required for token-block scales")
         amax = group_amax(x, token_block_ids(cu_seqlens, x.shape[0], block))
-    return pow2_exponent_ceil(amax, E4M3_MAX)
+    exponents = pow2_exponent_ceil(amax, E4M3_MAX)
+    if zero_exponent != EXP_MIN:
+        exponents = torch.where(amax == 0, torch.full_like(exponents, zero_exponent), exponents)
+    return exponents
 
 
 def quantize_fp8(
@@ -131,9 +142,12 @@ def quantize_fp8(
     cu_seqlens: torch.Tensor | None = None,
     granularity: Granularity = Granularity.TOKEN_BLOCK,
     block: int = TOKEN_BLOCK,
+    *,
+    zero_exponent: int = EXP_MIN,
 ) -> FP8Tensor:
-    """E4M3 codes with power-of-two exponents rounded up (never clamps), RNE codes."""
-    exponents = fp8_exponents(x, cu_seqlens, granularity, block)
+    """E4M3 codes with power-of-two exponents rounded up (never clamps), RNE codes.
+    ``zero_exponent``: the exponent of all-zero groups (``V_ZERO_EXPONENT`` for V, N3)."""
+    exponents = fp8_exponents(x, cu_seqlens, granularity, block, zero_exponent=zero_exponent)
     codes = e4m3_encode(x.float() * exp2i(-exponents.int())[..., None])
     return FP8Tensor(codes, exponents)
 

@@ -50,6 +50,7 @@ import torch
 
 from flamia_serve.numerics import (
     P_HAT_EXP,
+    V_ZERO_EXPONENT,
     Granularity,
     Recipe,
     document_slices,
@@ -79,7 +80,7 @@ def quantize_qkv(
     qk_gran = Granularity.TOKEN if exact_causal else Granularity.TOKEN_BLOCK
     q8 = quantize_fp8(q, cu_seqlens, qk_gran, recipe.token_block)
     k8 = quantize_fp8(k, cu_seqlens, qk_gran, recipe.token_block)
-    v8 = quantize_fp8(v, cu_seqlens, Granularity.TOKEN)
+    v8 = quantize_fp8(v, cu_seqlens, Granularity.TOKEN, zero_exponent=V_ZERO_EXPONENT)
     grads = {}
     if recipe.grad_input:
         grads = dict(q_grad=grad_operand(q, q8.exponents), k_grad=grad_operand(k, k8.exponents))
@@ -253,7 +254,9 @@ def _backward_documents(
         f = torch.exp2(m_rows[sl].t() - P_HAT_EXP - lse_rows[sl].t())  # [Hq, L]
         v_inv = exp2i(-probs.ev.int())[:, None, :]  # [Hq, 1, L]
         dp = torch.einsum("ihd,jhd->hij", do_q[sl], _per_q_head(v_deq[sl], group))
-        p = probs.p_hat * v_inv * f[..., None]  # P̂ normalized: each row sums to 1
+        # P̂ normalized (each row sums to 1); the two factors first: a zero V row has 2^-eV =
+        # 2^127, which times P̂ alone could overflow
+        p = probs.p_hat * (v_inv * f[..., None])
         yield sl, probs, v_inv, p * (dp - qdo.delta[sl].t()[..., None])
 
 

@@ -116,6 +116,19 @@ def _compute_dtype(query: torch.Tensor, value: torch.Tensor) -> torch.dtype:
     return torch.bfloat16
 
 
+#: keyword arguments of transformers' attention interface that change the result and that
+#: flamia does not implement (Gemma 2 logit softcapping, GPT-OSS sinks); a sliding window
+#: (Mistral, Qwen, Gemma) is refused only where a document is longer than it
+UNSUPPORTED_KWARGS = ("softcap", "s_aux")
+
+
+def _unsupported(name: str, value: object) -> None:
+    raise NotImplementedError(
+        f"flamia attention does not implement {name} (got {value!r}): use another "
+        "attn_implementation for this model (the result would silently differ)"
+    )
+
+
 def flamia_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -133,6 +146,9 @@ def flamia_attention_forward(
         raise ValueError(
             f"flamia attention has no dropout; set attention_dropout=0 (got {dropout})"
         )
+    for name in UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            _unsupported(name, kwargs[name])
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(
             "flamia attention is a training attention (query and key lengths equal); for "
@@ -151,6 +167,9 @@ def flamia_attention_forward(
     batch, _, seq, _ = query.shape
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))  # [B, S, H, d]
     packed = _packed_plan(kwargs, batch * seq) if batch == 1 else None
+    window = kwargs.get("sliding_window")
+    if window is not None and window < (packed[1] if packed is not None else seq):
+        _unsupported("sliding_window", window)  # a window no document exceeds changes nothing
     if packed is not None:
         cu, max_len, plan = packed
         if not use_kernels(q.device, opts["path"]):

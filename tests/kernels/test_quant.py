@@ -44,6 +44,7 @@ def test_quant_kernel_bit_exact(lens, hq, hkv, d, recipe, exact, device) -> None
     q, k = q * spread, k * spread.flip(0)
     q[3] = 0
     v[2] = 3e4
+    v[4] = 0  # a zero V row: exponent V_ZERO_EXPONENT, not EXP_MIN (N3)
     before = [x.clone() for x in (q, k, v, cu)]
     got = quantize_qkv(q, k, v, cu, recipe=recipe, exact_causal=exact).to_reference()
     ref = reference_quantize_qkv(q, k, v, cu, resolve_recipe(recipe), exact)

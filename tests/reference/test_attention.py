@@ -152,6 +152,23 @@ def test_recipe_rejects_bad_scale_candidates() -> None:
         Recipe("x", qk_format="nvfp4", nvfp4_scale_candidates=0)
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "mixed_nvfp4"])
+def test_zero_v_rows_keep_their_probability(recipe: str) -> None:
+    """Keys whose V row is zero (zero-initialised projections, padding) still count in the
+    softmax normaliser: their V exponent is ``V_ZERO_EXPONENT``, so the folded probability
+    does not underflow (with EXP_MIN every other key's weight came out too large: O cos-sim
+    0.78 and NaN gradients)."""
+    q, k, v, cu, ms = make_pack((64, 100), 2, 1, 64, seed=2)
+    v[:32] = 0  # the first document's first half
+    v[64:65] = 0  # one key of the second
+    d_out = torch.randn(q.shape).to(q.dtype)
+    ref = _grads(attention_float64, q, k, v, cu, ms, d_out.double())
+    got = _grads(lambda *a: attention(*a, recipe=recipe), q, k, v, cu, ms, d_out)
+    for i in range(4):
+        assert torch.isfinite(got[i]).all(), i
+        assert _cos(got[i], ref[i]) > 0.99, (i, _cos(got[i], ref[i]))
+
+
 def test_per_tensor_fp8_leaks() -> None:
     q, k, v, cu, ms = make_pack((45, 97, 70), 4, 2, 64, seed=1)
     fn = attention_fn(None, False)

@@ -22,6 +22,7 @@ from flamia_serve.kernels._common import (
     to_bf16,
     to_e4m3,
     to_out,
+    v_row_exponents,
 )
 from flamia_serve.numerics.exp2 import RNE_MAGIC as _RNE_MAGIC
 from flamia_serve.numerics.exp2 import RNE_MAGIC_BITS as _RNE_MAGIC_BITS
@@ -103,6 +104,7 @@ def write_kv_cache_kernel(
             tl.store(code_row[:, None] + code_cols[None, :], codes, mask=head_ok[:, None])
         elif KV_FMT == FP8:
             codes, e = fp8_rows(x, True, INTERPRET)
+            e = v_row_exponents(x, e)  # K rows too: a zero row's codes are zero
             tl.store(code_row[:, None] + code_cols[None, :], codes, mask=head_ok[:, None])
             tl.store(scale_row, e, mask=head_ok)
         else:

@@ -16,6 +16,7 @@ from flamia_serve.kernels._common import (
     nvfp4_rows,
     to_bf16,
     to_e4m3,
+    v_row_exponents,
     v_t_key,
 )
 from flamia_serve.numerics.formats import P_HAT_EXP as _P_HAT_EXP
@@ -205,6 +206,7 @@ def quantize_qkv_kernel(
         x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         codes, e = fp8_rows(x, True, INTERPRET)
+        e = v_row_exponents(x, e)
         vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
         pad_ok = _padded_rows(length, rows)
         tl.store(vt_ptrs, tl.trans(codes), mask=pad_ok[None, :])
