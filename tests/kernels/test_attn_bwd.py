@@ -426,6 +426,12 @@ def test_training_entry_point_errors(device) -> None:
         flamia_attention_forward(module, query, key, key, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="KV cache"):
         flamia_attention_forward(module, query[:, :, :1], key, key, None)
+    for name, value in (("softcap", 30.0), ("s_aux", torch.zeros(2)), ("sliding_window", 4)):
+        with pytest.raises(NotImplementedError, match=name):
+            flamia_attention_forward(module, query, key, key, None, **{name: value})
+    # a window no document exceeds changes nothing: accepted
+    out, _ = flamia_attention_forward(module, query, key, key, None, sliding_window=8)
+    assert out.shape == (1, 8, 2, 64)
     big = torch.zeros(2049, 2, 64, dtype=torch.bfloat16, device=device)
     cu_big = torch.tensor([0, 2049], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="T must be <= 2048"):

@@ -207,6 +207,29 @@ def test_api_errors(device) -> None:
         flamia_attn_varlen(q[..., :48], k[..., :48], v[..., :48], cu, ms)
     with pytest.raises(ValueError, match="share \\[B, S\\]"):
         flamia_attn(q.view(1, 60, 4, 64), k.view(2, 30, 2, 64), v.view(2, 30, 2, 64))
+    strided = torch.stack([cu, cu], dim=1)[:, 0]  # the right values, stride 2
+    with pytest.raises(ValueError, match="cu_seqlens must be contiguous"):
+        flamia_attn_varlen(q, k, v, strided, ms)
+
+
+def test_plan_must_match_the_call(device) -> None:
+    """A plan sizes the kernels' schedules: q of another length, another max_seqlen, another
+    cu_seqlens tensor or the same one changed in place are refused by name."""
+    q, k, v, cu, ms = make_pack((20, 40), 2, 1, 64, device=device)
+    plan = plan_varlen(cu, 60, ms)
+    more = make_pack((20, 50), 2, 1, 64, device=device)[:3]
+    with pytest.raises(ValueError, match="q has 70 tokens but the plan was built for 60"):
+        flamia_attn_varlen(*more, cu, ms, plan=plan)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        flamia_attn_varlen(q, k, v, cu, ms + 1, plan=plan)
+    with pytest.raises(ValueError, match="another cu_seqlens"):
+        flamia_attn_varlen(q, k, v, cu.clone(), ms, plan=plan)
+    out = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+    cu.copy_(torch.tensor([0, 30, 60], dtype=torch.int32))  # the next microbatch's lengths
+    with pytest.raises(ValueError, match="modified in place"):
+        flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+    fresh = flamia_attn_varlen(q, k, v, cu, ms, plan=plan_varlen(cu, 60, ms))
+    assert not torch.equal(out, fresh)  # the documents did change
 
 
 def test_empty_pack_and_empty_documents(device) -> None:
