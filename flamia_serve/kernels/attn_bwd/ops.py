@@ -126,10 +126,10 @@ def default_bwd_config(
     """The CuTe kernel where it runs (``cute_bwd_runs`` on an sm_90 GPU with the ``cute``
     extra), whichever kernel ran the forward (the backward quantizes into its own layout,
     ``BwdConfig.column_align``), unless documents are under ``CUTE_BWD_MIN_MEAN_DOCUMENT``
-    tokens on average (when ``mean_doc_len`` is given) or the recipe's ``grad_qk`` is
-    ``"input"`` (``grad_input``: the CuTe kernel's BF16 dQ form has compiled for sm_90a on a
-    CPU but not yet run on a GPU; ``BwdConfig(kernel="cute")`` asks for it); else the Triton
-    kernel:
+    tokens on average (when ``mean_doc_len`` is given); else the Triton kernel (``grad_input``,
+    the recipe's ``grad_qk == "input"``, runs the CuTe kernel's BF16 dQ form: H200, W3
+    backward 65.1 ms against the Triton kernel's 310, ``results/train_attention_grad_input_
+    2026-12-05.json``):
     one warpgroup; at d=256 two programs per key tile, each with 128 columns of dK/dV/dQ
     (H200, P2's shape: 63.5 ms against 69.3 for 8 warps unsplit,
     ``results/tune_bwd_d256_2026-12-04.json``; the CuTe kernel 8.9 ms). H200, T=8192
@@ -142,7 +142,8 @@ def default_bwd_config(
     if device.type != "cuda":
         return BwdConfig(num_warps=4, num_stages=1)
     short = mean_doc_len is not None and mean_doc_len < CUTE_BWD_MIN_MEAN_DOCUMENT
-    cute = kernel is None and not short and not grad_input and cute_bwd_runs(head_dim)
+    del grad_input  # both gradient-operand forms run on both kernels
+    cute = kernel is None and not short and cute_bwd_runs(head_dim)
     if cute and _cute_available(device):
         return CUTE_BWD_CONFIG
     return BwdConfig(num_warps=4, head_dim_parts=1 if head_dim <= 128 else 2)

@@ -112,8 +112,8 @@ def quantize_qkv(
     with_transposed: bool = False,
     column_align: int = V_T_ALIGN,
     columns: torch.Tensor | None = None,
-    num_warps: int = 4,
-    programs_per_sm: int = 32,
+    num_warps: int | None = None,
+    programs_per_sm: int | None = None,
     workspace: PackWorkspace | None = None,
     widen: bool = False,
     scores_only: bool = False,
@@ -127,8 +127,11 @@ def quantize_qkv(
     Same codes as ``flamia_serve.reference.quantize_qkv``, bit for bit. Inputs are assumed
     checked (public entry points do that); ``blocks`` may be passed to reuse a plan.
     ``num_warps`` / ``programs_per_sm`` (persistent grid) default to the H200's best for
-    both Q/K formats (``benchmarks/tune_quant.py``: NVFP4, compute-bound, gains nothing
-    from 8 warps). ``with_transposed`` also builds ``q_t``/``k_t`` (the backward's
+    both Q/K formats (``benchmarks/tune_quant.py``): 4 warps and 32 programs per SM, or 8
+    and 16 for NVFP4 Q/K with a block-scale search (``Recipe.nvfp4_scale_candidates`` > 1:
+    W3 1.25 ms against 2.32 at 4 warps; 0.65 ms without the search,
+    ``results/tune_quant_nvfp4_search_2026-12-05.json``). ``with_transposed`` also builds
+    ``q_t``/``k_t`` (the backward's
     column-layout copies of the Q/K codes) with a torch scatter: written from the kernel,
     per-token (``exact_causal``) codes came out scrambled in some head-dim columns on the
     H200 (Triton 3.6, FP8 tile stored transposed). ``column_align``: documents start at
@@ -176,6 +179,9 @@ def quantize_qkv(
     heads_kv = k.shape[1]
     dev = q.device
     check_column_align(column_align)
+    searching = rec.qk_format == "nvfp4" and rec.nvfp4_scale_candidates > 1
+    num_warps = num_warps or (8 if searching else 4)
+    programs_per_sm = programs_per_sm or (16 if searching else 32)
     if blocks is None:
         blocks = token_block_table(cu_seqlens, total, rec.token_block, column_align)
     for name, x in (("q", q), ("k", k), ("v", v)):
