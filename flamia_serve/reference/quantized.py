@@ -47,6 +47,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from flamia_serve.numerics import (
     P_HAT_EXP,
@@ -354,6 +355,7 @@ class _ReferenceAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # a second derivative would silently miss the quantized path
     def backward(ctx, d_out):
         out, m_rows, lse_rows, cu_seqlens = ctx.saved_tensors
         recipe, causal, softmax_scale, dtype = ctx.args

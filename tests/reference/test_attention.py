@@ -256,3 +256,14 @@ def test_bad_inputs_raise(case: str, change: dict, exc: type[Exception], match: 
         kwargs["softmax_scale"] = change["scale"]
     with pytest.raises(exc, match=match):
         attention(q, k, v, cu, ms, **kwargs)
+
+
+def test_double_backward_is_refused() -> None:
+    """The backward is once-differentiable: a second derivative raises instead of silently
+    differentiating only the path through the saved output."""
+    q, k, v, cu, ms = make_pack((20, 12), 2, 1, 64)
+    q.requires_grad_()
+    out = attention(q, k, v, cu, ms)
+    (gq,) = torch.autograd.grad((out.float() * 2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad((gq.float() ** 2).sum(), q)
