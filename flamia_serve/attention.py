@@ -229,6 +229,8 @@ def flamia_attn(
             f"q, k, v must share [B, S], got {tuple(q.shape[:2])}, {tuple(k.shape[:2])}, "
             f"{tuple(v.shape[:2])}"
         )
+    if batch * seq == 0:  # nothing to attend: an empty output (still in q's graph)
+        return q.clone()
     cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
     # valid by construction; one call: no buffers kept
     plan = plan_varlen(cu, batch * seq, seq, validate=False, reuse=False)

@@ -60,6 +60,13 @@ def flamia_attention(
         if kernels:
             return flamia_attn(q, k, v, **opts)
         batch, seq = q.shape[:2]
+        if k.shape[:2] != (batch, seq) or v.shape[:2] != (batch, seq):
+            raise ValueError(
+                f"q, k, v must share [B, S], got {tuple(q.shape[:2])}, {tuple(k.shape[:2])}, "
+                f"{tuple(v.shape[:2])}"
+            )
+        if batch * seq == 0:  # nothing to attend: an empty output (still in q's graph)
+            return q.clone()
         cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
         flat = (x.flatten(0, 1) for x in (q, k, v))
         return reference_attention(*flat, cu, seq, **opts).view(q.shape)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flamia_serve import flamia_attn_varlen, plan_varlen
+from flamia_serve import flamia_attn, flamia_attn_varlen, plan_varlen
 from flamia_serve.attention import debug_p_hat
 from flamia_serve.kernels.attn_bwd.ops import (
     BwdConfig,
@@ -419,6 +419,14 @@ def test_training_entry_point_errors(device) -> None:
         flamia_attention(q, k, v, cu)
     with pytest.raises(ValueError, match=r"q must be \[B, S, Hq, d\]"):
         flamia_attention(q, k, v)
+    q4, k4 = q[:16].view(2, 8, 2, 64), k[:16].view(8, 2, 1, 64)
+    with pytest.raises(ValueError, match=r"share \[B, S\]"):
+        flamia_attention(q4, k4, k4, path="reference")
+    for shape in ((2, 0), (0, 5)):  # nothing to attend: empty outputs, no error
+        empty_q, empty_k = (torch.zeros(*shape, h, 64, dtype=q.dtype) for h in (2, 1))
+        for out in (flamia_attention(empty_q, empty_k, empty_k, path="reference"),
+                    flamia_attn(empty_q, empty_k, empty_k)):  # fmt: skip
+            assert out.shape == (*shape, 2, 64)
     module = SimpleNamespace(config=SimpleNamespace(), is_causal=True)
     query = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
     key = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
