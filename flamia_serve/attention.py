@@ -25,9 +25,8 @@ from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, default_confi
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.numerics import RECIPES, Recipe, resolve_recipe
 from flamia_serve.numerics.checks import (
-    INPUT_DTYPES,
+    batched_cu_seqlens,
     check_softmax_scale,
-    check_tensor,
     check_varlen_inputs,
 )
 from flamia_serve.numerics.formats import P_HAT_EXP
@@ -221,17 +220,10 @@ def flamia_attn(
     Each batch row is one document (scales never cross rows); same options as
     :func:`flamia_attn_varlen`.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(x, name, ndim=4, dtypes=INPUT_DTYPES)
-    batch, seq = q.shape[:2]
-    if k.shape[:2] != (batch, seq) or v.shape[:2] != (batch, seq):
-        raise ValueError(
-            f"q, k, v must share [B, S], got {tuple(q.shape[:2])}, {tuple(k.shape[:2])}, "
-            f"{tuple(v.shape[:2])}"
-        )
-    if batch * seq == 0:  # nothing to attend: an empty output (still in q's graph)
+    cu = batched_cu_seqlens(q, k, v)
+    if cu is None:  # nothing to attend: an empty output (still in q's graph)
         return q.clone()
-    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
+    batch, seq = q.shape[:2]
     # valid by construction; one call: no buffers kept
     plan = plan_varlen(cu, batch * seq, seq, validate=False, reuse=False)
     out = flamia_attn_varlen(

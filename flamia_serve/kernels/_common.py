@@ -238,13 +238,19 @@ def e4m3_next_down(c):
 
 
 @triton.jit
+def e2m1_ratio(groups, scale):
+    """``groups`` ``[R, G, 16]`` over ``scale`` ``[R, G]`` (IEEE division), clamped to ±6; 0
+    where the scale is 0 (numerics.e2m1_ratio)."""
+    safe = tl.where(scale > 0, scale, 1.0)
+    ratio = tl.math.div_rn(groups, safe[:, :, None])
+    return tl.minimum(tl.maximum(tl.where(scale[:, :, None] > 0, ratio, 0.0), -6.0), 6.0)
+
+
+@triton.jit
 def nvfp4_group_error(groups, scale, unit):
     """int32 squared error of ``groups`` ``[R, G, 16]`` coded with ``scale`` ``[R, G]``, in
     ``unit`` ``[R, G, 1]`` per element, truncated and capped (numerics.nvfp4_group_scale)."""
-    safe = tl.where(scale > 0, scale, 1.0)
-    ratio = tl.math.div_rn(groups, safe[:, :, None])
-    ratio = tl.minimum(tl.maximum(tl.where(scale[:, :, None] > 0, ratio, 0.0), -6.0), 6.0)
-    _, e2m1 = e2m1_quantize(ratio)
+    _, e2m1 = e2m1_quantize(e2m1_ratio(groups, scale))
     units = tl.abs(e2m1 * scale[:, :, None] - groups) * unit
     units = tl.where(units < NVFP4_ERROR_CAP, units, NVFP4_ERROR_CAP).to(tl.int32)
     return tl.sum(units * units, axis=2)
@@ -384,10 +390,7 @@ def nvfp4_rows(
     if SCALE_CANDIDATES > 1:
         clamped = tl.minimum(tl.maximum(scaled, -2688.0), 2688.0)
         scale = nvfp4_scale_search(clamped, scale, SCALE_CANDIDATES)
-    safe = tl.where(scale > 0, scale, 1.0)
-    ratio = tl.math.div_rn(scaled, safe[:, :, None])
-    ratio = tl.minimum(tl.maximum(tl.where(scale[:, :, None] > 0, ratio, 0.0), -6.0), 6.0)
-    codes, e2m1 = e2m1_quantize(ratio)
+    codes, e2m1 = e2m1_quantize(e2m1_ratio(scaled, scale))
     low, high = tl.split(tl.reshape(codes, (BLOCK, D // 2, 2)))
     values = tl.reshape(e2m1 * scale[:, :, None], (BLOCK, D))
     return low | (high << 4), scale, e, values

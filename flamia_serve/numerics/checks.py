@@ -35,6 +35,23 @@ def check_tensor(
     return x
 
 
+def batched_cu_seqlens(q: object, k: object, v: object) -> torch.Tensor | None:
+    """Check a batched call, q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` BF16/FP16, and return
+    its ``cu_seqlens`` (int32 ``[B+1]`` on q's device, one document per batch row), or
+    ``None`` when ``B·S == 0`` (nothing to attend). ``ValueError`` names what differs."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(x, name, ndim=4, dtypes=INPUT_DTYPES)
+    batch, seq = q.shape[:2]
+    if k.shape[:2] != (batch, seq) or v.shape[:2] != (batch, seq):
+        raise ValueError(
+            f"q, k, v must share [B, S], got {tuple(q.shape[:2])}, {tuple(k.shape[:2])}, "
+            f"{tuple(v.shape[:2])}"
+        )
+    if batch * seq == 0:
+        return None
+    return torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
+
+
 def check_cu_seqlens_layout(cu_seqlens: object, device: torch.device) -> torch.Tensor:
     """``cu_seqlens`` is a contiguous 1-D int32 tensor on ``device`` (no host read: the
     kernels index it as a plain array, so a strided view would be read wrongly)."""

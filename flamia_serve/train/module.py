@@ -10,6 +10,7 @@ from torch import nn
 
 from flamia_serve.attention import flamia_attn, flamia_attn_varlen
 from flamia_serve.numerics import Recipe
+from flamia_serve.numerics.checks import batched_cu_seqlens
 from flamia_serve.plan import VarlenPlan
 from flamia_serve.reference import attention as reference_attention
 
@@ -59,17 +60,11 @@ def flamia_attention(
             )
         if kernels:
             return flamia_attn(q, k, v, **opts)
-        batch, seq = q.shape[:2]
-        if k.shape[:2] != (batch, seq) or v.shape[:2] != (batch, seq):
-            raise ValueError(
-                f"q, k, v must share [B, S], got {tuple(q.shape[:2])}, {tuple(k.shape[:2])}, "
-                f"{tuple(v.shape[:2])}"
-            )
-        if batch * seq == 0:  # nothing to attend: an empty output (still in q's graph)
+        cu = batched_cu_seqlens(q, k, v)
+        if cu is None:  # nothing to attend: an empty output (still in q's graph)
             return q.clone()
-        cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
         flat = (x.flatten(0, 1) for x in (q, k, v))
-        return reference_attention(*flat, cu, seq, **opts).view(q.shape)
+        return reference_attention(*flat, cu, q.shape[1], **opts).view(q.shape)
     if max_seqlen is None:
         raise ValueError("max_seqlen is required with cu_seqlens")
     if kernels:
