@@ -10,7 +10,7 @@
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
 #                                                   # mixed-short, s19, s19-bench, dv-step,
 #                                                   # d128-passes, s19-w, grad-input,
-#                                                   # nvfp4-search
+#                                                   # nvfp4-search, s22
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -313,9 +313,9 @@ def edit(text, old, new):
 passes = edit(src, "PASS_HEAD_DIMS = frozenset({256})", "PASS_HEAD_DIMS = frozenset({128, 256})")
 dv128 = edit(passes, 'self.step_q = STEP_DV_PASS if mode == "dv"',
              'self.step_q = (128 if head_dim == 128 else STEP_DV_PASS) if mode == "dv"')
-s3 = edit(passes, "    for mode in bwd_modes(d, wide, bf16_kv):\n",
+s3 = edit(passes, "    for mode in bwd_modes(d, wide, bf16_kv, bf16_dq):\n",
           "    base_stages = num_stages\n"
-          "    for mode in bwd_modes(d, wide, bf16_kv):\n"
+          "    for mode in bwd_modes(d, wide, bf16_kv, bf16_dq):\n"
           "        num_stages = 3 if (mode == 'dkdq' and d == 128) else base_stages\n")
 for name, text in (("d128passes", passes), ("d128passes_dv128", dv128), ("d128passes_s3", s3)):
     Path(f"scratch/s19/{name}.py").write_text(text)
@@ -352,6 +352,26 @@ if [[ $steps == *,grad-input,* ]]; then  # the mxfp8_grad_input recipe (DESIGN N
     --accuracy-only --name bwd_numerics_grad_input
   RUN_TAIL="-n 17" run bwd_numerics_grad_input_d256 90 python benchmarks/bwd_numerics.py \
     --d 256 --accuracy-only --name bwd_numerics_grad_input_d256
+fi
+if [[ $steps == *,s22,* ]]; then  # grad_input's BF16 dQ form at 64-query steps (d = 128):
+  # its GPU tests, fwd+bwd at W3/W7/P2 beside mxfp8 and FA4, then the same recipe with the
+  # 32-query steps of before (step_queries patched in-process), accuracy against float64
+  run pytest_gpu_grad_input64 220 python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_attn_bwd.py tests/kernels/test_gpu_cute_bwd.py -k "grad_input or autograd"
+  RUN_TAIL="-n 12" run train_attention_grad_input64 200 python benchmarks/train_attention.py \
+    --quick --check --workloads W3,W7,P2 --passes fwd+bwd \
+    --impls flamia-mxfp8,flamia-mxfp8_grad_input,fa4 --name train_attention_grad_input64
+  RUN_TAIL="-n 8" run train_attention_grad_input32 150 python - <<'PY'
+import sys
+import flamia_serve.kernels.attn_bwd.cute_sm90 as m
+from benchmarks.train_attention import main
+step = m.step_queries
+m.step_queries = lambda d, wide, bf16_dq=False: 32 if bf16_dq and d == 128 else step(d, wide, bf16_dq)
+sys.exit(main(["--quick", "--workloads", "W3,W7,P2", "--passes", "fwd+bwd", "--impls",
+               "flamia-mxfp8,flamia-mxfp8_grad_input", "--name", "train_attention_grad_input32"]))
+PY
+  RUN_TAIL="-n 17" run bwd_numerics_grad_input64 100 python benchmarks/bwd_numerics.py \
+    --accuracy-only --name bwd_numerics_grad_input64
 fi
 if [[ $steps == *,nvfp4-search,* ]]; then  # NVFP4 block scales by least squared error (three
   # candidates, Recipe.nvfp4_scale_candidates): the quantizers bit-exact against the twin on

@@ -143,10 +143,10 @@ STEP_WIDE_D128 = HALF
 
 
 def step_queries(head_dim: int, qk_wide: bool, bf16_dq: bool = False) -> int:
-    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles or a BF16 dQ product at
-    d = 128, else ``STEP_FOR_D`` (one half at d = 256: two would not fit shared memory with
-    two stages)."""
-    if (qk_wide or bf16_dq) and head_dim == 128:
+    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles at d = 128, else
+    ``STEP_FOR_D`` (one half at d = 256: two would not fit shared memory with two stages).
+    ``bf16_dq`` (the BF16 dQ product) takes the same steps as the E4M3 one."""
+    if qk_wide and head_dim == 128:
         return STEP_WIDE_D128
     return STEP_FOR_D[head_dim]
 
@@ -157,6 +157,8 @@ NUM_WG = 2
 TILE_N = WG_KEYS * NUM_WG
 #: FP32 values per dQ staging store (16 bytes)
 DQ_VEC = 4
+#: entries of the statistics' row 5 (per-half exponent factors: dÔ's at 0..1, Ĝ's at 2..3)
+STATS_ROW5 = 4
 # named barriers (0 is __syncthreads), one of each per consumer warpgroup
 _BAR_AMAX = 1
 _BAR_DS = 3
@@ -326,8 +328,18 @@ class FlamiaBwdSm90:
         # (dK block | dQ block, half, warp, warpgroup)
         amax_layout = cute.make_layout((2, 2, 4, NUM_WG))
         # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5 per half h: 2^e_dÔ at
-        # h, 2^e_Ĝ at 2 + h
-        stats_layout = cute.make_layout((6, self.step_q, self.num_stages))
+        # h, 2^e_Ĝ at 2 + h. ``bf16_dq``: rows of all stages one after the other, queries
+        # contiguous, and row 5 keeps only the first ``STATS_ROW5`` words of its last stage
+        # (what lets its 64-query steps at d = 128 fit 227 KB; the other kernels keep the
+        # query-major layout: the compact one costs them 8-12 B more spills, sm_90a compile)
+        step_q, stages = self.step_q, self.num_stages
+        stats_layout = cute.make_layout((6, step_q, stages))
+        stats_words = cute.cosize(stats_layout)
+        if const_expr(self.bf16_dq):
+            stats_layout = cute.make_layout(
+                (6, step_q, stages), stride=(step_q * stages, 1, step_q)
+            )
+            stats_words = 5 * step_q * stages + (stages - 1) * step_q + STATS_ROW5
         mma_kw = dict(atom_layout_mnk=(1, 1, 1))
         # Sᵀ (in the score operands' type) and dPᵀ: keys x queries, contraction over d (A
         # and B from shared memory; the two accumulators share one layout)
@@ -385,7 +397,7 @@ class FlamiaBwdSm90:
             "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
             "mbar_step": cute.struct.MemRange[cutlass.Int64, 2 * stages],
             "mbar_stats": cute.struct.MemRange[cutlass.Int64, 2 * stages],
-            "sStats": cute.struct.MemRange[Float32, cute.cosize(stats_layout)],
+            "sStats": cute.struct.MemRange[Float32, stats_words],
             "sAmax": cute.struct.MemRange[Float32, cute.cosize(amax_layout)],
             "sDqFac": cute.struct.MemRange[Float32, 2 * NUM_WG * 2],
             "sK": tile(qk, k_rows_layout),
