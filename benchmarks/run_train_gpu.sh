@@ -354,25 +354,24 @@ if [[ $steps == *,grad-input,* ]]; then  # the mxfp8_grad_input recipe (DESIGN N
     --d 256 --accuracy-only --name bwd_numerics_grad_input_d256
 fi
 if [[ $steps == *,s22,* ]]; then  # grad_input's BF16 dQ form at 64-query steps (d = 128):
-  # its GPU tests, fwd+bwd at W1/W3/W7/P2 beside mxfp8 and FA4 (full timing: --quick times
-  # W3 once or twice), then the same recipe with the
-  # 32-query steps of before (step_queries patched in-process), accuracy against float64
+  # fwd+bwd at W1/W3/W7/P2 with today's 32-query steps beside mxfp8 and FA4 (full timing:
+  # --quick times W3 once or twice); then STEP_BF16_DQ_D128 = 64 in this machine's copy: its
+  # GPU tests, the same timings, accuracy against float64
+  RUN_TAIL="-n 14" run train_attention_grad_input32 200 python benchmarks/train_attention.py \
+    --check --workloads W1,W3,W7,P2 --passes fwd+bwd \
+    --impls flamia-mxfp8,flamia-mxfp8_grad_input,fa4 --name train_attention_grad_input32
+  cp flamia_serve/kernels/attn_bwd/cute_sm90.py /tmp/cute_sm90_s22.py
+  sed -i 's/^STEP_BF16_DQ_D128 = HALF$/STEP_BF16_DQ_D128 = 64/' \
+    flamia_serve/kernels/attn_bwd/cute_sm90.py
+  grep -n "^STEP_BF16_DQ_D128 = 64$" flamia_serve/kernels/attn_bwd/cute_sm90.py || exit 1
   run pytest_gpu_grad_input64 220 python -m pytest -q -W ignore::DeprecationWarning \
     tests/kernels/test_attn_bwd.py tests/kernels/test_gpu_cute_bwd.py -k "grad_input or autograd"
-  RUN_TAIL="-n 12" run train_attention_grad_input64 200 python benchmarks/train_attention.py \
+  RUN_TAIL="-n 10" run train_attention_grad_input64 150 python benchmarks/train_attention.py \
     --check --workloads W1,W3,W7,P2 --passes fwd+bwd \
-    --impls flamia-mxfp8,flamia-mxfp8_grad_input,fa4 --name train_attention_grad_input64
-  RUN_TAIL="-n 8" run train_attention_grad_input32 150 python - <<'PY'
-import sys
-import flamia_serve.kernels.attn_bwd.cute_sm90 as m
-from benchmarks.train_attention import main
-step = m.step_queries
-m.step_queries = lambda d, wide, bf16_dq=False: 32 if bf16_dq and d == 128 else step(d, wide, bf16_dq)
-sys.exit(main(["--workloads", "W1,W3,W7,P2", "--passes", "fwd+bwd", "--impls",
-               "flamia-mxfp8,flamia-mxfp8_grad_input", "--name", "train_attention_grad_input32"]))
-PY
+    --impls flamia-mxfp8,flamia-mxfp8_grad_input --name train_attention_grad_input64
   RUN_TAIL="-n 17" run bwd_numerics_grad_input64 100 python benchmarks/bwd_numerics.py \
     --accuracy-only --name bwd_numerics_grad_input64
+  cp /tmp/cute_sm90_s22.py flamia_serve/kernels/attn_bwd/cute_sm90.py
 fi
 if [[ $steps == *,nvfp4-search,* ]]; then  # NVFP4 block scales by least squared error (three
   # candidates, Recipe.nvfp4_scale_candidates): the quantizers bit-exact against the twin on

@@ -65,10 +65,10 @@ exponents as factors; dK and dQ contract the E4M3 codes as in ``mxfp8`` (their K
 Kᵀ·dŜᵀ is a BF16 ``wgmma`` of K·2^-eK's rows (``KernelQKV.k_rows``, keys in order, read
 MN-major) and dŜ's E4M3 values staged as BF16 (keys x queries, two queries a word, read
 MN-major), with the same dŜ codes and factors. Its tiles take 32 KB more shared memory than
-the E4M3 ones at d = 128: 32-query steps there (two would need 233,472 B), and the one-kernel
-"parts" form at d = 256. Compiled for sm_90a on a CPU (2026-12-04: 168 registers; 0 / 8 /
-16 B of stack at d = 64 / 128 / 256); not yet run on a GPU, so ``ops.default_bwd_config``
-keeps the Triton kernel for the recipe until ``test_gpu_cute_bwd.py`` has passed.
+the E4M3 ones at d = 128: 32-query steps there (``STEP_BF16_DQ_D128``; two fit with the
+statistics stored compactly, not yet run on a GPU), and the one-kernel "parts" form at
+d = 256. The recipe's default backward on sm_90 (H200, 2026-12-05: GPU tests passed; W3
+backward 65.1 ms against the Triton kernel's 310 and ``mxfp8``'s 59.2).
 
 Validity: rows past the document are masked by selects (the token-major tiles may hold the
 next document's codes, which a select, unlike a zero weight, keeps out even when they are
@@ -140,14 +140,21 @@ STEP_DV_PASS = 64
 #: the mixed recipes' BF16 Q/K tiles at d = 128 take one half per step: two would need 250 KB
 #: of shared memory (a CTA can have 227 KB)
 STEP_WIDE_D128 = HALF
+#: queries per step of the BF16 dQ product (``bf16_dq``, grad_qk="input") at d = 128: one
+#: half, the form run on the H200. Two halves fit 227 KB exactly with the statistics stored
+#: compactly (232,448 B; sm_90a compile: 168 registers, 112 B stack) but have not run on a
+#: GPU yet: ``bash benchmarks/run_train_gpu.sh s22`` tests and times them
+STEP_BF16_DQ_D128 = HALF
 
 
 def step_queries(head_dim: int, qk_wide: bool, bf16_dq: bool = False) -> int:
-    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles at d = 128, else
-    ``STEP_FOR_D`` (one half at d = 256: two would not fit shared memory with two stages).
-    ``bf16_dq`` (the BF16 dQ product) takes the same steps as the E4M3 one."""
+    """Queries per step: ``STEP_WIDE_D128`` for BF16 Q/K tiles and ``STEP_BF16_DQ_D128`` for
+    the BF16 dQ product at d = 128, else ``STEP_FOR_D`` (one half at d = 256: two would not
+    fit shared memory with two stages)."""
     if qk_wide and head_dim == 128:
         return STEP_WIDE_D128
+    if bf16_dq and head_dim == 128:
+        return STEP_BF16_DQ_D128
     return STEP_FOR_D[head_dim]
 
 
@@ -328,14 +335,14 @@ class FlamiaBwdSm90:
         # (dK block | dQ block, half, warp, warpgroup)
         amax_layout = cute.make_layout((2, 2, 4, NUM_WG))
         # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5 per half h: 2^e_dÔ at
-        # h, 2^e_Ĝ at 2 + h. ``bf16_dq``: rows of all stages one after the other, queries
-        # contiguous, and row 5 keeps only the first ``STATS_ROW5`` words of its last stage
-        # (what lets its 64-query steps at d = 128 fit 227 KB; the other kernels keep the
+        # h, 2^e_Ĝ at 2 + h. ``bf16_dq`` at two halves per step: rows of all stages one after
+        # the other, queries contiguous, and row 5 keeps only the first ``STATS_ROW5`` words
+        # of its last stage (what lets it fit 227 KB at d = 128; the other kernels keep the
         # query-major layout: the compact one costs them 8-12 B more spills, sm_90a compile)
         step_q, stages = self.step_q, self.num_stages
         stats_layout = cute.make_layout((6, step_q, stages))
         stats_words = cute.cosize(stats_layout)
-        if const_expr(self.bf16_dq):
+        if const_expr(self.bf16_dq and step_q > HALF):
             stats_layout = cute.make_layout(
                 (6, step_q, stages), stride=(step_q * stages, 1, step_q)
             )
