@@ -127,9 +127,14 @@ class JitCompiles:
                 "cute": self.cute}  # fmt: skip
 
 
+#: the fewest timed calls behind a median (a pass longer than rep_ms / 5 gets more time)
+MIN_TIMED_CALLS = 5
+
+
 def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200,
             l2: str = "dirty") -> dict:
-    """Median / p20 / p80 milliseconds of ``fn()`` with L2 flushed before every timed call.
+    """Median / p20 / p80 milliseconds of ``fn()`` with L2 flushed before every timed call,
+    over at least ``MIN_TIMED_CALLS`` calls (``rep_ms`` is stretched for long calls).
 
     ``l2="dirty"``: ``triton.testing.do_bench``, whose flush writes zeros over 256 MB, so the
     timed call starts with L2 full of dirty lines and pays their write-back (H200: the FP8
@@ -137,14 +142,24 @@ def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200
     reads 256 MB instead (L2 holds clean lines, as after a GEMM reading its weights). Keys
     match result rows.
     """
+    if l2 not in ("dirty", "clean"):
+        raise ValueError(f"l2 must be 'dirty' or 'clean', got {l2!r}")
+    import torch
+
     if l2 == "dirty":
         from triton.testing import do_bench
 
-        med, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        # do_bench times rep_ms / (its estimate) calls: one call of a 60 ms pass at rep 50
+        # ms; a median needs at least MIN_TIMED_CALLS (the estimate's margin: do_bench
+        # estimates again)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        rep = max(rep_ms, 1.5 * MIN_TIMED_CALLS * start.elapsed_time(end))
+        med, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep, quantiles=[0.5, 0.2, 0.8])
         return {"ms": float(med), "ms_p20": float(p20), "ms_p80": float(p80)}
-    if l2 != "clean":
-        raise ValueError(f"l2 must be 'dirty' or 'clean', got {l2!r}")
-    import torch
 
     flush = torch.ones(256 << 18, dtype=torch.int32, device="cuda")
     sink = torch.empty((), dtype=torch.int64, device="cuda")
@@ -163,7 +178,7 @@ def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200
     first = timed(5)
     per_call = max(first[len(first) // 2], 1e-3)
     timed(max(1, int(warmup_ms / per_call)))
-    times = timed(max(5, min(10000, int(rep_ms / per_call))))
+    times = timed(max(MIN_TIMED_CALLS, min(10000, int(rep_ms / per_call))))
 
     def at(q: float) -> float:
         return float(times[min(len(times) - 1, int(q * len(times)))])
