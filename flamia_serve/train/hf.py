@@ -15,7 +15,8 @@ path reads them: ``cu_seq_lens_q`` / ``max_length_q`` keyword arguments when the
 passes them (no host synchronisation), else document starts from ``position_ids`` (a
 position that does not follow its predecessor starts a document; one host read per
 microbatch, cached across layers). Without either, each batch row is one document; a 2-D
-padding mask is honoured by packing the unpadded tokens. Generation with a KV cache (query
+padding mask is honoured by packing the unpadded tokens; any other mask (a custom 4-D one,
+which transformers passes through as given) raises. Generation with a KV cache (query
 shorter than the keys) is not a training call: it raises (serve with the vLLM backend).
 """
 
@@ -149,6 +150,13 @@ def flamia_attention_forward(
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             _unsupported(name, kwargs[name])
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise NotImplementedError(
+            "flamia attention takes attention_mask as a 2-D padding mask [B, S] or None, got "
+            f"shape {tuple(attention_mask.shape)}: a custom (e.g. 4-D block-diagonal) mask "
+            "would be ignored; pass packed documents as position_ids or cu_seq_lens_q, or use "
+            "another attn_implementation"
+        )
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(
             "flamia attention is a training attention (query and key lengths equal); for "

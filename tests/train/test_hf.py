@@ -1,0 +1,47 @@
+"""``attn_implementation="flamia"`` (``flamia_serve.train.hf``) on the reference path: the
+masks transformers hands over."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flamia_serve.train.hf import flamia_attention_forward, register  # noqa: E402
+
+
+def _tiny_llama() -> torch.nn.Module:
+    register()
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, use_cache=False,
+        attn_implementation="flamia", flamia_path="reference",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_a_custom_4d_mask_raises_instead_of_being_ignored() -> None:
+    """transformers passes a user's 4-D mask through unchanged; flamia attended as if it
+    were absent (a block-diagonal packing mask gave the second document the first one's
+    keys). It raises, naming attention_mask; a 2-D padding mask is still honoured."""
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (1, 12))
+    doc = torch.tensor([0] * 5 + [1] * 7)
+    block_diagonal = (doc[:, None] == doc[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    with pytest.raises(NotImplementedError, match=r"attention_mask .*got shape \(1, 1, 12, 12\)"):
+        model(input_ids=ids, attention_mask=block_diagonal[None, None])
+    module = SimpleNamespace(config=SimpleNamespace(flamia_path="reference"), is_causal=True)
+    x = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        flamia_attention_forward(module, x, x[:, :1], x[:, :1], torch.ones(1, 8, 8).bool())
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[1, 7:] = 0
+    two = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        padded = model(input_ids=two, attention_mask=padding).logits[1, :7]
+        alone = model(input_ids=two[1:, :7]).logits[0]
+    assert torch.allclose(padded, alone, atol=1e-5)
