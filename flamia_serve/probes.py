@@ -95,6 +95,24 @@ def make_pack(
     return rand(heads_q), rand(heads_kv), rand(heads_kv), cu.to(device), max(doc_lens)
 
 
+def doc_span(cu_seqlens: torch.Tensor, doc: int, t: int | None = None) -> tuple[int, int, int]:
+    """``(start, end, t)`` of document ``doc`` of a pack, a negative cut ``t`` counted from
+    the document's end (as ``LeakageSetup.cuts``; a cut at or past the last token has no
+    future: leakage 0). ``ValueError`` names ``doc`` outside ``[0, B)`` or ``t`` below
+    ``-length`` (they watched no rows of the document and reported 0)."""
+    docs = cu_seqlens.numel() - 1
+    if isinstance(doc, bool) or not isinstance(doc, int) or not 0 <= doc < docs:
+        raise ValueError(f"doc must be an int in [0, {docs}), got {doc!r}")
+    start, end = int(cu_seqlens[doc]), int(cu_seqlens[doc + 1])
+    if t is None:
+        return start, end, 0
+    length = end - start
+    if isinstance(t, bool) or not isinstance(t, int) or t < -length:
+        raise ValueError(f"t must be an int >= -{length} (document {doc} has {length} "
+                         f"tokens), got {t!r}")  # fmt: skip
+    return start, end, t + length if t < 0 else t
+
+
 def attention_fn(recipe: str | None, exact_causal: bool, impl: AttentionImpl = attention) -> AttnFn:
     """Causal attention callable for a probe row (``None`` = per-tensor FP8); ``impl`` is
     the probed attention (default: the reference)."""
@@ -159,8 +177,9 @@ def future_leakage(
     *,
     seed: int = 1,
 ) -> float:
-    """Largest |ΔO| at positions ``<= t`` of ``doc`` when its tokens after ``t`` change."""
-    start, end = int(cu_seqlens[doc]), int(cu_seqlens[doc + 1])
+    """Largest |ΔO| at positions ``<= t`` of ``doc`` when its tokens after ``t`` change
+    (``t`` < 0: from the end, :func:`doc_span`)."""
+    start, end, t = doc_span(cu_seqlens, doc, t)
     cut = start + t + 1
     replace = torch.zeros(q.shape[0], dtype=torch.bool)
     replace[cut:end] = True
@@ -179,7 +198,7 @@ def cross_document_leakage(
     seed: int = 2,
 ) -> float:
     """Largest |ΔO| anywhere in ``doc`` when every other document of the pack changes."""
-    start, end = int(cu_seqlens[doc]), int(cu_seqlens[doc + 1])
+    start, end, _ = doc_span(cu_seqlens, doc)
     replace = torch.ones(q.shape[0], dtype=torch.bool)
     replace[start:end] = False
     return _replaced_rows(fn, (q, k, v), cu_seqlens, max_seqlen, replace, slice(start, end), seed)
@@ -244,8 +263,8 @@ def future_grad_leakage(
 ) -> float:
     """Largest |ΔdQ| on the rows of ``doc`` in ``block``-token blocks that end at or before
     ``t``, when q, k, v and dO after ``t`` (inside ``doc``) change. 0.0 when no block ends
-    by ``t``."""
-    start, end = int(cu_seqlens[doc]), int(cu_seqlens[doc + 1])
+    by ``t`` (``t`` < 0: from the end, :func:`doc_span`)."""
+    start, end, t = doc_span(cu_seqlens, doc, t)
     replace = torch.zeros(q.shape[0], dtype=torch.bool)
     replace[start + t + 1 : end] = True
     watch = complete_block_rows(start, t, block)
@@ -269,7 +288,7 @@ def cross_document_grad_leakage(
 ) -> float:
     """Largest |Δ| of dQ, dK and dV anywhere in ``doc`` when q, k, v and dO of every other
     document change."""
-    start, end = int(cu_seqlens[doc]), int(cu_seqlens[doc + 1])
+    start, end, _ = doc_span(cu_seqlens, doc)
     replace = torch.ones(q.shape[0], dtype=torch.bool)
     replace[start:end] = False
     base = forward_backward(fn, q, k, v, d_out, cu_seqlens, max_seqlen)[1:]
