@@ -55,7 +55,7 @@ from flamia_serve.kernels.paged import (
     run_paged_attention,
     run_write_kv_cache,
 )
-from flamia_serve.numerics.exp2 import ExpMode, check_exp_mode
+from flamia_serve.numerics.exp2 import EXP_MODES, ExpMode, check_exp_mode
 from flamia_serve.numerics.kv_pages import (
     VLLM_KV_CACHE_DTYPES,
     KVCacheFormat,
@@ -386,8 +386,13 @@ class FlamiaAttentionImpl(AttentionImpl[FlamiaMetadata]):
 
 
 def _exp_mode() -> ExpMode:
-    """The serving exponential, from ``FLAMIA_EXP_MODE`` (default ``exact``)."""
-    return check_exp_mode(os.environ.get("FLAMIA_EXP_MODE", "exact"))
+    """The serving exponential, from ``FLAMIA_EXP_MODE`` (default ``exact``); a bad value
+    raises naming the variable."""
+    value = os.environ.get("FLAMIA_EXP_MODE", "exact")
+    try:
+        return check_exp_mode(value)
+    except ValueError:
+        raise ValueError(f"FLAMIA_EXP_MODE must be one of {EXP_MODES}, got {value!r}") from None
 
 
 def _model_dtype() -> torch.dtype:

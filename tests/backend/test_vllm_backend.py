@@ -289,6 +289,15 @@ def test_unsupported_layer_options_are_rejected() -> None:
             FlamiaAttentionImpl(**(base | kw))  # type: ignore[arg-type]
 
 
+def test_bad_exp_mode_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad ``FLAMIA_EXP_MODE`` names the environment variable (the message named an
+    ``exp_mode`` argument a vLLM user never passed)."""
+    monkeypatch.setenv("FLAMIA_EXP_MODE", "fast")
+    with pytest.raises(ValueError, match=r"FLAMIA_EXP_MODE must be one of .*, got 'fast'"):
+        FlamiaAttentionImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2,
+                            kv_cache_dtype="nvfp4")
+
+
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "window", "scales"),
     [("auto", None, None), ("nvfp4", 24, None), ("fp8_per_token_head", None, None),
