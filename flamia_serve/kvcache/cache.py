@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from flamia_serve.kernels.paged import paged_attention, write_kv_cache
+from flamia_serve.kernels.paged.ops import check_kernel_format
 from flamia_serve.numerics.exp2 import ExpMode
 from flamia_serve.numerics.kv_pages import KVCacheDtype, KVPageFormat
 
@@ -38,13 +39,14 @@ class PagedKVCache:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> PagedKVCache:
-        """A zeroed cache (page sizes 16, 32 and 64 are the tested ones)."""
+        """A zeroed cache (page sizes 16, 32 and 64 are the tested ones; head dims 64, 128,
+        256: the kernels' ``SUPPORTED_HEAD_DIMS``)."""
         if page_size < 1 or num_blocks < 1 or heads_kv < 1:
             raise ValueError(
                 f"num_blocks, page_size and heads_kv must be positive, got {num_blocks}, "
                 f"{page_size}, {heads_kv}"
             )
-        fmt = KVPageFormat(dtype, head_dim)  # type: ignore[arg-type]
+        fmt = check_kernel_format(KVPageFormat(dtype, head_dim))  # type: ignore[arg-type]
         data = torch.zeros(fmt.cache_shape(num_blocks, page_size, heads_kv), dtype=torch.uint8,
                            device=device)  # fmt: skip
         return cls(data, fmt, hadamard, k_scale, v_scale)

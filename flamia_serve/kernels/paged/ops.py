@@ -37,7 +37,12 @@ from flamia_serve.kernels.paged.triton import (
 )
 from flamia_serve.kernels.schedule import WorkList, build_work_list
 from flamia_serve.numerics import hadamard_transform
-from flamia_serve.numerics.checks import INPUT_DTYPES, check_softmax_scale, check_tensor
+from flamia_serve.numerics.checks import (
+    INPUT_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    check_softmax_scale,
+    check_tensor,
+)
 from flamia_serve.numerics.exp2 import EXP_MODES, ExpMode, check_exp_mode
 from flamia_serve.numerics.kv_pages import KVCacheFormat, KVPageFormat, static_inverse
 from flamia_serve.numerics.operands import EXPONENT_DTYPE, KernelQKV, v_t_length
@@ -716,9 +721,20 @@ def run_paged_attention(
     return out
 
 
-def _check_cache(cache: object, fmt: KVPageFormat, device: torch.device) -> int:
+def check_kernel_format(fmt: object) -> KVPageFormat:
+    """``fmt`` if the serving kernels run it: a :class:`KVPageFormat` with a head dim in
+    ``SUPPORTED_HEAD_DIMS`` (the kernels tile d as a power of two; ``KVPageFormat`` alone
+    allows any multiple of 16)."""
     if not isinstance(fmt, KVPageFormat):
         raise TypeError(f"fmt must be a KVPageFormat, got {type(fmt).__name__}")
+    if fmt.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {fmt.head_dim} is not served by the paged kernels "
+                         f"(supported: {SUPPORTED_HEAD_DIMS})")  # fmt: skip
+    return fmt
+
+
+def _check_cache(cache: object, fmt: KVPageFormat, device: torch.device) -> int:
+    check_kernel_format(fmt)
     check_tensor(cache, "kv_cache", ndim=4, dtypes=(torch.uint8,))
     assert isinstance(cache, torch.Tensor)
     if cache.device != device:
@@ -729,7 +745,16 @@ def _check_cache(cache: object, fmt: KVPageFormat, device: torch.device) -> int:
 
 
 def _static_inverses(fmt: KVPageFormat, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """``static_inverse`` of ``fp8_static``'s scales; (1, 1) for the other formats, which
+    take no static scale (a scale other than 1 would be ignored: ``ValueError``)."""
     if fmt.dtype is not KVCacheFormat.FP8_STATIC:
+        if k_scale != 1.0 or v_scale != 1.0:
+            raise ValueError(
+                f"k_scale/v_scale ({k_scale}, {v_scale}) apply to the fp8_static format only "
+                f"(vLLM's --kv-cache-dtype fp8 / fp8_e4m3), not {fmt.dtype.value!r}"
+                + (" (per-token-head exponents: vLLM's fp8_per_token_head)"
+                   if fmt.dtype is KVCacheFormat.FP8 else "")
+            )  # fmt: skip
         return 1.0, 1.0
     return static_inverse(k_scale), static_inverse(v_scale)
 
@@ -755,6 +780,9 @@ def write_kv_cache(
     check_tensor(value, "value", ndim=3, dtypes=(*INPUT_DTYPES, torch.float32))
     check_tensor(slot_mapping, "slot_mapping", ndim=1, dtypes=(torch.int32, torch.int64))
     page = _check_cache(cache, fmt, key.device)
+    for name, t in (("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != key.device:
+            raise ValueError(f"{name} is on {t.device}, key on {key.device}")
     n, heads_kv, d = key.shape
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
@@ -885,7 +913,8 @@ def paged_attention(
     exp_mode = check_exp_mode(exp_mode)
     total, heads_q, d = q.shape
     scale = check_softmax_scale(softmax_scale, d)
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):  # fmt: skip
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if hadamard and d & (d - 1):
         raise ValueError(f"hadamard needs a power-of-two head dim, got {d}")
@@ -896,8 +925,10 @@ def paged_attention(
                          f"{prefill_keys!r}")  # fmt: skip
     if out is None:
         out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in the head dim")
+    elif (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1
+          or out.device != q.device):  # fmt: skip
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, contiguous in "
+                         f"the head dim, got {tuple(out.shape)} {out.dtype} on {out.device}")
     batch = seq_lens.shape[0]
     if total == 0 or batch == 0:
         return out

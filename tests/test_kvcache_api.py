@@ -1,0 +1,79 @@
+"""The paged KV cache's validating entry points (``PagedKVCache``, ``kernels.paged.
+write_kv_cache`` / ``paged_attention``) reject bad arguments by name before any kernel runs
+(Triton interpreter on CPU machines)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia_serve.kernels import paged as kernels
+from flamia_serve.kvcache import PagedKVCache
+from flamia_serve.numerics.kv_pages import KVPageFormat
+
+
+def _small_cache(dtype: str = "fp8", **kw: float) -> tuple[PagedKVCache, tuple[torch.Tensor, ...]]:
+    """A 3-token sequence written into a 4-block cache, and its (q, block_table, seq_lens,
+    query_start_loc)."""
+    cache = PagedKVCache.allocate(4, 16, 2, 64, dtype, device="cpu", **kw)  # type: ignore[arg-type]
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    cache.write(key, key, torch.arange(3))
+    q = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    lens, qsl = torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    return cache, (q, table, lens, qsl)
+
+
+@pytest.mark.parametrize("head_dim", [32, 48, 80, 96])
+def test_head_dims_the_kernels_do_not_run_are_rejected(head_dim: int) -> None:
+    """``KVPageFormat`` takes any multiple of 16; the kernels tile d in {64, 128, 256}: other
+    head dims raise naming head_dim (they crashed inside Triton, or ran untested)."""
+    with pytest.raises(ValueError, match=f"head_dim {head_dim} is not served"):
+        PagedKVCache.allocate(4, 16, 2, head_dim, "fp8", device="cpu")
+    fmt = KVPageFormat("fp8", head_dim)
+    data = torch.zeros(fmt.cache_shape(4, 16, 2), dtype=torch.uint8)
+    key = torch.randn(3, 2, head_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"head_dim {head_dim} is not served"):
+        kernels.write_kv_cache(data, key, key, torch.arange(3), fmt)
+    q = torch.randn(3, 4, head_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"head_dim {head_dim} is not served"):
+        kernels.paged_attention(q, data, fmt, torch.zeros(1, 1, dtype=torch.int32),
+                                torch.tensor([3], dtype=torch.int32),
+                                torch.tensor([0, 3], dtype=torch.int32))  # fmt: skip
+
+
+def test_inputs_on_another_device_are_named() -> None:
+    """``value``, ``slot_mapping`` and ``out`` on another device than key / q raise naming
+    them (on a GPU a host ``slot_mapping`` reached the kernel as a host pointer)."""
+    cache, (q, table, lens, qsl) = _small_cache()
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="value is on meta"):
+        cache.write(key, key.to("meta"), torch.arange(3))
+    with pytest.raises(ValueError, match="slot_mapping is on meta"):
+        cache.write(key, key, torch.arange(3, device="meta"))
+    with pytest.raises(ValueError, match=r"out must be .* on cpu"):
+        cache.attention(q, table, lens, qsl, out=torch.empty_like(q, device="meta"))
+
+
+def test_window_must_be_a_positive_int() -> None:
+    """``window=True`` was taken as an int and crashed inside the kernel."""
+    cache, args = _small_cache()
+    for bad in (True, 0, 2.0):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            cache.attention(*args, window=bad)  # type: ignore[arg-type]
+    assert cache.attention(*args, window=2).shape == args[0].shape
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4", "bf16"])
+def test_static_scales_on_other_formats_are_rejected(dtype: str) -> None:
+    """``k_scale`` / ``v_scale`` belong to ``fp8_static`` (vLLM's ``fp8``); with another
+    format they were silently ignored: FLAMIA's ``fp8`` is vLLM's ``fp8_per_token_head``."""
+    cache, args = _small_cache(dtype)
+    cache.k_scale = 0.5
+    key = torch.randn(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"k_scale/v_scale .* fp8_static format only"):
+        cache.write(key, key, torch.tensor([5]))
+    with pytest.raises(ValueError, match=r"k_scale/v_scale .* fp8_static format only"):
+        cache.attention(*args)
+    static, args = _small_cache("fp8_static", k_scale=0.5, v_scale=2.0)
+    assert static.attention(*args).shape == args[0].shape
