@@ -10,11 +10,12 @@ there is padding). Model configs choose the numerics with three optional fields:
 * ``flamia_path`` — ``"auto"`` (kernels on CUDA, the reference twin elsewhere),
   ``"kernel"`` or ``"reference"``.
 
-Documents: packed inputs (batch size 1) are read as transformers' varlen flash-attention
-path reads them: ``cu_seq_lens_q`` / ``max_length_q`` keyword arguments when the caller
-passes them (no host synchronisation), else document starts from ``position_ids`` (a
-position that does not follow its predecessor starts a document; one host read per
-microbatch, cached across layers). Without either, each batch row is one document; a 2-D
+Documents: packed inputs are read as transformers reads them: ``cu_seq_lens_q`` /
+``max_length_q`` keyword arguments of a batch-size-1 call when the caller passes them (no
+host synchronisation), else document starts from ``position_ids`` (every row start, and a
+position that does not follow its predecessor, starts a document, in every row as the
+SDPA/eager masks read them; one host read per microbatch, cached across layers). Without
+either, each batch row is one document; a 2-D
 padding mask is honoured by packing the unpadded tokens; any other mask (a custom 4-D one,
 which transformers passes through as given) raises. Generation with a KV cache (query
 shorter than the keys) is not a training call: it raises (serve with the vLLM backend).
@@ -51,12 +52,14 @@ class _PlanCache:
         self._plan: VarlenPlan | None = None
         self._cu: torch.Tensor | None = None
 
-    def get(self, source: torch.Tensor) -> tuple[torch.Tensor, VarlenPlan] | None:
+    def get(self, source: torch.Tensor
+            ) -> tuple[torch.Tensor | None, VarlenPlan | None] | None:  # fmt: skip
         if self._ref is not None and self._ref() is source and source._version == self._version:
             return self._cu, self._plan
         return None
 
-    def put(self, source: torch.Tensor, cu: torch.Tensor, plan: VarlenPlan) -> None:
+    def put(self, source: torch.Tensor, cu: torch.Tensor | None, plan: VarlenPlan | None
+            ) -> None:  # fmt: skip
         self._ref, self._version = weakref.ref(source), source._version
         self._cu, self._plan = cu, plan
 
@@ -64,37 +67,44 @@ class _PlanCache:
 _CACHE = _PlanCache()
 
 
-def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """``cu_seqlens`` int32 of one packed row: a document starts where a position does not
-    follow its predecessor (reads the device once)."""
-    pos = position_ids.reshape(-1)
+def _documents_from_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """``cu_seqlens`` int32 of the flattened ``[batch, S]`` rows: a document starts at every
+    row start and where a position does not follow its predecessor, as transformers'
+    ``find_packed_sequence_indices`` reads them (reads the device once)."""
+    pos = position_ids.expand(batch, -1)
     starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[1:] = pos[1:] != pos[:-1] + 1
-    idx = starts.nonzero().flatten().to(torch.int32)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    idx = starts.flatten().nonzero().flatten().to(torch.int32)
     end = torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)
     return torch.cat([idx, end])
 
 
-def _packed_plan(kwargs: dict, total: int) -> tuple[torch.Tensor, int, VarlenPlan | None] | None:
-    """(cu_seqlens, max_seqlen, plan) of a packed call, or None when it is not packed."""
-    cu = kwargs.get("cu_seq_lens_q")
+def _packed_plan(kwargs: dict, batch: int, seq: int
+                 ) -> tuple[torch.Tensor, int, VarlenPlan | None] | None:  # fmt: skip
+    """(cu_seqlens, max_seqlen, plan) of a packed call over the flattened ``[batch, seq]``
+    tokens, or None when it is not packed (``cu_seq_lens_q`` describes batch size 1)."""
+    total = batch * seq
+    cu = kwargs.get("cu_seq_lens_q") if batch == 1 else None
     position_ids = kwargs.get("position_ids")
     source = cu if cu is not None else position_ids
     if source is None:
         return None
     if not torch.compiler.is_compiling():
         hit = _CACHE.get(source)
-        if hit is not None:
-            return hit[0], hit[1].max_seqlen, hit[1]
+        if hit is not None:  # plan None: a document per row
+            return None if hit[1] is None else (hit[0], hit[1].max_seqlen, hit[1])
     if cu is not None:
         cu = cu.to(torch.int32)
         max_len = kwargs.get("max_length_q")
         max_len = int(max_len) if max_len is not None else int((cu[1:] - cu[:-1]).max())
     else:
-        if position_ids.shape[0] != 1:  # one row per batch element: not a packed call
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) \
+                or position_ids.shape[1] != seq:  # fmt: skip
             return None
-        cu = _documents_from_positions(position_ids)
-        if cu.numel() == 2:  # a single document: the batched path is the same call
+        cu = _documents_from_positions(position_ids, batch)
+        if cu.numel() == batch + 1:  # a document per row: the batched path is the same call
+            if not torch.compiler.is_compiling():
+                _CACHE.put(source, None, None)  # read once per microbatch, not per layer
             return None
         max_len = int((cu[1:] - cu[:-1]).max())
     if torch.compiler.is_compiling():
@@ -174,7 +184,9 @@ def flamia_attention_forward(
     dtype = _compute_dtype(query, value)
     batch, _, seq, _ = query.shape
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))  # [B, S, H, d]
-    packed = _packed_plan(kwargs, batch * seq) if batch == 1 else None
+    # rows with padding are unpadded below; packed rows only without a padding mask (as
+    # transformers' masks read position_ids), a single row as before
+    packed = _packed_plan(kwargs, batch, seq) if batch == 1 or attention_mask is None else None
     window = kwargs.get("sliding_window")
     if window is not None and window < (packed[1] if packed is not None else seq):
         _unsupported("sliding_window", window)  # a window no document exceeds changes nothing
@@ -182,7 +194,8 @@ def flamia_attention_forward(
         cu, max_len, plan = packed
         if not use_kernels(q.device, opts["path"]):
             plan = None
-        out = flamia_attention(q[0], k[0], v[0], cu, max_len, plan=plan, **opts)[None]
+        flat = (x.flatten(0, 1) for x in (q, k, v))
+        out = flamia_attention(*flat, cu, max_len, plan=plan, **opts).view(q.shape)
     elif attention_mask is not None and attention_mask.dim() == 2 and not attention_mask.all():
         out = _unpadded(q, k, v, attention_mask.bool(), opts)
     else:

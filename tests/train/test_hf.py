@@ -45,3 +45,21 @@ def test_a_custom_4d_mask_raises_instead_of_being_ignored() -> None:
         padded = model(input_ids=two, attention_mask=padding).logits[1, :7]
         alone = model(input_ids=two[1:, :7]).logits[0]
     assert torch.allclose(padded, alone, atol=1e-5)
+
+
+def test_packed_rows_of_a_larger_batch_keep_their_documents_apart() -> None:
+    """Batch 2, each row packing documents (``position_ids`` restart at 0), no padding:
+    SDPA/eager masks read them per row; flamia attended each row as one document. Each
+    document's logits now equal those of the document alone."""
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 12))
+    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]),
+                       torch.cat([torch.arange(9), torch.arange(3)])])  # fmt: skip
+    with torch.no_grad():
+        out = model(input_ids=ids, position_ids=pos).logits
+        for row, cut in ((0, 5), (1, 9)):
+            for a, b in ((0, cut), (cut, 12)):
+                alone = model(input_ids=ids[row : row + 1, a:b]).logits[0]
+                assert torch.allclose(out[row, a:b], alone, atol=1e-5), (row, a)
+        plain = model(input_ids=ids).logits  # a document per row: the batched call
+        assert torch.equal(plain, model(input_ids=ids, position_ids=torch.arange(12)[None]).logits)
