@@ -14,10 +14,11 @@ Documents: packed inputs are read as transformers reads them: ``cu_seq_lens_q`` 
 ``max_length_q`` keyword arguments of a batch-size-1 call when the caller passes them (no
 host synchronisation), else document starts from ``position_ids`` (every row start, and a
 position that does not follow its predecessor, starts a document, in every row as the
-SDPA/eager masks read them; one host read per microbatch, cached across layers). Without
-either, each batch row is one document; a 2-D
-padding mask is honoured by packing the unpadded tokens; any other mask (a custom 4-D one,
-which transformers passes through as given) raises. Generation with a KV cache (query
+SDPA/eager masks read them; one host read per microbatch, cached across layers; under
+``torch.compile`` only for batch size 1: a compiled batch of several rows is one document
+per row). Without either, each batch row is one document; a 2-D padding mask is honoured
+by packing the unpadded tokens; any other mask (a custom 4-D one, which transformers passes
+through as given) raises. Generation with a KV cache (query
 shorter than the keys) is not a training call: it raises (serve with the vLLM backend).
 """
 
@@ -185,8 +186,11 @@ def flamia_attention_forward(
     batch, _, seq, _ = query.shape
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))  # [B, S, H, d]
     # rows with padding are unpadded below; packed rows only without a padding mask (as
-    # transformers' masks read position_ids), a single row as before
-    packed = _packed_plan(kwargs, batch, seq) if batch == 1 or attention_mask is None else None
+    # transformers' masks read position_ids), a single row as before. Under torch.compile
+    # a batch of several rows stays one document per row: finding documents inside rows
+    # reads the device (data-dependent), which a fullgraph trace of the batched call avoids
+    several = batch > 1 and (attention_mask is not None or torch.compiler.is_compiling())
+    packed = None if several else _packed_plan(kwargs, batch, seq)
     window = kwargs.get("sliding_window")
     if window is not None and window < (packed[1] if packed is not None else seq):
         _unsupported("sliding_window", window)  # a window no document exceeds changes nothing

@@ -63,3 +63,21 @@ def test_packed_rows_of_a_larger_batch_keep_their_documents_apart() -> None:
                 assert torch.allclose(out[row, a:b], alone, atol=1e-5), (row, a)
         plain = model(input_ids=ids).logits  # a document per row: the batched call
         assert torch.equal(plain, model(input_ids=ids, position_ids=torch.arange(12)[None]).logits)
+
+
+def test_compiled_batches_of_several_rows_take_the_batched_call(monkeypatch) -> None:
+    """Under torch.compile a batch of several rows is read as a document per row without
+    reading position_ids from the device (a fullgraph trace of the batched call has no
+    data-dependent step); batch size 1 still finds its documents."""
+    import flamia_serve.train.hf as hf
+
+    seen = []
+    monkeypatch.setattr(hf, "_packed_plan", lambda *a: seen.append(a) or None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    model = _tiny_llama()
+    pos = torch.cat([torch.arange(5), torch.arange(7)])
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (2, 12)), position_ids=pos.expand(2, -1))
+        assert seen == []
+        model(input_ids=torch.randint(0, 64, (1, 12)), position_ids=pos[None])
+    assert len(seen) == 1
