@@ -10,7 +10,7 @@
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
 #                                                   # mixed-short, s19, s19-bench, dv-step,
 #                                                   # d128-passes, s19-w, grad-input,
-#                                                   # nvfp4-search, s22
+#                                                   # nvfp4-search, s22, s22-checks
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -372,6 +372,13 @@ if [[ $steps == *,s22,* ]]; then  # grad_input's BF16 dQ form at 64-query steps 
   RUN_TAIL="-n 17" run bwd_numerics_grad_input64 100 python benchmarks/bwd_numerics.py \
     --accuracy-only --name bwd_numerics_grad_input64
   cp /tmp/cute_sm90_s22.py flamia_serve/kernels/attn_bwd/cute_sm90.py
+fi
+if [[ $steps == *,s22-checks,* ]]; then  # the twenty-second session's CPU-only changes on
+  # the GPU: signed zeros in every quantizer and cache writer (E4M3 and E2M1 codes bit for bit
+  # against the twin), the numerics and cache entry points' argument checks, the paged kernels
+  run pytest_gpu_s22_checks 400 python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_quant.py tests/kernels/test_common.py tests/kernels/test_paged.py \
+    tests/kernels/test_gpu_paged.py tests/numerics tests/test_kvcache_api.py
 fi
 if [[ $steps == *,nvfp4-search,* ]]; then  # NVFP4 block scales by least squared error (three
   # candidates, Recipe.nvfp4_scale_candidates): the quantizers bit-exact against the twin on
