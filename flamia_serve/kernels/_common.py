@@ -144,7 +144,9 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
     a mantissa carry is lost: 7.875 -> 4, and -0 becomes +0), so with INTERPRET the code is
     built from bits: round |x| to its E4M3 quantum 2^(max(E, -6) - 3) with the magic-number
     RNE add, then assemble sign, exponent field and mantissa. Both saturate ±Inf to ±448
-    (the GPU's ``satfinite`` cast) and keep NaN (0x7F).
+    (the GPU's ``satfinite`` cast) and keep NaN (0x7F). Both take the code's sign bit from
+    x's, so -0.0 and negatives that round to zero give 0x80, as the twin's torch cast does
+    (DESIGN N1).
     """
     if INTERPRET:
         nan = x != x
@@ -156,7 +158,8 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
         e_mag = ((mag_bits >> 23) & 0xFF) - 127
         normal = ((e_mag + 7) << 3) | ((mag_bits >> 20) & 7)
         sub = (mag * 512.0).to(tl.int32)  # subnormal: multiples of 2^-9 below 2^-6
-        code = tl.where(e_mag >= -6, normal, sub) | tl.where(x < 0, 128, 0)
+        sign = tl.where(x.to(tl.int32, bitcast=True) < 0, 128, 0)  # -0.0 too
+        code = tl.where(e_mag >= -6, normal, sub) | sign
         code = tl.where(nan, 0x7F, code)
         return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     return x.to(tl.float8e4nv)
@@ -297,23 +300,27 @@ def e2m1_magnitude_code(r):
 
 @triton.jit
 def e2m1_quantize(x):
-    """Round-to-nearest-even E2M1 of float32 |x| <= 6: its code (uint8, bit 3 = sign) and
-    the float32 value the code stands for (``e2m1_decode`` of it; NaN stays NaN)."""
+    """Round-to-nearest-even E2M1 of float32 |x| <= 6: its code (uint8, bit 3 = sign: x < 0,
+    so -0.0 gets 0x0 and a negative that rounds to zero 0x8) and the float32 value the code
+    stands for (``e2m1_decode`` of it, bit for bit: 0x8 is -0.0; NaN stays NaN). The sign is
+    set on the bits: Triton's unary minus is ``0 - x``, which leaves +0.0 positive."""
     rounded = e2m1_round(tl.abs(x))
     negative = x < 0
     code = e2m1_magnitude_code(rounded).to(tl.uint8) | (negative.to(tl.uint8) << 3)
-    return code, tl.where(negative, -rounded, rounded)
+    value = rounded.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)
+    return code, value.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def e2m1_decode(code):
-    """float32 value of E2M1 codes (uint8 in [0, 15])."""
+    """float32 value of E2M1 codes (uint8 in [0, 15]), bit for bit ``numerics.e2m1_decode``'s:
+    bit 3 becomes the sign bit, so 0x8 is -0.0."""
     c = code.to(tl.int32)
     exp_field = (c >> 1) & 3
     mant = (c & 1).to(tl.float32)
     normal = (1.0 + 0.5 * mant) * exp2i(exp_field - 1)
     mag = tl.where(exp_field == 0, 0.5 * mant, normal)
-    return tl.where((c & 8) != 0, -mag, mag)
+    return (mag.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -8,6 +8,9 @@ import torch
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
+#: what the numerics' quantizers take: the kernels' inputs, and float32 (the twin also
+#: quantizes float32 intermediates: G = f ∘ dO, Hadamard-rotated Q/K, dS)
+FLOAT_DTYPES = (*INPUT_DTYPES, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -22,17 +25,47 @@ class VarlenShape:
 
 
 def check_tensor(
-    x: object, name: str, *, ndim: int, dtypes: tuple[torch.dtype, ...]
+    x: object,
+    name: str,
+    *,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...],
+    layout: str = "",
+    at_least: bool = False,
 ) -> torch.Tensor:
-    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``x`` fits."""
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``x`` fits: a tensor of one
+    of ``dtypes`` with ``ndim`` dims (``at_least``: ``ndim`` or more). ``layout`` (such as
+    ``"[T, H, d]"``) is named in the message about dims."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    if (x.dim() < ndim) if at_least else (x.dim() != ndim):
+        dims = f"at least {ndim}" if at_least else str(ndim)
+        where = f" {layout}" if layout else ""
+        raise ValueError(f"{name} must have {dims} dims{where}, got shape {tuple(x.shape)}")
     return x
+
+
+def check_tokens(x: object, name: str = "x") -> torch.Tensor:
+    """``x`` if it is a packed ``[T, H, d]`` tensor of ``FLOAT_DTYPES`` with ``d >= 1`` (what
+    the numerics' quantizers take); else ``TypeError``/``ValueError`` naming ``name``."""
+    x = check_tensor(x, name, ndim=3, dtypes=FLOAT_DTYPES, layout="[T, H, d]")
+    if x.shape[-1] < 1:
+        raise ValueError(f"{name}: head dim must be at least 1, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_int(value: object, name: str, *, low: int, high: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) in ``[low, high]``; else ``TypeError`` /
+    ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
 
 
 def batched_cu_seqlens(q: object, k: object, v: object) -> torch.Tensor | None:

@@ -33,6 +33,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from flamia_serve.numerics.checks import FLOAT_DTYPES, check_tensor
 from flamia_serve.numerics.formats import E4M3_MAX
 from flamia_serve.numerics.scales import (
     NVFP4_GROUP,
@@ -234,8 +235,9 @@ def encode_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[N, H, d]`` per token-head: (codes ``[N, H, code_bytes]``, scales
     ``[N, H, scale_bytes]``), both uint8 — the bytes a slot holds. ``scale``: the static
-    scale of ``fp8_static`` (ignored by the other formats)."""
-    n, h, d = x.shape
+    scale of ``fp8_static`` (ignored by the other formats). ``x``: BF16/FP16/float32;
+    ``TypeError``/``ValueError`` name what does not fit."""
+    n, h, d = check_tensor(x, "x", ndim=3, dtypes=FLOAT_DTYPES, layout="[N, H, d]").shape
     if d != fmt.head_dim:
         raise ValueError(f"head dim {d} does not match the cache format's {fmt.head_dim}")
     none = torch.empty(n, h, 0, dtype=torch.uint8, device=x.device)

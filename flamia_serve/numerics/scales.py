@@ -14,8 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+from flamia_serve.numerics.checks import (
+    FLOAT_DTYPES,
+    check_cu_seqlens,
+    check_int,
+    check_tensor,
+    check_tokens,
+)
 from flamia_serve.numerics.formats import (
     E4M3_MAX,
+    EXP_MAX,
     EXP_MIN,
     NVFP4_MAX,
     e2m1_decode,
@@ -115,6 +123,17 @@ def group_amax(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return out[group_ids]
 
 
+def _check_granularity(granularity: object) -> Granularity:
+    """A :class:`Granularity` from one or its value (``"token"``, ``"token_block"``)."""
+    try:
+        return Granularity(granularity)
+    except ValueError:
+        choices = ", ".join(repr(g.value) for g in Granularity)
+        raise ValueError(
+            f"granularity must be a Granularity ({choices}), got {granularity!r}"
+        ) from None
+
+
 def fp8_exponents(
     x: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
@@ -124,12 +143,21 @@ def fp8_exponents(
     zero_exponent: int = EXP_MIN,
 ) -> torch.Tensor:
     """Scale exponents ``[T, H]`` int8 for E4M3 codes of ``x`` ``[T, H, d]`` (N1, N2, N4);
-    all-zero groups get ``zero_exponent`` (their codes are zero whatever it is)."""
+    all-zero groups get ``zero_exponent`` (their codes are zero whatever it is).
+
+    ``x``: BF16/FP16/float32; ``cu_seqlens`` (token blocks only, else unused): int32 ``[B+1]``
+    on x's device, from 0 to T. ``TypeError``/``ValueError`` name the argument that does not
+    fit."""
+    x = check_tokens(x)
+    granularity = _check_granularity(granularity)
+    check_int(block, "block", low=1)
+    check_int(zero_exponent, "zero_exponent", low=EXP_MIN, high=EXP_MAX)
     if granularity is Granularity.TOKEN:
         amax = x.float().abs().amax(dim=-1)
     else:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens is required for token-block scales")
+        check_cu_seqlens(cu_seqlens, x.shape[0], x.device)
         amax = group_amax(x, token_block_ids(cu_seqlens, x.shape[0], block))
     exponents = pow2_exponent_ceil(amax, E4M3_MAX)
     if zero_exponent != EXP_MIN:
@@ -146,7 +174,8 @@ def quantize_fp8(
     zero_exponent: int = EXP_MIN,
 ) -> FP8Tensor:
     """E4M3 codes with power-of-two exponents rounded up (never clamps), RNE codes.
-    ``zero_exponent``: the exponent of all-zero groups (``V_ZERO_EXPONENT`` for V, N3)."""
+    ``zero_exponent``: the exponent of all-zero groups (``V_ZERO_EXPONENT`` for V, N3).
+    Arguments as :func:`fp8_exponents` takes them (checked there)."""
     exponents = fp8_exponents(x, cu_seqlens, granularity, block, zero_exponent=zero_exponent)
     codes = e4m3_encode(x.float() * exp2i(-exponents.int())[..., None])
     return FP8Tensor(codes, exponents)
@@ -158,6 +187,14 @@ def grad_operand(x: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     codes, so dŜ keeps its E4M3 codes and scales. Exact for BF16 ``x`` (a power of two moves
     no mantissa bit, and ``|x·2^-e| <= 448`` stays far inside BF16's range); FP16 ``x`` is
     rounded to BF16's 8 significant bits (E4M3 keeps 4)."""
+    x = check_tokens(x)
+    check_tensor(exponents, "exponents", ndim=2, dtypes=(torch.int8, torch.int16, torch.int32),
+                 layout="[T, H]")  # fmt: skip
+    if exponents.shape != x.shape[:2] or exponents.device != x.device:
+        raise ValueError(
+            f"exponents must be [T, H] = {tuple(x.shape[:2])} on {x.device} like x, got "
+            f"{tuple(exponents.shape)} on {exponents.device}"
+        )
     return (x.float() * exp2i(-exponents.int())[..., None]).to(torch.bfloat16)
 
 
@@ -171,10 +208,13 @@ def quantize_nvfp4(
     future). Block scales: ``nvfp4_group_scale`` with ``scale_candidates`` (1: round up, so
     no code clamps; more: the candidate of least squared error, N7). Without the second
     level (KV-cache slot with no room for the exponent) block scales saturate at 448.
+    ``x``: ``[T, H, d]`` BF16/FP16/float32, d a multiple of 16; ``TypeError``/``ValueError``
+    name the argument that does not fit.
     """
-    t, h, d = x.shape
+    t, h, d = check_tokens(x).shape
     if d % NVFP4_GROUP:
         raise ValueError(f"x: head dim must be a multiple of {NVFP4_GROUP}, got {d}")
+    check_int(scale_candidates, "scale_candidates", low=1)
     xf = x.float().reshape(t, h, d // NVFP4_GROUP, NVFP4_GROUP)
     amax16 = xf.abs().amax(dim=-1)
     if second_level:
@@ -210,11 +250,14 @@ def quantize_blocks_2d(x: torch.Tensor, block: tuple[int, int]) -> Block2DTensor
     """E4M3 with one power-of-two exponent per ``block`` tile of the last two dims (N6).
 
     Blocks start at index 0 of each of the last two dims (callers pass one document's
-    ``[H, L, L]`` slab, so blocks are document-local); edge blocks may be short.
+    ``[H, L, L]`` slab, so blocks are document-local); edge blocks may be short. ``x``:
+    BF16/FP16/float32, at least 2 dims; ``block``: two ints >= 1. ``TypeError``/``ValueError``
+    name the argument that does not fit.
     """
-    bm, bn = block
-    if bm < 1 or bn < 1:
-        raise ValueError(f"block must be positive, got {block}")
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES, layout="[..., M, N]", at_least=True)
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        raise TypeError(f"block must be a pair (rows, cols) of ints, got {block!r}")
+    bm, bn = (check_int(b, f"block[{i}]", low=1) for i, b in enumerate(block))
     *lead, m, n = x.shape
     mb, nb = -(-m // bm), -(-n // bn)
     padded = torch.zeros(*lead, mb * bm, nb * bn, dtype=torch.float32, device=x.device)

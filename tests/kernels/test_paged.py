@@ -11,10 +11,12 @@ import torch
 
 from flamia_serve.kernels import paged as kernels
 from flamia_serve.kvcache import PagedKVCache
-from flamia_serve.numerics.kv_pages import KVCacheFormat, KVPageFormat
+from flamia_serve.numerics import unpack_e2m1
+from flamia_serve.numerics.kv_pages import KVCacheFormat, KVPageFormat, region_view
 from flamia_serve.reference import attention as training_attention
 from flamia_serve.reference import paged as ref
 from tests.kernels.paged_cases import PagedBatch, make_batch
+from tests.kernels.signed_zeros import negative_zero_bytes, with_signed_zeros
 
 
 def _written(b: PagedBatch, hadamard: bool = False) -> torch.Tensor:
@@ -53,6 +55,54 @@ def test_cache_write_bit_exact(
     kernels.write_kv_cache(got, b.key, b.value, b.slot_mapping, b.fmt, hadamard=hadamard)
     assert torch.equal(got, expected)
     assert torch.equal(b.key, key_before)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp8", "fp8_static", "nvfp4"])
+@pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
+def test_cache_write_signed_zeros_bit_exact(dtype: str, hadamard: bool, device: str) -> None:
+    """-0.0 and negatives that round to zero (DESIGN N1, the sign of zero): the cache writer
+    stores the twin's bytes in every format (E4M3 negative zero 0x80 for ``fp8`` and
+    ``fp8_static``, E2M1's 0x8 for ``nvfp4``), with or without K's rotation; inputs
+    untouched."""
+    b = make_batch([2], [6], dtype=dtype, device=device, seed=5)
+    key, value = with_signed_zeros(b.key), with_signed_zeros(b.value)
+    if dtype == "fp16":
+        key, value = key.half(), value.half()
+    scales = {"k_scale": 0.37, "v_scale": 2.5} if dtype == "fp8_static" else {}
+    before = (key.clone(), value.clone())
+    expected = b.cache.clone()
+    ref.write_kv_cache(expected, key, value, b.slot_mapping, b.fmt, hadamard=hadamard, **scales)
+    got = b.cache.clone()
+    kernels.write_kv_cache(got, key, value, b.slot_mapping, b.fmt, hadamard=hadamard, **scales)
+    assert torch.equal(got, expected)
+    codes = region_view(expected, b.fmt).codes[1]  # V (never rotated)
+    if dtype in ("fp8", "fp8_static"):
+        assert negative_zero_bytes(codes) > 0  # the case is there
+    elif dtype == "nvfp4":
+        assert bool((unpack_e2m1(codes.contiguous()) == 8).any())
+    for a, x in zip(before, (key, value), strict=True):
+        assert torch.equal(a.view(torch.int16), x.view(torch.int16))
+
+
+def test_prefill_q_quantizer_signed_zeros_bit_exact(device: str) -> None:
+    """The FP8-cache prefill's Q quantizer (``prefill_operands``) on -0.0 and negatives that
+    round to zero: its E4M3 codes and exponents are the twin's bytes (negative zero 0x80)."""
+    from flamia_serve.kernels.paged.ops import prefill_offsets, prefill_operands
+    from flamia_serve.numerics import Granularity, quantize_fp8
+
+    b = make_batch([1, 9], [5, 7], dtype="fp8", device=device, seed=6)
+    q = b.q.clone()
+    q[1:] = with_signed_zeros(q[1:])
+    cache = _written(b)
+    plan = kernels.plan_paged(b.fmt, 4, 2, b.query_start_loc.cpu(), int(b.seq_lens.max()),
+                              device=device, seq_lens_host=b.seq_lens.cpu())  # fmt: skip
+    assert (plan.num_decode_tokens, plan.num_prefill_tokens) == (1, 9)
+    offsets = prefill_offsets(plan, b.seq_lens, b.query_start_loc, 16)
+    qkv = prefill_operands(q, cache, b.block_table, b.seq_lens, plan, offsets, 16)
+    q8 = quantize_fp8(q[1:], None, Granularity.TOKEN)
+    assert negative_zero_bytes(q8.codes) > 0
+    assert torch.equal(qkv.q_codes.view(torch.uint8), q8.codes.view(torch.uint8))
+    assert torch.equal(qkv.q_exp.long(), q8.exponents.long())
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])

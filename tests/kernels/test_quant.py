@@ -7,12 +7,21 @@ import dataclasses
 import pytest
 import torch
 
-from flamia_serve.kernels.quant.ops import quantize_qkv
+from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.kernels.schedule import token_block_table
-from flamia_serve.numerics import EXP_MIN, exp2i, resolve_recipe, token_block_ids
-from flamia_serve.numerics.operands import v_t_key, v_t_position
+from flamia_serve.numerics import (
+    EXP_MIN,
+    RECIPES,
+    exp2i,
+    resolve_recipe,
+    token_block_ids,
+    unpack_e2m1,
+)
+from flamia_serve.numerics.operands import token_columns, v_t_key, v_t_position
 from flamia_serve.probes import make_pack
+from flamia_serve.reference import quantize_do as reference_quantize_do
 from flamia_serve.reference import quantize_qkv as reference_quantize_qkv
+from tests.kernels.signed_zeros import negative_zero_bytes, with_signed_zeros
 
 CASES = [
     # lens, hq, hkv, d, recipe, exact_causal
@@ -344,3 +353,80 @@ def test_bad_column_align_is_refused(align) -> None:
         quantize_qkv(q, k, v, cu, column_align=align)
     with pytest.raises(ValueError, match="column_align"):
         token_block_table(cu, 12, align=align)
+
+
+def _same_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """BF16 tensors equal bit for bit (``torch.equal`` takes -0.0 for +0.0)."""
+    return torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
+
+
+SIGNED_ZERO_CASES = [
+    ("mxfp8", False),
+    ("mxfp8", True),
+    ("mixed_nvfp4", False),
+    ("mixed_nvfp4_hadamard", True),
+    ("mxfp8_grad_input", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "exact"),
+    SIGNED_ZERO_CASES,
+    ids=[f"{r}{'-exact' if e else ''}" for r, e in SIGNED_ZERO_CASES],
+)
+def test_quant_kernel_signed_zeros_bit_exact(recipe, exact, device) -> None:
+    """-0.0 and negatives that round to zero (DESIGN N1, the sign of zero): the kernel writes
+    the twin's bytes: E4M3 negative zero (0x80) for both, as torch's cast and the GPU's;
+    E2M1 codes, block scales and exponents, the widened NVFP4 values and the ``grad_qk =
+    "input"`` BF16 rows likewise, in every recipe; the inputs are left as they were."""
+    rec = resolve_recipe(recipe)
+    q, k, v, cu, _ms = make_pack((37, 5), 2, 1, 64, seed=11, device=device)
+    q, k, v = (with_signed_zeros(x) for x in (q, k, v))
+    before = [x.clone() for x in (q, k, v)]
+    nvfp4, rows = rec.qk_format == "nvfp4", rec.grad_input
+    qkv = quantize_qkv(q, k, v, cu, recipe=rec, exact_causal=exact, widen=nvfp4,
+                       with_transposed=rows, q_rows=rows, k_rows=rows)  # fmt: skip
+    got = qkv.to_reference()
+    ref = reference_quantize_qkv(q, k, v, cu, rec, exact)
+    for name in ("q8", "k8", "v8"):
+        a, b = getattr(got, name), getattr(ref, name)
+        assert negative_zero_bytes(b.codes) > 0, name  # the case is there
+        assert _same(a.codes, b.codes), name
+        assert _same(a.exponents, b.exponents), name
+    if nvfp4:
+        for a, b, wide in ((got.q4, ref.q4, qkv.q_wide), (got.k4, ref.k4, qkv.k_wide)):
+            assert _same(a.codes, b.codes)
+            assert _same(a.block_scales, b.block_scales)
+            assert _same(a.exponents, b.exponents)
+            assert _same_bf16(wide, b.dequantize(second_level=False).to(torch.bfloat16))
+        if not rec.hadamard:  # E2M1 negative zero (the tiny negatives)
+            assert bool((unpack_e2m1(ref.q4.codes.cpu()) == 8).any())
+    if rows:
+        for a, b in ((got.q_grad, ref.q_grad), (got.k_grad, ref.k_grad)):
+            assert _same_bf16(a, b)
+    for a, b in zip(before, (q, k, v), strict=True):
+        assert _same_bf16(a, b)
+
+
+def test_quantize_do_signed_zeros_bit_exact(device) -> None:
+    """The dO quantizer on -0.0 and negatives that round to zero: dÔ and Ĝ codes (E4M3
+    negative zero included) and exponents equal the twin's bytes, and so do Ĝ's BF16 rows."""
+    lens = (37, 5)
+    d_out = with_signed_zeros(make_pack(lens, 2, 1, 64, seed=12, device=device)[0])
+    out, _k, _v, cu, _ms = make_pack(lens, 2, 1, 64, seed=13, device=device)
+    gen = torch.Generator().manual_seed(14)
+    m = torch.randint(-4, 5, (sum(lens), 2), generator=gen).float()
+    lse = m + torch.rand(sum(lens), 2, generator=gen) * 6
+    m, lse = m.to(device), lse.to(device)
+    before = d_out.clone()
+    got = quantize_do(d_out, out, m, lse, cu, g_rows=True)
+    ref = reference_quantize_do(d_out, out, m, lse, cu, RECIPES["mxfp8"],
+                                row_factor=got.row_factor)  # fmt: skip
+    mine = got.to_reference()
+    for a, b in ((mine.do8, ref.do8), (mine.g8, ref.g8)):
+        assert negative_zero_bytes(b.codes) > 0
+        assert _same(a.codes, b.codes)
+        assert _same(a.exponents, b.exponents)
+    rows = v_t_key(token_columns(cu, got.doc_v_t_start, d_out.shape[0]))
+    assert _same_bf16(got.g_rows[rows], ref.g8.dequantize().to(torch.bfloat16))
+    assert _same_bf16(d_out, before)

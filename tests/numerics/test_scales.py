@@ -11,6 +11,7 @@ from flamia_serve.numerics import (
     Granularity,
     Recipe,
     exp2i,
+    fp8_exponents,
     grad_operand,
     quantize_blocks_2d,
     quantize_fp8,
@@ -19,6 +20,7 @@ from flamia_serve.numerics import (
     unpack_e2m1,
 )
 from flamia_serve.numerics.formats import e2m1_decode
+from flamia_serve.numerics.kv_pages import KVPageFormat, encode_slots
 
 CU = torch.tensor([0, 5, 40, 40, 107, 108], dtype=torch.int32)  # incl. empty and 1-token docs
 
@@ -166,3 +168,72 @@ def test_grad_operand_is_the_input_over_the_exponents() -> None:
     assert RECIPES["mxfp8_grad_input"].grad_qk == "input" and RECIPES["mxfp8"].grad_qk == "codes"
     with pytest.raises(ValueError, match="grad_qk"):
         Recipe("bad", grad_qk="bf16")
+
+
+def _bad_inputs() -> list[tuple[str, object, type[Exception], str]]:
+    """(id, call, error type, what the message must name)."""
+    x = _pack(h=2, d=64)
+    cu2 = CU.clone()
+    cu2[-1] = 107  # ends before the last token
+    e8 = torch.zeros(108, 2, dtype=torch.int8)
+    fp8 = quantize_fp8
+    return [
+        ("fp8 rank 2", lambda: fp8(x[:, 0], CU), ValueError, "x must have 3 dims [T, H, d]"),
+        ("fp8 rank 4", lambda: fp8(x[None], CU, Granularity.TOKEN), ValueError, "x must have 3"),
+        ("fp8 not a tensor", lambda: fp8(x.tolist(), CU), TypeError, "x must be a torch.Tensor"),
+        ("fp8 int", lambda: fp8(x.int(), CU), TypeError, "x must have dtype"),
+        ("fp8 float64", lambda: fp8(x.double(), CU), TypeError, "x must have dtype"),
+        ("fp8 e4m3 codes", lambda: fp8(x.to(torch.float8_e4m3fn), CU), TypeError, "x must have"),
+        ("fp8 empty head dim", lambda: fp8(x[..., :0], CU), ValueError, "x: head dim"),
+        ("fp8 no cu", lambda: fp8(x, None), ValueError, "cu_seqlens is required"),
+        ("fp8 cu int64", lambda: fp8(x, CU.long()), TypeError, "cu_seqlens must have dtype"),
+        ("fp8 cu short", lambda: fp8(x, cu2), ValueError, "cu_seqlens must end at"),
+        ("fp8 cu rank", lambda: fp8(x, CU[None]), ValueError, "cu_seqlens must have 1 dims"),
+        ("fp8 granularity", lambda: fp8(x, CU, "rows"), ValueError, "granularity must be"),
+        ("fp8 block 0", lambda: fp8(x, CU, Granularity.TOKEN_BLOCK, 0), ValueError, "block"),
+        ("fp8 block float", lambda: fp8(x, CU, Granularity.TOKEN_BLOCK, 32.0), TypeError, "block"),
+        ("fp8 zero_exponent", lambda: fp8(x, CU, zero_exponent=200), ValueError, "zero_exponent"),
+        ("exponents rank 2", lambda: fp8_exponents(x[:, 0], CU, Granularity.TOKEN_BLOCK),
+         ValueError, "x must have 3 dims"),
+        ("nvfp4 rank 2", lambda: quantize_nvfp4(x[:, 0]), ValueError, "x must have 3 dims"),
+        ("nvfp4 int", lambda: quantize_nvfp4(x.short()), TypeError, "x must have dtype"),
+        ("nvfp4 head dim 24", lambda: quantize_nvfp4(x[..., :24]), ValueError,
+         "x: head dim must be a multiple of 16"),
+        ("nvfp4 candidates", lambda: quantize_nvfp4(x, scale_candidates=0), ValueError,
+         "scale_candidates"),
+        ("blocks_2d rank 1", lambda: quantize_blocks_2d(x[0, 0], (32, 32)), ValueError,
+         "x must have at least 2 dims"),
+        ("blocks_2d int", lambda: quantize_blocks_2d(x.long(), (32, 32)), TypeError,
+         "x must have dtype"),
+        ("blocks_2d block", lambda: quantize_blocks_2d(x, (32,)), TypeError, "block must be"),
+        ("blocks_2d block 0", lambda: quantize_blocks_2d(x, (32, 0)), ValueError, "block[1]"),
+        ("grad_operand rank", lambda: grad_operand(x[:, 0], e8), ValueError, "x must have 3"),
+        ("grad_operand shape", lambda: grad_operand(x, e8[:, :1]), ValueError, "exponents"),
+        ("grad_operand dtype", lambda: grad_operand(x, e8.float()), TypeError, "exponents"),
+        ("encode_slots rank", lambda: encode_slots(x[:, 0], KVPageFormat("fp8", 64)),
+         ValueError, "x must have 3 dims [N, H, d]"),
+    ]  # fmt: skip
+
+
+def test_bad_arguments_raise_errors_naming_them() -> None:
+    """Every public quantizer refuses a wrong rank, dtype, head dim or parameter with a
+    ``TypeError``/``ValueError`` whose message names the argument (not an error from deep
+    inside torch), and leaves what it was given as it was."""
+    x = _pack(h=2, d=64)
+    kept = (x.clone(), CU.clone())
+    for case, call, error, named in _bad_inputs():
+        with pytest.raises(error) as info:
+            call()
+        assert named in str(info.value), (case, str(info.value))
+    assert torch.equal(x.view(torch.int16), kept[0].view(torch.int16))
+    assert torch.equal(CU, kept[1])
+
+
+def test_quantizers_take_granularity_values_and_float32() -> None:
+    """``granularity`` may be given by its value; float32 inputs (the twin's intermediates)
+    are quantized as the BF16 ones they equal."""
+    x = _pack()
+    a = quantize_fp8(x, CU, "token")
+    b = quantize_fp8(x.float(), CU, Granularity.TOKEN)
+    assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+    assert torch.equal(a.exponents, b.exponents)
