@@ -33,6 +33,30 @@ def results_dir() -> Path:
     return path
 
 
+#: distributions whose versions every results file records where installed (the
+#: baselines' libraries and ours): ``importlib.metadata`` names
+LIBRARIES = ("flamia-serve", "flash-attn-4", "flash-attn", "nvidia-cutlass-dsl",
+             "flashinfer-python", "flashinfer-cubin", "vllm", "transformers")  # fmt: skip
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of :data:`LIBRARIES` (absent ones left out) and, where CUDA runs,
+    cuDNN's (``"cudnn"``: the SDPA baseline's backend)."""
+    from importlib import metadata
+
+    import torch
+
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    if torch.cuda.is_available() and torch.backends.cudnn.is_available():
+        versions["cudnn"] = str(torch.backends.cudnn.version())
+    return versions
+
+
 def env_info() -> dict[str, str]:
     """GPU name, torch / triton / CUDA versions and today's date (YYYY-MM-DD)."""
     import torch
@@ -134,7 +158,8 @@ MIN_TIMED_CALLS = 5
 def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200,
             l2: str = "dirty") -> dict:
     """Median / p20 / p80 milliseconds of ``fn()`` with L2 flushed before every timed call,
-    over at least ``MIN_TIMED_CALLS`` calls (``rep_ms`` is stretched for long calls).
+    over at least ``MIN_TIMED_CALLS`` calls (``rep_ms`` is stretched for long calls);
+    ``n_timed``: how many.
 
     ``l2="dirty"``: ``triton.testing.do_bench``, whose flush writes zeros over 256 MB, so the
     timed call starts with L2 full of dirty lines and pays their write-back (H200: the FP8
@@ -158,8 +183,10 @@ def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200
         end.record()
         torch.cuda.synchronize()
         rep = max(rep_ms, 1.5 * MIN_TIMED_CALLS * start.elapsed_time(end))
-        med, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep, quantiles=[0.5, 0.2, 0.8])
-        return {"ms": float(med), "ms_p20": float(p20), "ms_p80": float(p80)}
+        times = list(do_bench(fn, warmup=warmup_ms, rep=rep, return_mode="all"))
+        while len(times) < MIN_TIMED_CALLS:  # do_bench's own estimate came out longer
+            times += do_bench(fn, warmup=0, rep=rep, return_mode="all")
+        return timing_summary(times)
 
     flush = torch.ones(256 << 18, dtype=torch.int32, device="cuda")
     sink = torch.empty((), dtype=torch.int64, device="cuda")
@@ -179,11 +206,22 @@ def time_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 200
     per_call = max(first[len(first) // 2], 1e-3)
     timed(max(1, int(warmup_ms / per_call)))
     times = timed(max(MIN_TIMED_CALLS, min(10000, int(rep_ms / per_call))))
+    return timing_summary(times)
+
+
+def timing_summary(times: Sequence[float]) -> dict:
+    """``ms`` (median), ``ms_p20``, ``ms_p80`` (linear interpolation, as ``do_bench``'s
+    quantiles) and ``n_timed`` of per-call milliseconds."""
+    if not times:
+        raise ValueError("timing_summary needs at least one time")
+    ordered = sorted(float(t) for t in times)
 
     def at(q: float) -> float:
-        return float(times[min(len(times) - 1, int(q * len(times)))])
+        point = q * (len(ordered) - 1)
+        lo, hi = math.floor(point), math.ceil(point)
+        return (1 - (point - lo)) * ordered[lo] + (point - lo) * ordered[hi]
 
-    return {"ms": at(0.5), "ms_p20": at(0.2), "ms_p80": at(0.8)}
+    return {"ms": at(0.5), "ms_p20": at(0.2), "ms_p80": at(0.8), "n_timed": len(ordered)}
 
 
 def graph_time(fn: Callable[[], Any], *, rep_ms: float = 200, l2: str = "dirty") -> dict:
@@ -306,7 +344,8 @@ def parse_settings(text: str, form: str) -> list[tuple[int, ...]]:
 def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
     """Write ``<results_dir>/<name>.json`` in the DESIGN.md section-6 shape; return path.
 
-    Top level: ``benchmark, gpu, torch, triton, date, rows`` plus ``cuda`` and ``extra``.
+    Top level: ``benchmark, gpu, torch, triton, date, rows`` plus ``cuda``, ``libraries``
+    (:func:`library_versions`: the baselines' and ours) and ``extra``.
     """
     env = env_info()
     doc: dict[str, Any] = {
@@ -316,6 +355,7 @@ def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Pat
         "triton": env["triton"],
         "date": env["date"],
         "cuda": env["cuda"],
+        "libraries": library_versions(),
     }
     doc.update(extra or {})
     doc["rows"] = [_json_safe(r) for r in rows]
