@@ -31,9 +31,12 @@ Impls (each dropped with a printed reason when its package is missing):
 Forward rows time the eager call (as every baseline); ``flamia`` forward rows also carry
 ``graph_ms`` / ``graph_tflops``: the same call replayed from a CUDA graph, i.e. GPU time
 without the host side. With ``--passes`` including ``fwd+bwd`` / ``bwd`` every impl with a
-backward also gets rows of forward + ``backward()`` (FLOPs 3.5x the forward's) and of the
-backward alone (``torch.autograd.grad`` on a retained graph, 2.5x): for flamia the backward
-includes its quantization launches (Q/K/V again, dO).
+backward also gets rows of forward + backward (FLOPs 3.5x the forward's) and of the
+backward alone (on a retained graph, 2.5x), both through ``torch.autograd.grad`` (nothing
+accumulated into ``.grad``): for flamia the backward includes its quantization launches
+(Q/K/V again, dO). Rows record the inputs' layout (``layout``), whether K/V heads were
+repeated outside timing (``kv_expanded``), JIT compiles during timing, and for flamia the
+kernel configs that ran (``fwd_config`` / ``bwd_config``).
 
 Usage::
 
@@ -60,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import (
+    JitCompiles,
     Rotating,
     copy_bandwidth,
     graph_time,
@@ -76,6 +80,7 @@ from benchmarks.workloads import (
     HKV,
     HQ,
     PACK_FAMILIES,
+    SEED,
     WORKLOADS,
     Workload,
     training_workload,
@@ -89,7 +94,12 @@ Run = Callable[..., Any]
 Builder = Callable[[Workload, Tensor, QKV], tuple[Prep, Run]]
 
 CHECK_WORKLOADS = ("W1", "W7")  # T=8192: one document; many short documents + one long
-CHECK_SUSPECT = 0.99  # cos-sim below this marks a baseline call as wrong
+#: cos-sim against the FP32 reference below which ``--check`` marks a call SUSPECT: BF16
+#: baselines on the same problem give ~0.99999 (a softmax scale 10% off gives 0.9965, so
+#: 0.99 would pass it); FLAMIA's FP8/NVFP4 O ~0.992-0.999, dQ/dK ~0.990-0.998 (DESIGN)
+CHECK_FLOOR_BASELINE = 0.9999
+CHECK_FLOOR_FLAMIA = 0.99
+CHECK_FLOOR_FLAMIA_GRAD = 0.98
 
 
 @dataclass
@@ -120,6 +130,18 @@ def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple:
     """Prep that repeats each KV head for its Hq/Hkv query heads (MHA layout)."""
     g = q.shape[1] // k.shape[1]
     return (q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+
+def _prep_facts(prep: Prep, run: Run) -> dict[str, Any]:
+    """What a row records of how its impl ran: the input layout its prep built outside the
+    timed region, whether K/V heads were repeated there (GQA not native), and for FLAMIA the
+    kernel configs that ran (``run.facts``)."""
+    facts: dict[str, Any] = {
+        "layout": "[1, H, T, d] copies" if prep in (_dense, _dense_expanded) else "[T, H, d]",
+        "kv_expanded": prep in (_expand_kv, _dense_expanded),
+    }
+    extra = getattr(run, "facts", None)
+    return {**facts, **(extra() if extra is not None else {})}
 
 
 def _bhtd(x: Tensor) -> Tensor:
@@ -181,6 +203,16 @@ def _flamia_loader(
                     bwd_config=bcfg,
                 )  # fmt: skip
 
+            def facts() -> dict[str, Any]:
+                """The kernel configs the library ran with (the plan's checked call)."""
+                calls = list(getattr(plan, "calls", {}).values())
+                call = calls[-1] if calls else None
+                if getattr(call, "config", None) is None:
+                    return {}
+                return {"fwd_config": dataclasses.asdict(call.config),
+                        "bwd_config": dataclasses.asdict(call.bwd_config)}  # fmt: skip
+
+            run.facts = facts  # type: ignore[attr-defined]
             return _identity, run
 
         return build
@@ -473,34 +505,100 @@ def reference_fwd(q: Tensor, k: Tensor, v: Tensor, seqlens: list[int]) -> Tensor
     return out
 
 
-def check_impls(impls: list[Impl], device: torch.device) -> dict[str, dict[str, float]]:
-    """Cos-sim of each forward impl against :func:`reference_fwd` on the check workloads."""
-    results: dict[str, dict[str, float]] = {}
-    print(f"correctness check vs fp32 SDPA per document on {', '.join(CHECK_WORKLOADS)}:")
-    for name in CHECK_WORKLOADS:
-        wl = training_workload(name)
+def reference_grads(q: Tensor, k: Tensor, v: Tensor, seqlens: list[int],
+                    d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Float32 ``(dQ, dK, dV)`` of :func:`reference_fwd` for the output gradient ``d_out``
+    (dK/dV summed over each KV head's query heads)."""
+    leaves = tuple(x.detach().float().requires_grad_() for x in (q, k, v))
+    with torch.enable_grad():
+        out = reference_fwd(*leaves, seqlens)
+        return torch.autograd.grad(out, leaves, d_out.float())
+
+
+def check_floor(impl: str, tensor: str = "O") -> float:
+    """The cos-sim under which ``--check`` flags ``impl``'s ``tensor`` (O, dQ, dK, dV)."""
+    if not impl.startswith("flamia"):
+        return CHECK_FLOOR_BASELINE
+    return CHECK_FLOOR_FLAMIA if tensor == "O" else CHECK_FLOOR_FLAMIA_GRAD
+
+
+def _impl_grads(run: Run, prep: Prep, qkv: QKV, d_out: Tensor) -> tuple[Tensor, ...]:
+    """``(dQ, dK, dV)`` of one call with respect to the raw ``[T, H, d]`` inputs: the prep
+    (layout copies, K/V repeated) is inside the graph, so its backward maps the impl's
+    gradients back (repeated K/V heads summed)."""
+    leaves = tuple(x.detach().clone().requires_grad_() for x in qkv)
+    with torch.enable_grad():
+        out = _first_tensor(run(*prep(*leaves)))
+        return torch.autograd.grad(out, leaves, d_out.view_as(out))
+
+
+def check_impls(
+    impls: list[Impl],
+    device: torch.device,
+    workloads: list[Workload] | None = None,
+    grads: bool = False,
+    include: Callable[[Impl, Workload], bool] | None = None,
+) -> dict[str, dict]:
+    """Cos-sim of each forward impl's O against :func:`reference_fwd` (and with ``grads`` of
+    its dQ/dK/dV against :func:`reference_grads`) on ``workloads`` (default
+    :data:`CHECK_WORKLOADS`), the impl built as the timed rows build it.
+
+    Returns ``{"cos": {impl: {workload: O cos}}, "grad_cos": {impl: {workload: {dQ, dK,
+    dV}}}, "floors": ..., "suspect": ["impl workload tensor cos", ...], "failed": [...]}``;
+    ``include(impl, wl)``: whether to check an impl there (default ``impl.applies``).
+    """
+    wls = workloads if workloads is not None else [training_workload(n) for n in CHECK_WORKLOADS]
+    include = include or (lambda impl, wl: impl.applies(wl))
+    cos_o: dict[str, dict[str, float]] = {}
+    cos_g: dict[str, dict[str, dict[str, float]]] = {}
+    suspect: list[str] = []
+    failed: list[str] = []
+    what = "O, dQ, dK, dV" if grads else "O"
+    print(f"correctness check ({what}) vs fp32 SDPA per document on "
+          f"{', '.join(w.name for w in wls)}:")  # fmt: skip
+    for wl in wls:
         cu = wl.cu_seqlens(device)
         q, k, v = make_inputs(wl, seed=1234, device=device)
         ref = reference_fwd(q, k, v, wl.seqlens)
+        d_out = make_inputs(wl, seed=4321, device=device)[0] if grads else None
+        ref_grads = reference_grads(q, k, v, wl.seqlens, d_out) if grads else None
         for impl in impls:
-            if impl.pass_ != "fwd" or not impl.applies(wl):
+            if impl.pass_ != "fwd" or not include(impl, wl):
                 continue
             try:
                 prep, run = impl.build(wl, cu, (q, k, v))
-                out = _first_tensor(run(*prep(q, k, v))).float()
+                with torch.no_grad():
+                    out = _first_tensor(run(*prep(q, k, v))).float()
                 if out.shape != ref.shape:
                     raise ValueError(f"output shape {tuple(out.shape)} != {tuple(ref.shape)}")
-                cos = F.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+                got = {"O": (out, ref)}
+                if grads:
+                    dq, dk, dv = _impl_grads(run, prep, (q, k, v), d_out)
+                    got.update(dQ=(dq, ref_grads[0]), dK=(dk, ref_grads[1]),
+                               dV=(dv, ref_grads[2]))  # fmt: skip
+                cos = {n: F.cosine_similarity(a.float().flatten(), b.flatten(), dim=0).item()
+                       for n, (a, b) in got.items()}  # fmt: skip
                 err = (out - ref).abs().max().item()
             except Exception as exc:  # a broken baseline must not stop the others
-                print(f"  {name} {impl.name:20s} FAILED {_short(exc)}")
+                print(f"  {wl.name} {impl.name:20s} FAILED {_short(exc)}")
+                failed.append(f"{impl.name} {wl.name}: {_short(exc)}")
                 continue
-            flag = "" if cos >= CHECK_SUSPECT else "   <-- SUSPECT: wrong call?"
-            print(f"  {name} {impl.name:20s} cos={cos:.6f} max|err|={err:.4g}{flag}")
-            results.setdefault(impl.name, {})[name] = cos
-        del q, k, v, ref
-        torch.cuda.empty_cache()
-    return results
+            low = [f"{impl.name} {wl.name} {n} {c:.6f}" for n, c in cos.items()
+                   if c < check_floor(impl.name, n)]  # fmt: skip
+            suspect += low
+            flag = "   <-- SUSPECT: wrong call?" if low else ""
+            text = " ".join(f"{n}={c:.6f}" for n, c in cos.items())
+            print(f"  {wl.name} {impl.name:20s} cos {text} max|err O|={err:.4g}{flag}")
+            cos_o.setdefault(impl.name, {})[wl.name] = cos["O"]
+            if grads:
+                cos_g.setdefault(impl.name, {})[wl.name] = {n: cos[n] for n in ("dQ", "dK", "dV")}
+        del q, k, v, ref, d_out, ref_grads
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    floors = {"baseline": CHECK_FLOOR_BASELINE, "flamia_O": CHECK_FLOOR_FLAMIA,
+              "flamia_grads": CHECK_FLOOR_FLAMIA_GRAD}  # fmt: skip
+    return {"cos": cos_o, "grad_cos": cos_g, "floors": floors, "suspect": suspect,
+            "failed": failed}  # fmt: skip
 
 
 def bench_workload(
@@ -526,7 +624,10 @@ def bench_workload(
             out_bytes = tensor_bytes(out)
             del out
             torch.cuda.synchronize()
-            t = time_ms(Rotating(run, arg_sets), warmup_ms=warmup_ms, rep_ms=rep_ms)
+            with JitCompiles() as jit:
+                t = time_ms(Rotating(run, arg_sets), warmup_ms=warmup_ms, rep_ms=rep_ms)
+            t["jit_compiles_in_timing"] = jit.total
+            facts = _prep_facts(prep, run)
             first = functools.partial(run, *arg_sets[0])
             if impl.pass_ == "quant":  # GPU time from a CUDA graph; eager adds host launch
                 t = {**graph_time(first, rep_ms=rep_ms), "eager_ms": t["ms"]}
@@ -539,7 +640,8 @@ def bench_workload(
         finally:
             arg_sets = None
             torch.cuda.empty_cache()
-        row = {"workload": wl.name, "pass": impl.pass_, "impl": impl.name, **_heads(wl), **t}
+        row = {"workload": wl.name, "pass": impl.pass_, "impl": impl.name, **_heads(wl), **t,
+               **facts}  # fmt: skip
         if impl.pass_ == "fwd":
             row["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
             row["gbps"] = None
@@ -565,6 +667,20 @@ def _with_grad(args: tuple) -> tuple:
     return tuple(x.detach().requires_grad_() for x in args)
 
 
+def fwd_bwd_step(run: Run, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor) -> tuple:
+    """One forward + backward (the ``fwd+bwd`` rows): gradients returned by
+    ``torch.autograd.grad``, as in :func:`bwd_step`, not accumulated into ``.grad`` (that
+    adds an elementwise add per input from the second call on, which ``bwd`` would not
+    time)."""
+    out = _first_tensor(run(q, k, v))
+    return torch.autograd.grad(out, (q, k, v), d_out.view_as(out))
+
+
+def bwd_step(out: Tensor, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor) -> tuple:
+    """The backward alone (the ``bwd`` rows) over a forward graph built beforehand."""
+    return torch.autograd.grad(out, (q, k, v), d_out.view_as(out), retain_graph=True)
+
+
 def bench_backward(
     wl: Workload, impls: list[Impl], device: torch.device, passes: list[str], warmup_ms: float,
     rep_ms: float,
@@ -583,26 +699,24 @@ def bench_backward(
             prep, run = impl.build(wl, cu, raw[0])
             sets = [_with_grad(prep(*s)) for s in raw]
             d_outs = [torch.randn_like(s[0]) for s in raw]
-
-            def fwd_bwd(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, run=run) -> None:
-                out = _first_tensor(run(q, k, v))
-                torch.autograd.backward(out, d_out.view_as(out))
-
+            fwd_bwd = functools.partial(fwd_bwd_step, run)
             fwd_bwd(*sets[0], d_outs[0])  # compile / autotune outside timing
             torch.cuda.synchronize()
             timings = {}
             if "fwd+bwd" in passes:
                 args = [(*s, d) for s, d in zip(sets, d_outs, strict=True)]
-                timings["fwd+bwd"] = time_ms(Rotating(fwd_bwd, args), warmup_ms=warmup_ms,
-                                             rep_ms=rep_ms)  # fmt: skip
+                with JitCompiles() as jit:
+                    timings["fwd+bwd"] = time_ms(Rotating(fwd_bwd, args), warmup_ms=warmup_ms,
+                                                 rep_ms=rep_ms)  # fmt: skip
+                timings["fwd+bwd"]["jit_compiles_in_timing"] = jit.total
             if "bwd" in passes:
                 outs = [_first_tensor(run(*s)) for s in sets]
-
-                def bwd(out: Tensor, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor) -> None:
-                    torch.autograd.grad(out, (q, k, v), d_out.view_as(out), retain_graph=True)
-
                 args = [(o, *s, d) for o, s, d in zip(outs, sets, d_outs, strict=True)]
-                timings["bwd"] = time_ms(Rotating(bwd, args), warmup_ms=warmup_ms, rep_ms=rep_ms)
+                with JitCompiles() as jit:
+                    timings["bwd"] = time_ms(Rotating(bwd_step, args), warmup_ms=warmup_ms,
+                                             rep_ms=rep_ms)  # fmt: skip
+                timings["bwd"]["jit_compiles_in_timing"] = jit.total
+            facts = _prep_facts(prep, run)
         except Exception as exc:  # a broken baseline must not stop the others
             print(f"  [fail] {impl.name} backward: {_short(exc)}")
             continue
@@ -612,7 +726,7 @@ def bench_backward(
         for pass_, t in timings.items():
             tflops = BWD_FLOPS[pass_] * flops / (t["ms"] * 1e-3) / 1e12
             rows.append({"workload": wl.name, "pass": pass_, "impl": impl.name, **_heads(wl), **t,
-                         "tflops": tflops, "gbps": None})  # fmt: skip
+                         "tflops": tflops, "gbps": None, **facts})  # fmt: skip
             print(f"  {impl.name:20s} {pass_:8s} {t['ms']:8.4f} ms  {tflops:7.1f} TFLOP/s")
     return rows
 
@@ -660,7 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", default=",".join(IMPLS), help=", ".join(IMPLS))
     ap.add_argument("--passes", default="fwd", help="comma list of fwd, fwd+bwd, bwd")
     ap.add_argument("--quick", action="store_true", help="short timing (warm-up 10, rep 50 ms)")
-    ap.add_argument("--check", action="store_true", help="cos-sim vs fp32 SDPA before timing")
+    ap.add_argument("--check", action="store_true",
+                    help="before timing, cos-sim vs fp32 SDPA on the timed workloads (O; with "
+                         "fwd+bwd or bwd passes also dQ/dK/dV)")  # fmt: skip
     ap.add_argument("--name", default="train_attention", help="results file stem")
     ap.add_argument(
         "--flex-workloads", default="W3,W6,W9", help="flex-docmask recompiles: limit its workloads"
@@ -686,15 +802,22 @@ def main(argv: list[str] | None = None) -> int:
         "flamia_fwd_default": _default_fwd_config(device),
         "flamia_bwd_default": _default_bwd_config(device),
         "passes": passes,
+        "workload_seed": SEED,
+        "workloads": {name: training_workload(name).definition() for name in workloads},
     }
     rows: list[dict] = []
+    flex_only = set(_csv(args.flex_workloads, WORKLOADS + PACK_FAMILIES + EQUAL_PACKS, "workloads"))
+    if args.check:  # the impls on the workloads they are timed on
+
+        def timed_on(impl: Impl, wl: Workload) -> bool:
+            return impl.applies(wl) and (impl.name != "flex-docmask" or wl.name in flex_only)
+
+        check = check_impls(impls, device, [training_workload(n) for n in workloads],
+                            grads=any(p != "fwd" for p in passes), include=timed_on)  # fmt: skip
+        extra["check_cos_vs_fp32"] = check["cos"]
+        extra["check"] = {key: check[key] for key in ("grad_cos", "floors", "suspect", "failed")}
     with torch.no_grad():
-        if args.check:
-            extra["check_cos_vs_fp32"] = check_impls(impls, device)
         copy_row = copy_bandwidth(device)
-        flex_only = set(
-            _csv(args.flex_workloads, WORKLOADS + PACK_FAMILIES + EQUAL_PACKS, "workloads")
-        )
         for name in workloads:
             chosen = [i for i in impls if i.name != "flex-docmask" or name in flex_only]
             if "fwd" in passes:

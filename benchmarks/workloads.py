@@ -113,6 +113,13 @@ class Workload:
         """Causal forward FLOPs of this workload (DESIGN section 6)."""
         return causal_flops(self.seqlens, self.hq, self.head_dim)
 
+    def definition(self) -> dict:
+        """What a results file records of the workload: tokens, kind, heads, head dim, the
+        document lengths and the forward FLOPs its TFLOP/s divide."""
+        return {"total_tokens": self.total_tokens, "kind": self.kind, "hq": self.hq,
+                "hkv": self.hkv, "d": self.head_dim, "docs": self.num_docs,
+                "fwd_flops": self.flops(), "seqlens": list(self.seqlens)}  # fmt: skip
+
 
 def causal_flops(seqlens: list[int], hq: int, d: int) -> float:
     """Causal forward FLOPs ``2·2·Σ_doc(L²/2)·Hq·d`` (score + PV); backward is 2.5x."""
