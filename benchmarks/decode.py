@@ -39,6 +39,7 @@ from benchmarks.serving import (
     ServingBatch,
     flamia_impls,
     flashinfer_nvfp4_cache,
+    flashinfer_page_table,
     import_flashinfer,
     make_serving_batch,
     measure,
@@ -61,10 +62,8 @@ def flashinfer_impls(batch: ServingBatch) -> dict[str, tuple[str, Callable[[], t
     if flashinfer is None:
         return {}
     dev = batch.q.device
-    pages = batch.seq_lens_list[0] // PAGE
-    indptr = torch.arange(0, (batch.batch + 1) * pages, pages, dtype=torch.int32, device=dev)
-    indices = batch.block_table[:, :pages].reshape(-1).contiguous()
-    last = torch.full((batch.batch,), PAGE, dtype=torch.int32, device=dev)
+    # every sequence's pages, the last one partly filled where L is not a multiple of PAGE
+    indptr, indices, last = flashinfer_page_table(batch)
     fp8 = batch.kv_nhd.to(torch.float8_e4m3fn)
     nv_codes, nv_scales = flashinfer_nvfp4_cache(batch)
     variants = {
@@ -101,7 +100,7 @@ def p_code_agreement(batch: ServingBatch) -> dict[str, float]:
     """Fraction of E4M3 P̂ codes equal to the exactly rounded code, over the real scores of
     the first sequence (Direct-P with Schraudolph vs Mitchell-P, DESIGN N9)."""
     length = batch.seq_lens_list[0]
-    pages = batch.block_table[0, : length // PAGE].long()
+    pages = batch.block_table[0, : -(-length // PAGE)].long()
     k = batch.kv_nhd[pages][:, 0].reshape(-1, HKV, HEAD_DIM)[:length].float()
     q = batch.q[:1].float().view(HKV, HQ // HKV, HEAD_DIM)
     x = torch.einsum("hgd,jhd->hgj", q, k) * HEAD_DIM**-0.5 * 1.4426950408889634
@@ -129,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_clean = copy_bandwidth(dev, l2="clean")["gbps"] if args.clean_l2 else None
     extra: dict = {"copy_gbps": copy_row["gbps"], "copy_gbps_clean_l2": copy_clean,
                    "shape": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM, "page_size": PAGE},
-                   "p_code_agreement": {}}  # fmt: skip
+                   "p_code_agreement": {}, "workloads": {}}  # fmt: skip
     for name in args.workloads.split(","):
         b, length = parse(name)
+        extra["workloads"][name] = {"sequences": b, "seq_len": length, "new_tokens": 1,
+                                    "seed": b + length}  # fmt: skip
         batch = make_serving_batch([1] * b, [length] * b, dev, seed=b + length)
         extra["p_code_agreement"][name] = p_code_agreement(batch)
         impls = {**flamia_impls(batch), **flashinfer_impls(batch)}

@@ -31,6 +31,7 @@ from benchmarks.serving import (
     PAGE,
     ServingBatch,
     flamia_impls,
+    flashinfer_page_table,
     import_flashinfer,
     make_serving_batch,
     measure,
@@ -47,7 +48,18 @@ WORKLOADS: dict[str, tuple[list[int], list[int]]] = {
 }
 
 
+def workload_seed(name: str) -> int:
+    """The seed of workload ``name``'s batch: its place in :data:`WORKLOADS`, so a workload
+    gets the same tokens and page order however ``--workloads`` lists it (it was the place
+    in that list); ``SystemExit`` names the choices otherwise."""
+    if name not in WORKLOADS:
+        raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    return list(WORKLOADS).index(name)
+
+
 def flops(batch: ServingBatch) -> float:
+    """Causal (query, key) pairs x 4·Hq·d: each new token sees the cached ones and the new
+    ones up to itself."""
     pairs = 0
     for n, length in zip(batch.q_lens, batch.seq_lens_list, strict=True):
         cached = length - n
@@ -60,13 +72,7 @@ def flashinfer_impls(batch: ServingBatch) -> dict[str, tuple[str, Callable[[], t
     if flashinfer is None:
         return {}
     dev = batch.q.device
-    pages = [-(-n // PAGE) for n in batch.seq_lens_list]
-    kv_indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32,
-                             device=dev)  # fmt: skip
-    indices = torch.cat([batch.block_table[i, :p] for i, p in enumerate(pages)]).contiguous()
-    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(batch.seq_lens_list, pages,
-                                                            strict=True)],
-                        dtype=torch.int32, device=dev)  # fmt: skip
+    kv_indptr, indices, last = flashinfer_page_table(batch)
     variants = {
         "flashinfer-bf16": (batch.kv_nhd, torch.bfloat16, "auto"),
         "flashinfer-fp8-fa2": (batch.kv_nhd.to(torch.float8_e4m3fn), torch.float8_e4m3fn, "fa2"),
@@ -100,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     rows: list[dict] = []
-    for i, name in enumerate(args.workloads.split(",")):
+    names = args.workloads.split(",")
+    seeds = {name: workload_seed(name) for name in names}
+    for name in names:
         new, cached = WORKLOADS[name]
         batch = make_serving_batch(new, [c + n for c, n in zip(cached, new, strict=True)], dev,
-                                   seed=i)  # fmt: skip
+                                   seed=seeds[name])  # fmt: skip
         impls = {**flamia_impls(batch), **flashinfer_impls(batch)}
         for row in measure(name, "prefill", batch, impls, impl_filter=args.impls,
                            quick=args.quick):  # fmt: skip
@@ -121,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         fi = [x["ms"] for x in same if x["impl"].startswith("flashinfer")]
         if fi:
             r["speedup_vs_best_baseline"] = min(fi) / r["ms"]
-    write_results(args.name, rows, {"shape": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM,
-                                              "page_size": PAGE}})  # fmt: skip
+    definitions = {name: {"new": WORKLOADS[name][0], "cached": WORKLOADS[name][1],
+                          "seed": seeds[name]} for name in names}  # fmt: skip
+    shape = {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM, "page_size": PAGE}
+    write_results(args.name, rows, {"shape": shape, "workloads": definitions})
     plot_rows(args.name, rows, metric="tflops")
     return 0
 

@@ -179,6 +179,20 @@ def flashinfer_nvfp4_cache(batch: ServingBatch) -> tuple[torch.Tensor, torch.Ten
             scales.permute(0, 1, 3, 2, 4).contiguous().view(torch.float8_e4m3fn))  # fmt: skip
 
 
+def flashinfer_page_table(batch: ServingBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's paged-KV description of ``batch``: ``(indptr [B+1], indices, last page
+    lengths [B])``, int32 on the batch's device: each sequence's ``ceil(len / PAGE)`` pages
+    of its block table, the last one holding ``len - (pages - 1)·PAGE`` tokens."""
+    dev = batch.block_table.device
+    pages = [-(-n // PAGE) for n in batch.seq_lens_list]
+    indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=dev)
+    indices = torch.cat([batch.block_table[i, :p] for i, p in enumerate(pages)]).contiguous()
+    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(batch.seq_lens_list, pages,
+                                                            strict=True)],
+                        dtype=torch.int32, device=dev)  # fmt: skip
+    return indptr, indices.to(torch.int32), last
+
+
 def exact_attention(batch: ServingBatch) -> torch.Tensor:
     """FP32 attention of the new tokens over the BF16 K/V (causal within the new tokens)."""
     out = torch.empty(batch.q.shape, dtype=torch.float32, device=batch.q.device)
