@@ -68,7 +68,8 @@ MN-major), with the same dŜ codes and factors. Its tiles take 32 KB more shared
 the E4M3 ones at d = 128: 32-query steps there (``STEP_BF16_DQ_D128``; two fit with the
 statistics stored compactly, not yet run on a GPU), and the one-kernel "parts" form at
 d = 256. The recipe's default backward on sm_90 (H200, 2026-12-05: GPU tests passed; W3
-backward 65.1 ms against the Triton kernel's 310 and ``mxfp8``'s 59.2).
+backward 65.1 ms against the Triton kernel's 310 and ``mxfp8``'s 59.2, single samples of
+``--quick``: rerun with ``time_ms``'s five calls before relying on the 10%).
 
 Validity: rows past the document are masked by selects (the token-major tiles may hold the
 next document's codes, which a select, unlike a zero weight, keeps out even when they are
