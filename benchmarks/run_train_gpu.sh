@@ -355,10 +355,12 @@ if [[ $steps == *,grad-input,* ]]; then  # the mxfp8_grad_input recipe (DESIGN N
 fi
 if [[ $steps == *,s22,* ]]; then  # grad_input's BF16 dQ form at 64-query steps (d = 128):
   # fwd+bwd at W1/W3/W7/P2 with today's 32-query steps beside mxfp8 and FA4 (full timing:
-  # --quick times W3 once or twice); then STEP_BF16_DQ_D128 = 64 in this machine's copy: its
-  # GPU tests, the same timings, accuracy against float64
+  # --quick times W3 once or twice; no --check: it now checks dQ/dK/dV on every timed
+  # workload, W3 too, and the GPU tests and bwd_numerics check these kernels); then
+  # STEP_BF16_DQ_D128 = 64 in this machine's copy: its GPU tests, the same timings, accuracy
+  # against float64
   RUN_TAIL="-n 14" run train_attention_grad_input32 200 python benchmarks/train_attention.py \
-    --check --workloads W1,W3,W7,P2 --passes fwd+bwd \
+    --workloads W1,W3,W7,P2 --passes fwd+bwd \
     --impls flamia-mxfp8,flamia-mxfp8_grad_input,fa4 --name train_attention_grad_input32
   cp flamia_serve/kernels/attn_bwd/cute_sm90.py /tmp/cute_sm90_s22.py
   sed -i 's/^STEP_BF16_DQ_D128 = HALF$/STEP_BF16_DQ_D128 = 64/' \
@@ -367,7 +369,7 @@ if [[ $steps == *,s22,* ]]; then  # grad_input's BF16 dQ form at 64-query steps 
   run pytest_gpu_grad_input64 220 python -m pytest -q -W ignore::DeprecationWarning \
     tests/kernels/test_attn_bwd.py tests/kernels/test_gpu_cute_bwd.py -k "grad_input or autograd"
   RUN_TAIL="-n 10" run train_attention_grad_input64 150 python benchmarks/train_attention.py \
-    --check --workloads W1,W3,W7,P2 --passes fwd+bwd \
+    --workloads W1,W3,W7,P2 --passes fwd+bwd \
     --impls flamia-mxfp8,flamia-mxfp8_grad_input --name train_attention_grad_input64
   RUN_TAIL="-n 17" run bwd_numerics_grad_input64 100 python benchmarks/bwd_numerics.py \
     --accuracy-only --name bwd_numerics_grad_input64
