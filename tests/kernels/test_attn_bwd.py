@@ -378,17 +378,10 @@ def test_transformers_llama_flamia_matches_reference_path(device) -> None:
     """A tiny Llama with ``attn_implementation="flamia"`` trains through the kernels: loss and
     gradients equal those of the same model on the reference path (packed documents from
     ``position_ids``; GQA; the FP32 Q/K that Llama hands over are cast to BF16)."""
-    transformers = pytest.importorskip("transformers")
-    from flamia_serve.train.hf import register
+    pytest.importorskip("transformers")
+    from tests.train.test_hf import tiny_llama
 
-    register()
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, use_cache=False,
-        attn_implementation="flamia", flamia_recipe="mxfp8",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(device)
+    model = tiny_llama(flamia_recipe="mxfp8").to(device)
     ids = torch.randint(0, 64, (1, 50), device=device)
     pos = torch.cat([torch.arange(20), torch.arange(30)])[None].to(device)
     results = []

@@ -13,12 +13,14 @@ transformers = pytest.importorskip("transformers")
 from flamia_serve.train.hf import flamia_attention_forward, register  # noqa: E402
 
 
-def _tiny_llama() -> torch.nn.Module:
+def tiny_llama(**config: object) -> torch.nn.Module:
+    """A one-layer GQA Llama (2/1 heads of d = 64, seeded) with ``attn_implementation=
+    "flamia"``; ``config``: further config fields (default ``flamia_path="reference"``)."""
     register()
     cfg = transformers.LlamaConfig(
         vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, use_cache=False,
-        attn_implementation="flamia", flamia_path="reference",
+        attn_implementation="flamia", **{"flamia_path": "reference", **config},
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
@@ -28,7 +30,7 @@ def test_a_custom_4d_mask_raises_instead_of_being_ignored() -> None:
     """transformers passes a user's 4-D mask through unchanged; flamia attended as if it
     were absent (a block-diagonal packing mask gave the second document the first one's
     keys). It raises, naming attention_mask; a 2-D padding mask is still honoured."""
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(0, 64, (1, 12))
     doc = torch.tensor([0] * 5 + [1] * 7)
     block_diagonal = (doc[:, None] == doc[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
@@ -51,7 +53,7 @@ def test_packed_rows_of_a_larger_batch_keep_their_documents_apart() -> None:
     """Batch 2, each row packing documents (``position_ids`` restart at 0), no padding:
     SDPA/eager masks read them per row; flamia attended each row as one document. Each
     document's logits now equal those of the document alone."""
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(0, 64, (2, 12))
     pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]),
                        torch.cat([torch.arange(9), torch.arange(3)])])  # fmt: skip
@@ -74,7 +76,7 @@ def test_compiled_batches_of_several_rows_take_the_batched_call(monkeypatch) -> 
     seen = []
     monkeypatch.setattr(hf, "_packed_plan", lambda *a: seen.append(a) or None)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    model = _tiny_llama()
+    model = tiny_llama()
     pos = torch.cat([torch.arange(5), torch.arange(7)])
     with torch.no_grad():
         model(input_ids=torch.randint(0, 64, (2, 12)), position_ids=pos.expand(2, -1))
