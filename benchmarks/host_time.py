@@ -16,10 +16,16 @@ drifts by tens of percent between runs, so variants are compared inside one run)
   fullgraph=True)`` (the custom ops, replayed from CUDA graphs): what a training loop that
   needs the host out of the way runs.
 
-Usage: ``python benchmarks/host_time.py [--breakdown] [--profile]`` (writes
-``results/host_time.json``; ``--breakdown`` prints the host time of each piece of one call
-alone, ``--profile`` writes cProfile's top functions of the eager steps to
-``host_time_profile_<pass>.txt``).
+Usage: ``python benchmarks/host_time.py [--layers 8,32] [--breakdown] [--profile]`` (writes
+``results/host_time.json``; ``--layers``: calls per step, default ``LAYERS``; with two
+counts also the ``marginal`` host time one more call adds, which leaves out what a step
+costs once whatever its depth, e.g. a CUDA graph's launch and torch.compile's guards;
+``--breakdown`` prints the host time of each piece of one call alone, ``--profile`` writes
+cProfile's top functions of the eager steps to ``host_time_profile_<pass>.txt``).
+
+A floor of the eager path, measured on a CPU (2026-12-05, launches stubbed): an
+``autograd.Function.apply`` with this call's inputs and saved tensors alone takes ~21 µs
+there, our Python around the two launches ~60 µs without gradients.
 """
 
 from __future__ import annotations
@@ -147,6 +153,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--breakdown", action="store_true", help="time each piece alone")
     parser.add_argument("--profile", action="store_true", help="write cProfile breakdowns")
+    parser.add_argument("--layers", default=str(LAYERS),
+                        help="attention calls per step, e.g. 8,32 (two counts: also what one "
+                        "more call adds, the fixed per-step cost taken out)")
     args = parser.parse_args()
     q, k, v, cu, ms = make_pack((64, 64), 32, 8, 128, seed=0, device="cuda")
     plan = plan_varlen(cu, 128, ms)
@@ -156,17 +165,7 @@ def main() -> int:
         _breakdown(q, k, v, cu, plan, d_out)
 
     fresh = plan_varlen(cu, 128, ms, reuse=False)
-
-    def layers(q, k, v, plan=plan):
-        for _ in range(LAYERS):
-            q = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
-        return q
-
-    def loss(q, k, v, plan=plan):
-        return layers(q, k, v, plan).float().square().mean()
-
-    compiled_layers = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
-    compiled_loss = torch.compile(loss, mode="reduce-overhead", fullgraph=True)
+    counts = sorted({int(n) for n in args.layers.split(",")})
 
     def no_grad(fn, *extra):
         def run() -> None:
@@ -175,17 +174,33 @@ def main() -> int:
 
         return run
 
-    variants = {  # (impl, pass) -> (step, eager custom ops)
-        ("eager", "fwd"): (no_grad(layers), False),
-        ("eager", "fwd+bwd"): (lambda: loss(*leaves).backward(), False),
-        ("eager-fresh-buffers", "fwd"): (no_grad(layers, fresh), False),
-        ("eager-fresh-buffers", "fwd+bwd"): (lambda: loss(*leaves, fresh).backward(), False),
-        ("eager-custom-op", "fwd"): (no_grad(layers), True),
-        ("eager-custom-op", "fwd+bwd"): (lambda: loss(*leaves).backward(), True),
-        ("compiled-cudagraphs", "fwd"): (no_grad(compiled_layers), False),
-        ("compiled-cudagraphs", "fwd+bwd"): (lambda: compiled_loss(*leaves).backward(), False),
-    }
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
+    def steps(n: int) -> dict:
+        """(impl, pass) -> (step of ``n`` attention calls, eager custom ops)."""
+
+        def layers(q, k, v, plan=plan):
+            for _ in range(n):
+                q = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+            return q
+
+        def loss(q, k, v, plan=plan):
+            return layers(q, k, v, plan).float().square().mean()
+
+        compiled_layers = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
+        compiled_loss = torch.compile(loss, mode="reduce-overhead", fullgraph=True)
+        return {
+            ("eager", "fwd"): (no_grad(layers), False),
+            ("eager", "fwd+bwd"): (lambda: loss(*leaves).backward(), False),
+            ("eager-fresh-buffers", "fwd"): (no_grad(layers, fresh), False),
+            ("eager-fresh-buffers", "fwd+bwd"): (lambda: loss(*leaves, fresh).backward(), False),
+            ("eager-custom-op", "fwd"): (no_grad(layers), True),
+            ("eager-custom-op", "fwd+bwd"): (lambda: loss(*leaves).backward(), True),
+            ("compiled-cudagraphs", "fwd"): (no_grad(compiled_layers), False),
+            ("compiled-cudagraphs", "fwd+bwd"): (
+                lambda: compiled_loss(*leaves).backward(), False),
+        }
+
+    variants = {(*key, n): value for n in counts for key, value in steps(n).items()}
+    samples: dict[tuple[str, str, int], list[float]] = {key: [] for key in variants}
     for key, (step, ops) in list(variants.items()):
         try:
             with _custom_ops(ops):
@@ -199,20 +214,33 @@ def main() -> int:
             with _custom_ops(ops):
                 samples[key] += _host_times(step, 30)
     rows = []
-    for (impl, pass_name), times in samples.items():
-        us = statistics.median(times) * 1e6 / LAYERS
-        rows.append({"workload": f"2x64 tokens, {LAYERS} layers", "pass": pass_name,
+    step_us = {key: statistics.median(times) * 1e6 for key, times in samples.items()}
+    for (impl, pass_name, n), total in step_us.items():
+        us = total / n
+        rows.append({"workload": f"2x64 tokens, {n} layers", "pass": pass_name,
                      "impl": f"flamia-mxfp8-{impl}", "ms": us / 1e3, "host_us": us,
-                     "tflops": None, "gbps": None})  # fmt: skip
-        print(f"{impl:20s} {pass_name:8s} host {us:7.1f} us per attention call")
-    gpu = graph_time(no_grad(layers), rep_ms=50)["ms"] * 1e3 / LAYERS
+                     "layers": n, "tflops": None, "gbps": None})  # fmt: skip
+        print(f"{impl:20s} {pass_name:8s} {n:3d} layers: host {us:7.1f} us per attention call")
+    for (impl, pass_name, n), total in step_us.items():  # what one more layer costs
+        top = counts[-1]
+        if n != counts[0] or top == n or (impl, pass_name, top) not in step_us:
+            continue
+        marginal = (step_us[(impl, pass_name, top)] - total) / (top - n)
+        rows.append({"workload": f"2x64 tokens, {n} -> {top} layers", "pass": pass_name,
+                     "impl": f"flamia-mxfp8-{impl}", "ms": marginal / 1e3,
+                     "host_us": marginal, "marginal": True, "tflops": None, "gbps": None})
+        print(f"{impl:20s} {pass_name:8s} host {marginal:7.1f} us per extra attention call "
+              f"({n} -> {top} layers)")
+    layers = steps(counts[0])[("eager", "fwd")][0]
+    gpu = graph_time(layers, rep_ms=50)["ms"] * 1e3 / counts[0]
     print(f"GPU time of the forward (graph replay): {gpu:.1f} us per attention call")
     if args.profile:
         for key in (("eager", "fwd"), ("eager", "fwd+bwd")):
-            _profile("_".join(key), variants[key][0])
+            _profile("_".join(key), variants[(*key, counts[0])][0])
     write_results("host_time", rows, {
         "note": "host time per attention call (median over interleaved rounds of steps of "
-                f"{LAYERS} calls, each starting on an idle GPU); plan prebuilt",
+                f"{args.layers} calls, each starting on an idle GPU); plan prebuilt; "
+                "'marginal' rows: the host time one more layer adds",
         "gpu_us_per_forward_call": gpu,
     })  # fmt: skip
     return 0

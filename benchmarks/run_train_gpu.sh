@@ -10,7 +10,8 @@
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
 #                                                   # mixed-short, s19, s19-bench, dv-step,
 #                                                   # d128-passes, s19-w, grad-input,
-#                                                   # nvfp4-search, s22, s22-checks
+#                                                   # nvfp4-search, s22, s22-checks,
+#                                                   # host-marginal
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -110,6 +111,10 @@ if [[ $steps == *,cutebwd-check,* ]]; then  # both backward kernels, same operan
 fi
 if [[ $steps == *,host,* ]]; then
   run host_time 120 python benchmarks/host_time.py --breakdown
+fi
+if [[ $steps == *,host-marginal,* ]]; then  # host time per call at 8 and 32 layers per step,
+  # and what one more call adds (the per-step costs taken out), eager and CUDA graphs
+  RUN_TAIL="-n 30" run host_time_marginal 300 python benchmarks/host_time.py --layers 8,32
 fi
 if [[ $steps == *,host-baseline,* ]]; then  # host_time.py of an earlier tree on this machine:
   # FLAMIA_BASELINE_TREE, e.g. scratch/old from `git archive COMMIT flamia_serve benchmarks/*.py`
