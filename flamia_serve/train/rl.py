@@ -213,7 +213,8 @@ def sample_digits(n: int, min_digits: int, max_digits: int, gen: torch.Generator
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantages: ``rewards`` ``[P, G]`` (P prompts, G samples each) ->
     ``(r - mean_g) / (std_g + eps)`` in float32, ``std_g`` the population standard deviation
-    of the group (``correction=0``); a group of equal rewards gets zeros."""
+    of the group (``correction=0``); a group of equal rewards gets exact zeros (float32
+    rounding of its mean would otherwise leave up to ~1e-8 / ``eps``, same sign for all)."""
     if rewards.dim() != 2 or rewards.shape[1] < 1:
         raise ValueError(f"rewards: expected [prompts, group], got shape {tuple(rewards.shape)}")
     if not eps > 0:
@@ -222,6 +223,8 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     if not torch.isfinite(r).all():
         raise ValueError("rewards: must be finite")
     centered = r - r.mean(dim=1, keepdim=True)
+    equal = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    centered = torch.where(equal, torch.zeros_like(centered), centered)
     return centered / (r.std(dim=1, correction=0, keepdim=True) + eps)
 
 

@@ -142,6 +142,17 @@ def test_group_advantages():
         rl.group_advantages(rewards, eps=0.0)
 
 
+def test_group_advantages_are_zero_for_any_equal_group():
+    # Partial-credit rewards such as 0.5 * 1/3 are not exact in float32; their group mean
+    # rounds, and dividing that rounding by std + eps (std ~1e-9) gave advantages up to 0.49
+    # (one sign for the whole group) where GRPO has no signal.
+    values = [0.5 * m / n for n in range(1, 10) for m in range(n + 1)] + [0.1, 0.7, 1 / 3]
+    for group in (2, 3, 5, 7, 8, 16):
+        rewards = torch.tensor(values)[:, None].expand(-1, group)
+        for eps in (1e-6, 1e-8):
+            assert torch.equal(rl.group_advantages(rewards, eps), torch.zeros_like(rewards))
+
+
 def test_policy_loss_is_the_token_mean():
     logp = torch.tensor([-1.0, -2.0, -0.5, -0.25, -4.0], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
