@@ -7,7 +7,7 @@ relative path, so it does not depend on the file order or on the other files pre
 
 A byte-level BPE tokenizer (``tokenizers``) is trained on the training split only and
 cached, with the encoded corpus, under a cache directory (default
-``~/.cache/flamia_serve``), keyed by the corpus content and the vocabulary size.
+``~/.cache/flamia_serve``), keyed by the corpus content, the split and the vocabulary size.
 
 Packing (``pack_documents``): documents (each ending in ``<|endoftext|>``) are laid end to
 end into microbatches of exactly ``seq_len`` tokens; the last document of a microbatch is
@@ -207,11 +207,14 @@ def load_corpus(roots: Sequence[str | os.PathLike] | None = None, *, vocab_size:
     train_texts = [read_text(f) for f in train_files]
     eval_texts = [read_text(f) for f in eval_files]
     key = corpus_key(train_files + eval_files, train_texts + eval_texts)
+    # The cache holds a tokenizer trained on the training side and documents cut at
+    # n_train: key it by the split too (two splits can list the files in the same order).
+    split_key = hashlib.sha256(f"{key}:n_train={len(train_files)}".encode()).hexdigest()
     cache = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE).expanduser()
-    tokenizer = train_tokenizer(train_texts, vocab_size, cache, key)
+    tokenizer = train_tokenizer(train_texts, vocab_size, cache, split_key)
     tok_json = tokenizer.to_str()
     tok_sha = hashlib.sha256(tok_json.encode()).hexdigest()
-    docs_path = cache / f"docs-{vocab_size}-{key[:16]}-{tok_sha[:16]}.npz"
+    docs_path = cache / f"docs-{vocab_size}-{split_key[:16]}-{tok_sha[:16]}.npz"
     meta_path = docs_path.with_suffix(".json")
     if docs_path.is_file() and meta_path.is_file():
         docs = _load_docs(docs_path)

@@ -165,6 +165,30 @@ def test_tokenizer_round_trips_and_is_cached(tmp_path):
                                strict=True))
 
 
+def test_cache_never_reuses_another_split(tmp_path):
+    # Three files a < b < c (sorted) with hash keys a > b > c: eval fraction f1 holds out
+    # [c], f2 holds out [b, c]; both splits list the files as a, b, c. The cache was keyed
+    # by that list, so the second load read the first one's tokenizer and documents with its
+    # n_train = 2: held-out b was also a training document.
+    names = sorted(f"m{i:03d}.py" for i in range(200))
+    a, b, c = next((x, y, z) for x, y, z in zip(names, names[1:], names[2:], strict=False)
+                   if pdata.heldout_fraction(x) > pdata.heldout_fraction(y)
+                   > pdata.heldout_fraction(z))
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, name in enumerate((a, b, c)):
+        (src / name).write_text(f"def f{i}(x):\n    return x * {i} + {i * 7}  # file {name}\n" * 40)
+    ka, kb, kc = (pdata.heldout_fraction(x) for x in (a, b, c))
+    for fraction, n_held in (((kc + kb) / 2, 1), ((kb + ka) / 2, 2)):
+        corpus = pdata.load_corpus([src], vocab_size=320, eval_fraction=fraction,
+                                   cache_dir=tmp_path / "cache")
+        assert corpus.info["files_eval"] == n_held
+        assert len(corpus.train_docs) == corpus.info["files_train"] == 3 - n_held
+        assert len(corpus.eval_docs) == n_held
+        train = {d.tobytes() for d in corpus.train_docs}
+        assert not any(d.tobytes() in train for d in corpus.eval_docs)
+
+
 # ---------------------------------------------------------------- per-document masks
 
 
