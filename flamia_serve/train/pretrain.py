@@ -416,7 +416,7 @@ def merge_results(paths: Sequence[str | Path]) -> dict:
     GPU command per attention choice)."""
     merged = None
     for path in paths:
-        part = json.loads(Path(path).read_text())
+        part = read_json(path, "--merge")
         if part.get("benchmark") != "pretrain":
             raise ValueError(f"merge: {path} is not a pretrain result")
         if merged is None:
@@ -477,6 +477,42 @@ def write_json(result: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def read_json(path: str | Path, flag: str) -> dict:
+    """A JSON file given as ``flag``; ``ValueError`` naming both when it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"{flag} {path}: not JSON ({e})") from None
+
+
+def check_writable(path: str | Path, flag: str = "--json") -> None:
+    """Fail before any work if ``path`` cannot be written (leaves nothing behind)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
+    if not existed:
+        path.unlink()
+
+
+def check_device(name: str) -> torch.device:
+    """``--device``: cpu, cuda or cuda:N that exists here (``ValueError`` naming the flag)."""
+    from flamia_serve.numerics.checks import check_device as check
+
+    try:
+        return check(name, "--device")
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -545,6 +581,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"--min-lr-ratio: must be in [0, 1], got {cfg.min_lr_ratio}")
     if not cfg.clip > 0:
         raise ValueError(f"--clip: must be > 0, got {cfg.clip}")
+    if not cfg.weight_decay >= 0:
+        raise ValueError(f"--weight-decay: must be >= 0, got {cfg.weight_decay}")
+    if not 0 < cfg.eval_fraction < 1:
+        raise ValueError(f"--eval-fraction: must be in (0, 1), got {cfg.eval_fraction}")
+    if cfg.seed < 0:  # numpy's data-order generator takes no negative seed
+        raise ValueError(f"--seed: must be >= 0, got {cfg.seed}")
     return cfg
 
 
@@ -560,7 +602,10 @@ def main(argv: list[str] | None = None) -> int:
             write_json(result, args.json)
         else:
             cfg = config_from_args(args)
-            result = pretrain(cfg, args.attention, device=args.device, roots=args.source,
+            device = check_device(args.device)
+            if args.json:
+                check_writable(args.json)
+            result = pretrain(cfg, args.attention, device=device, roots=args.source,
                               cache_dir=args.cache_dir, max_files=args.max_files,
                               progress=not args.no_progress, json_path=args.json)
     except (ValueError, SetupError) as e:

@@ -101,6 +101,7 @@ from flamia_serve.train.pretrain import (
     _progress,
     attention_setup,
     model_shape,
+    read_json,
 )
 
 # ---------------------------------------------------------------- task and tokenizer
@@ -1139,7 +1140,7 @@ def merge_results(paths: Sequence[str | Path]) -> dict:
     ``time_limited_at``)."""
     merged = None
     for path in paths:
-        part = json.loads(Path(path).read_text())
+        part = read_json(path, "--merge")
         if part.get("benchmark") != "rl":
             raise ValueError(f"--merge: {path} is not an rl result")
         settings = {k: part["config"].pop(k, None) for k in RUN_SETTINGS}

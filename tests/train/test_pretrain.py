@@ -310,6 +310,32 @@ def test_bad_arguments_are_refused():
         pretrain.main(["--attention", "fp16"])
 
 
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--seed", "-1"], ("--seed",)),
+    (["--weight-decay", "-0.1"], ("--weight-decay",)),
+    (["--eval-fraction", "0"], ("--eval-fraction",)),
+    (["--device", "tpu"], ("--device", "'tpu'")),
+    (["--json", "/proc/no/such/dir/p.json"], ("--json", "cannot write")),
+    (["--merge", "/no/such/file.json", "--json", "m.json"], ("--merge", "cannot read")),
+])
+def test_bad_arguments_fail_by_name_before_any_work(argv, needles, capsys, monkeypatch):
+    # Each of these used to pass the checks and fail later: a traceback after the whole
+    # run (--json, --device), or a message naming no flag after data preparation (--seed).
+    monkeypatch.setattr(pdata, "load_corpus", lambda *a, **k: pytest.fail("did work"))
+    assert pretrain.main(["--model-size", "tiny", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in err[0], (needle, err[0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cuda_device_without_a_gpu_is_refused(capsys, monkeypatch):
+    monkeypatch.setattr(pdata, "load_corpus", lambda *a, **k: pytest.fail("did work"))
+    assert pretrain.main(["--model-size", "tiny", "--device", "cuda"]) == 2
+    assert "--device 'cuda'" in capsys.readouterr().err
+
+
 def test_plot_script_draws_the_json(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from benchmarks import plot_pretrain

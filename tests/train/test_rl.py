@@ -497,6 +497,7 @@ def test_plot_script_draws_the_json(smoke_json, tmp_path, capsys):
         (["--setup", "flamia-fp8", "--device", "cpu"], ("flamia-fp8", "CUDA GPU", "--setup cpu")),
         (["--device", "tpu"], ("--device",)),
         (["--merge", "x.json"], ("--merge", "--json")),
+        (["--merge", "/no/such/file.json", "--json", "m.json"], ("--merge", "cannot read")),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, needles, capsys):
