@@ -265,7 +265,9 @@ def _progress(total: int, desc: str, enabled: bool):
 def train_one(cfg: TrainConfig, corpus: pdata.Corpus, attention: str, device: torch.device,
               *, progress: bool = True, log_every: int = 10) -> dict:
     """Train a fresh model with one attention choice; return its run record (see
-    ``result_skeleton``). Stops early, with ``"diverged_at"`` set, on a non-finite loss."""
+    ``result_skeleton``). Stops early on a non-finite loss (checked every ``log_every``
+    steps and at evaluations), with ``"diverged_at"`` the first step whose loss is not
+    finite."""
     model = build_model(cfg, attention, corpus.vocab_size).to(device)
     model.train()
     opt, sched = make_optimizer(model, cfg, device)
@@ -315,8 +317,9 @@ def train_one(cfg: TrainConfig, corpus: pdata.Corpus, attention: str, device: to
         eval_now = done % cfg.eval_every == 0 or done == cfg.steps
         if done % log_every == 0 or eval_now:
             current = float(step_loss)
-            if not math.isfinite(current):
-                diverged_at = done
+            if not math.isfinite(current):  # checked every log_every steps: find the first
+                finite = torch.isfinite(torch.stack(losses)).tolist()
+                diverged_at = finite.index(False) + 1
                 break
             postfix = {"loss": f"{current:.4f}"}
             if eval_now:

@@ -283,6 +283,27 @@ def test_smoke_run_loss_falls_and_json_has_the_keys(tmp_path):
         assert np.isfinite(res["runs"]["mxfp8"]["final_eval_loss_sdpa"])
 
 
+def test_diverged_at_is_the_first_non_finite_step(tmp_path, monkeypatch):
+    # The loss is read on the host every 10 steps; diverged_at was that check's step (10),
+    # not the step whose loss first went non-finite.
+    real, calls = pretrain.token_losses, []
+
+    def nan_from_step_3(model, batch):
+        calls.append(None)
+        out = real(model, batch)
+        return out * float("nan") if len(calls) > 4 else out  # 2 microbatches per step
+
+    monkeypatch.setattr(pretrain, "token_losses", nan_from_step_3)
+    out = tmp_path / "d.json"
+    assert pretrain.main(["--model-size", "tiny", "--device", "cpu", "--steps", "20",
+                          "--source", str(SMOKE_SOURCE), "--cache-dir", str(tmp_path / "c"),
+                          "--json", str(out), "--no-progress"]) == 1
+    run = json.loads(out.read_text())["runs"]["bf16"]
+    loss = np.asarray(run["loss"], dtype=float)
+    assert np.isfinite(loss[:2]).all() and not np.isfinite(loss[2])
+    assert run["diverged_at"] == 3 and run["final_eval_loss"] is None
+
+
 def test_merge_combines_runs_of_one_config(tmp_path):
     a = {"benchmark": "pretrain", "config": {"seed": 0}, "data": {"x": 1}, "params": 5,
          "runs": {"bf16": {"final_eval_loss": 2.0}}}
