@@ -197,6 +197,16 @@ def resolve(cfg: CheckConfig, world_size: int) -> CheckConfig:
                              f"got {value!r}")
     if out.data == "stdlib" and out.max_files is not None and out.max_files < 2:
         raise ValueError(f"--max-files: need at least 2, got {out.max_files}")
+    if out.data != "stdlib":
+        for name, value in (("source", out.source), ("max_files", out.max_files)):
+            if value:
+                raise ValueError(f"--{name.replace('_', '-')}: only with --data stdlib "
+                                 f"(--data {out.data} would ignore it)")
+    for src in out.source:
+        if not Path(src).is_dir():
+            raise ValueError(f"--source {src!r}: not a directory")
+    if not isinstance(out.seed, int) or out.seed < 0:  # numpy's generators: no negative seed
+        raise ValueError(f"--seed: must be an int >= 0, got {out.seed!r}")
     return out
 
 
@@ -608,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pretrain._need_train_extra()
         cfg = config_from_args(args)
+        if args.json and (not torchrun or os.environ["RANK"] == "0"):
+            pretrain.check_writable(args.json)  # before the run, not after it
         if args.spawn is not None and torchrun:
             raise ValueError("--spawn: not under torchrun (torchrun already started the ranks)")
         if torchrun:

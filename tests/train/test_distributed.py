@@ -132,6 +132,10 @@ def test_global_batch_split():
     ({"curve_rtol": float("nan")}, 2, "--curve-rtol"),
     ({"normalisation": "none"}, 2, "--normalisation"),
     ({}, 0, "world size"),
+    ({"seed": -1}, 2, "--seed"),
+    ({"source": ("/tmp",)}, 2, "--source: only with --data stdlib"),
+    ({"max_files": 3}, 2, "--max-files: only with --data stdlib"),
+    ({"data": "stdlib", "source": ("/no/such/dir",)}, 2, "--source '/no/such/dir'"),
 ])  # fmt: skip
 def test_bad_arguments(override, world, match):
     cfg = dp.CheckConfig(**{**CFG.__dict__, **override})
@@ -150,6 +154,11 @@ def test_bad_devices(monkeypatch):
 
 
 def test_cli_errors(monkeypatch, capsys):
+    # An unwritable --json used to fail only after the whole check, with a traceback.
+    monkeypatch.setattr(dp, "spawn_check", lambda *a: pytest.fail("ran the check"))
+    assert dp.main(["--device", "cpu", "--json", "/proc/no/such/dir/dp.json"]) == 2
+    assert "error: --json /proc/no/such/dir/dp.json: cannot write" in capsys.readouterr().err
+    monkeypatch.undo()
     assert dp.main(["--spawn", "3", "--global-micro-batches", "4", "--device", "cpu"]) == 2
     assert "error: --global-micro-batches: 4 microbatches" in capsys.readouterr().err
     assert dp.main(["--spawn", "0", "--device", "cpu"]) == 2
