@@ -576,6 +576,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, "
                              f"got {getattr(cfg, name)}")
+    if cfg.seq_len < 2:  # one token per microbatch predicts nothing: the loss is 0/0
+        raise ValueError(f"--seq-len: must be >= 2 (a microbatch predicts seq_len - 1 "
+                         f"tokens), got {cfg.seq_len}")
     if cfg.warmup < 0:
         raise ValueError(f"--warmup: must be >= 0, got {cfg.warmup}")
     if not cfg.lr > 0:

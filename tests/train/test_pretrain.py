@@ -333,6 +333,7 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.parametrize(("argv", "needles"), [
     (["--seed", "-1"], ("--seed",)),
+    (["--seq-len", "1"], ("--seq-len",)),  # was a NaN loss reported as a divergence
     (["--weight-decay", "-0.1"], ("--weight-decay",)),
     (["--eval-fraction", "0"], ("--eval-fraction",)),
     (["--device", "tpu"], ("--device", "'tpu'")),
