@@ -160,11 +160,18 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: str | os.P
 
 
 def encode_documents(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
-    """Token ids of each text followed by ``<|endoftext|>`` (int32 arrays, one per text)."""
+    """Token ids of each text followed by ``<|endoftext|>`` (int32 arrays, one per text).
+    An ``<|endoftext|>`` written in a text (tokenizer sources hold it) is encoded as text:
+    the end-of-document id appears only at the end."""
     eos = tokenizer.token_to_id(EOS)
     if eos is None:
         raise ValueError(f"tokenizer: has no {EOS!r} token")
-    encoded = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    split = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        encoded = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    finally:
+        tokenizer.encode_special_tokens = split
     return [np.asarray([*e.ids, eos], dtype=np.int32) for e in encoded]
 
 

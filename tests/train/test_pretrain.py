@@ -165,6 +165,19 @@ def test_tokenizer_round_trips_and_is_cached(tmp_path):
                                strict=True))
 
 
+def test_end_of_text_written_in_a_source_is_not_a_document_end(tmp_path):
+    # transformers' sources hold the string "<|endoftext|>"; it was encoded as the EOS id,
+    # an end-of-document token in the middle of a document.
+    corpus = pdata.load_corpus([SMOKE_SOURCE], vocab_size=400, eval_fraction=0.2,
+                               cache_dir=tmp_path, max_files=3)
+    tok, eos = corpus.tokenizer, corpus.tokenizer.token_to_id(pdata.EOS)
+    text = f'SPECIAL = "{pdata.EOS}"  # GPT-2\n'
+    (doc,) = pdata.encode_documents(tok, [text])
+    assert doc[-1] == eos and (doc[:-1] != eos).all(), doc
+    assert tok.decode(doc[:-1].tolist()) == text
+    assert tok.encode_special_tokens is False  # the tokenizer is left as it was
+
+
 def test_cache_never_reuses_another_split(tmp_path):
     # Three files a < b < c (sorted) with hash keys a > b > c: eval fraction f1 holds out
     # [c], f2 holds out [b, c]; both splits list the files as a, b, c. The cache was keyed
