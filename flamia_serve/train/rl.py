@@ -100,6 +100,7 @@ from flamia_serve.train.pretrain import (
     _autocast,
     _progress,
     attention_setup,
+    check_writable,
     model_shape,
     read_json,
 )
@@ -1271,21 +1272,6 @@ def _device(name: str | None) -> torch.device:
         raise ValueError(str(e)) from None
 
 
-def _check_writable(path: Path) -> None:
-    """Fail before the work if ``path`` cannot be written (leaves nothing behind)."""
-    if path.is_dir():
-        raise ValueError(f"--json {path}: is a directory")
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ValueError(f"--json {path}: cannot write ({e.strerror or e})") from None
-    if not existed:
-        path.unlink()
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (``flamia rl``); returns 0, 1 when a run diverged, 2 on bad arguments
     or a missing dependency (one line on stderr)."""
@@ -1302,7 +1288,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         setups = setups_from_args(args, device)
         if args.json:
-            _check_writable(Path(args.json))
+            check_writable(args.json)
         need_train_extra()
         check_environment(setups, device)
     except (ValueError, SetupError) as e:
