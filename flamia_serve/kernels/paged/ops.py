@@ -795,8 +795,6 @@ def write_kv_cache(
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {n} tokens")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in the head dim")
-    if hadamard and d & (d - 1):
-        raise ValueError(f"hadamard needs a power-of-two head dim, got {d}")
     k_inv, v_inv = _static_inverses(fmt, k_scale, v_scale)
     if n == 0:
         return
@@ -916,8 +914,6 @@ def paged_attention(
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):  # fmt: skip
         raise ValueError(f"window must be a positive int or None, got {window!r}")
-    if hadamard and d & (d - 1):
-        raise ValueError(f"hadamard needs a power-of-two head dim, got {d}")
     _static_inverses(fmt, k_scale, v_scale)  # rejects non-positive scales
     if prefill_keys is not None and (isinstance(prefill_keys, bool)
                                      or not isinstance(prefill_keys, int) or prefill_keys < 0):
