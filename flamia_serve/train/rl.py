@@ -100,6 +100,7 @@ from flamia_serve.train.pretrain import (
     _autocast,
     _progress,
     attention_setup,
+    check_device,
     check_writable,
     model_shape,
     read_json,
@@ -1262,14 +1263,10 @@ def setups_from_args(args: argparse.Namespace, device: torch.device) -> list[tup
 
 
 def _device(name: str | None) -> torch.device:
-    from flamia_serve.numerics.checks import check_device
-
+    """``--device`` (:func:`pretrain.check_device`), or CUDA where there is a GPU."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(check_device(name, "--device"))
-    except (TypeError, ValueError) as e:
-        raise ValueError(str(e)) from None
+    return check_device(name)
 
 
 def main(argv: list[str] | None = None) -> int:
