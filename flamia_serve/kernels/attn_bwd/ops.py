@@ -126,15 +126,15 @@ def default_bwd_config(
     """The CuTe kernel where it runs (``cute_bwd_runs`` on an sm_90 GPU with the ``cute``
     extra), whichever kernel ran the forward (the backward quantizes into its own layout,
     ``BwdConfig.column_align``), unless documents are under ``CUTE_BWD_MIN_MEAN_DOCUMENT``
-    tokens on average (when ``mean_doc_len`` is given); else the Triton kernel (``grad_input``,
-    the recipe's ``grad_qk == "input"``, runs the CuTe kernel's BF16 dQ form: H200, W3
+    tokens on average (when ``mean_doc_len`` is given); ``grad_input`` (the recipe's
+    ``grad_qk == "input"``) runs there too, as the CuTe kernel's BF16 dQ form (H200, W3
     backward 65.1 ms against the Triton kernel's 310, ``results/train_attention_grad_input_
-    2026-12-05.json``):
-    one warpgroup; at d=256 two programs per key tile, each with 128 columns of dK/dV/dQ
-    (H200, P2's shape: 63.5 ms against 69.3 for 8 warps unsplit,
-    ``results/tune_bwd_d256_2026-12-04.json``; the CuTe kernel 8.9 ms). H200, T=8192
-    causal, d=128: 4 warps 15.5 ms, 8 warps 20.3 ms (``benchmarks/profile_bwd.py``)
-    although 4 warps spill a little (``tests/kernels/sm90_compile.py -v``).
+    2026-12-05.json``). Else the Triton kernel: one warpgroup; at d=256 two programs per
+    key tile, each with 128 columns of dK/dV/dQ (H200, P2's shape: 63.5 ms against 69.3
+    for 8 warps unsplit, ``results/tune_bwd_d256_2026-12-04.json``; the CuTe kernel 8.9
+    ms). H200, T=8192 causal, d=128: 4 warps 15.5 ms, 8 warps 20.3 ms
+    (``benchmarks/profile_bwd.py``) although 4 warps spill a little
+    (``tests/kernels/sm90_compile.py -v``).
     ``kernel="triton"`` forces Triton."""
     del qk_nvfp4  # both Q/K formats run on both kernels (NVFP4 widened for the CuTe one)
     if kernel not in (None, "triton"):
