@@ -77,3 +77,45 @@ def test_static_scales_on_other_formats_are_rejected(dtype: str) -> None:
         cache.attention(*args)
     static, args = _small_cache("fp8_static", k_scale=0.5, v_scale=2.0)
     assert static.attention(*args).shape == args[0].shape
+
+
+def test_strided_index_tensors_are_refused_by_name() -> None:
+    """The kernels index ``slot_mapping``, ``seq_lens`` and ``query_start_loc`` as plain
+    arrays: a strided view (a column of a [B, 2] tensor) was read as if contiguous, so the
+    write filled the wrong slots and attention used other sequences' lengths, silently."""
+    cache = PagedKVCache.allocate(4, 16, 2, 64, "fp8", device="cpu")
+    key = torch.randn(6, 2, 64, dtype=torch.bfloat16)
+    slots = torch.tensor([[0, -1], [1, -1], [2, -1], [16, -1], [17, -1], [18, -1]])[:, 0]
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        cache.write(key, key, slots)
+    assert not cache.data.any()
+    cache.write(key, key, slots.contiguous())
+    q = torch.randn(4, 4, 64, dtype=torch.bfloat16)
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    lens = torch.tensor([[3, 0], [3, 0]], dtype=torch.int32)[:, 0]
+    qsl = torch.tensor([[0, 9], [2, 9], [4, 9]], dtype=torch.int32)[:, 0]  # 2 + 2 tokens
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        cache.attention(q, table, lens, qsl.contiguous())
+    with pytest.raises(ValueError, match="query_start_loc must be contiguous"):
+        cache.attention(q, table, lens.contiguous(), qsl)
+    assert cache.attention(q, table, lens.contiguous(), qsl.contiguous()).shape == q.shape
+
+
+@pytest.mark.parametrize("bad", [float("inf"), 1e-39, 0.0, -2.0, float("nan")])
+def test_static_scales_must_be_positive_finite_with_a_finite_inverse(bad: float) -> None:
+    """``fp8_static`` writes multiply by the float32 ``1 / scale``: ``k_scale=inf`` wrote all
+    zero codes and attended with an infinite logit scale, ``1e-39`` (inverse past float32)
+    wrote ±448 and NaN codes, both without an error; a bad scale is now refused at
+    ``allocate`` and by every call, naming ``k_scale`` or ``v_scale``."""
+    for name in ("k_scale", "v_scale"):
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            PagedKVCache.allocate(4, 16, 2, 64, "fp8_static", device="cpu", **{name: bad})
+        cache, args = _small_cache("fp8_static")
+        setattr(cache, name, bad)
+        key = torch.randn(1, 2, 64, dtype=torch.bfloat16)
+        before = cache.data.clone()
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            cache.write(key, key, torch.tensor([5]))
+        assert torch.equal(cache.data, before)
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            cache.attention(*args)

@@ -322,10 +322,14 @@ class FlamiaAttentionImpl(AttentionImpl[FlamiaMetadata]):
         self._inverse: dict[float, float] = {}
         self._cache_checked = False
 
-    def _inv(self, scale: float) -> float:
+    def _inv(self, layer: AttentionLayer, name: str) -> float:
+        """``static_inverse`` of the layer's ``k_scale`` / ``v_scale`` (cached by value); a
+        bad scale raises naming the layer and the scale."""
+        scale = getattr(layer, f"_{name}_float")
         inv = self._inverse.get(scale)
         if inv is None:
-            inv = self._inverse[scale] = static_inverse(scale)
+            where = getattr(layer, "layer_name", None) or type(layer).__name__
+            inv = self._inverse[scale] = static_inverse(scale, f"{where}: {name}")
         return inv
 
     def _bytes(self, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -351,7 +355,7 @@ class FlamiaAttentionImpl(AttentionImpl[FlamiaMetadata]):
         n = min(key.shape[0], slot_mapping.shape[0])
         k_inv = v_inv = 1.0
         if self.static:
-            k_inv, v_inv = self._inv(layer._k_scale_float), self._inv(layer._v_scale_float)
+            k_inv, v_inv = self._inv(layer, "k_scale"), self._inv(layer, "v_scale")
         run_write_kv_cache(self._bytes(kv_cache), key, value, slot_mapping, self.fmt, n,
                            k_inv_scale=k_inv, v_inv_scale=v_inv)  # fmt: skip
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from flamia_serve.kernels.paged import paged_attention, write_kv_cache
-from flamia_serve.kernels.paged.ops import check_kernel_format
+from flamia_serve.kernels.paged.ops import _static_inverses, check_kernel_format
 from flamia_serve.numerics.exp2 import ExpMode
 from flamia_serve.numerics.kv_pages import KVCacheDtype, KVPageFormat
 
@@ -47,6 +47,7 @@ class PagedKVCache:
                 f"{page_size}, {heads_kv}"
             )
         fmt = check_kernel_format(KVPageFormat(dtype, head_dim))  # type: ignore[arg-type]
+        _static_inverses(fmt, k_scale, v_scale)  # refused here, not at the first write
         data = torch.zeros(fmt.cache_shape(num_blocks, page_size, heads_kv), dtype=torch.uint8,
                            device=device)  # fmt: skip
         return cls(data, fmt, hadamard, k_scale, v_scale)

@@ -28,6 +28,7 @@ appending never rewrites older bytes and prefix caches stay valid.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -222,12 +223,20 @@ class KVPageFormat:
         return cache.shape[-1] // self.slot_bytes
 
 
-def static_inverse(scale: float) -> float:
+def static_inverse(scale: float, name: str = "scale") -> float:
     """``1 / scale`` rounded to float32: the factor ``fp8_static`` writes multiply by (the
-    kernels receive it as a float32 argument)."""
-    if not scale > 0:
-        raise ValueError(f"a static fp8 scale must be positive, got {scale}")
-    return float(torch.tensor(1.0 / scale, dtype=torch.float32))
+    kernels receive it as a float32 argument). ``ValueError`` naming ``name`` unless
+    ``scale`` is positive and finite with a finite, nonzero float32 inverse (an infinite
+    scale wrote zero codes, one below ~3e-39 an infinite factor: ±448 and NaN codes)."""
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        value = math.nan
+    inv = float(torch.tensor(1.0 / value if 0 < value < math.inf else 0.0, dtype=torch.float32))
+    if not 0 < inv < math.inf:
+        raise ValueError(f"{name} must be a positive finite static fp8 scale with a finite "
+                         f"float32 inverse, got {scale!r}")  # fmt: skip
+    return inv
 
 
 def encode_slots(

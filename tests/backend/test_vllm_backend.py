@@ -351,3 +351,21 @@ def test_forward_matches_reference(kv_cache_dtype: str, window: int | None,
     assert (output[total:] == 7.0).all()
     profiled = impl.forward(layer, query, key, value, kv_cache, None, output)
     assert profiled is output and (output == 0).all()
+
+
+def test_bad_static_scales_are_named_with_the_layer() -> None:
+    """``--kv-cache-dtype fp8`` with a checkpoint scale of inf (or one whose float32 inverse
+    overflows) wrote zero (or ±448 and NaN) codes without an error; it raises naming the
+    layer and the scale before anything is written."""
+    cfg = engine_config("fp8")
+    layer = make_layer(cfg)
+    spec = layer.get_kv_cache_spec(cfg)
+    kv_cache = torch.zeros(FlamiaAttentionBackend.get_kv_cache_shape(
+        2, spec.block_size, KV_HEADS, HEAD_DIM, "fp8"), dtype=spec.dtype)  # fmt: skip
+    key = torch.randn(2, KV_HEADS, HEAD_DIM).bfloat16()
+    for name, bad in (("k_scale", float("inf")), ("v_scale", 1e-39)):
+        layer._k_scale_float = layer._v_scale_float = 1.0
+        setattr(layer, f"_{name}_float", bad)
+        with pytest.raises(ValueError, match=f"{layer.layer_name}: {name} must be"):
+            layer.impl.do_kv_cache_update(layer, key, key, kv_cache, torch.arange(2))
+        assert not kv_cache.view(torch.uint8).any()

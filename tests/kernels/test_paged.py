@@ -699,3 +699,27 @@ def test_cute_prefill_plan_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None
     assert kernels.plan_prefill_schedule(plan, b.seq_lens, b.query_start_loc) is None
     monkeypatch.setattr(ops, "CUTE_FAILURES", {})
     assert kernels.plan_prefill_schedule(plan, b.seq_lens, b.query_start_loc) is not None
+
+
+def test_a_workspace_too_small_for_the_plan_is_not_used(device: str) -> None:
+    """``PagedWorkspace.fits`` checked only the ``(M, l)`` rows: a workspace allocated for a
+    smaller head dim (or fewer heads) was taken, and the split-K partials of O were written
+    past its end. Now it is replaced, and the output equals the validating path's."""
+    b = make_batch([1, 1], [20, 30], heads_q=4, heads_kv=2, head_dim=128, device=device)
+    cache = _written(b)
+    plan = kernels.plan_paged(b.fmt, 4, 2, b.query_start_loc.cpu(), 31, device=device,
+                              num_splits=4)  # fmt: skip
+    assert plan.workspace_rows == 8
+    small = kernels.PagedWorkspace.allocate(plan.workspace_rows, 4, 64, device)  # d 64 < 128
+    assert not small.fits(plan)
+    assert not kernels.PagedWorkspace.allocate(plan.workspace_rows, 2, 128, device).fits(plan)
+    assert kernels.PagedWorkspace.allocate(plan.workspace_rows, 4, 128, device).fits(plan)
+    small.part_o.fill_(0.0)
+    out = torch.empty_like(b.q)
+    kernels.run_paged_attention(b.q, cache, b.block_table, b.seq_lens, b.query_start_loc, plan,
+                                out, qk_scale=128**-0.5 * math.log2(math.e),
+                                workspace=small)  # fmt: skip
+    expected = kernels.paged_attention(b.q, cache, b.fmt, b.block_table, b.seq_lens,
+                                       b.query_start_loc, num_splits=4)  # fmt: skip
+    assert torch.equal(out, expected)
+    assert not small.part_o.any()  # the too-small workspace was not written

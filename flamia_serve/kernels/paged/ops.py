@@ -422,8 +422,10 @@ class PagedWorkspace:
                    torch.empty(rows * heads_q * 2, dtype=torch.float32, device=device))  # fmt: skip
 
     def fits(self, plan: PagedPlan) -> bool:
-        rows = plan.workspace_rows
-        return self.part_ml.numel() >= rows * plan.heads_q * 2
+        """Whether ``plan``'s split-K partials fit: its rows × query heads of ``(M, l)``
+        pairs and of head-dim ``O`` rows."""
+        rows = plan.workspace_rows * plan.heads_q
+        return self.part_ml.numel() >= rows * 2 and self.part_o.numel() >= rows * plan.fmt.head_dim
 
 
 def run_write_kv_cache(
@@ -673,7 +675,8 @@ def run_paged_attention(
         part_o = part_ml = out
         rows = plan.num_decode_tokens
         if splits > 1:
-            if workspace is None or not workspace.fits(plan):
+            if (workspace is None or not workspace.fits(plan)
+                    or workspace.part_o.device != q.device):  # fmt: skip
                 workspace = PagedWorkspace.allocate(plan.workspace_rows, heads_q, d, q.device)
             part_o, part_ml = workspace.part_o, workspace.part_ml
         cfg = plan.decode
@@ -744,6 +747,14 @@ def _check_cache(cache: object, fmt: KVPageFormat, device: torch.device) -> int:
     return fmt.page_size_of(cache)
 
 
+def _check_flat(t: torch.Tensor, name: str) -> None:
+    """The kernels index a 1-D index tensor as a plain array: a strided view (a column of a
+    2-D tensor) would be read as if it were contiguous."""
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (got stride {t.stride(0)}); pass "
+                         f"{name}.contiguous()")  # fmt: skip
+
+
 def _static_inverses(fmt: KVPageFormat, k_scale: float, v_scale: float) -> tuple[float, float]:
     """``static_inverse`` of ``fp8_static``'s scales; (1, 1) for the other formats, which
     take no static scale (a scale other than 1 would be ignored: ``ValueError``)."""
@@ -756,7 +767,7 @@ def _static_inverses(fmt: KVPageFormat, k_scale: float, v_scale: float) -> tuple
                    if fmt.dtype is KVCacheFormat.FP8 else "")
             )  # fmt: skip
         return 1.0, 1.0
-    return static_inverse(k_scale), static_inverse(v_scale)
+    return static_inverse(k_scale, "k_scale"), static_inverse(v_scale, "v_scale")
 
 
 def write_kv_cache(
@@ -793,6 +804,7 @@ def write_kv_cache(
         )
     if slot_mapping.shape[0] < n:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {n} tokens")
+    _check_flat(slot_mapping, "slot_mapping")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in the head dim")
     k_inv, v_inv = _static_inverses(fmt, k_scale, v_scale)
@@ -844,6 +856,8 @@ def _check_paged_inputs(
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     if block_table.stride(-1) != 1:
         raise ValueError("block_table must be contiguous in its last dim")
+    _check_flat(seq_lens, "seq_lens")
+    _check_flat(query_start_loc, "query_start_loc")
     if not validate:
         return
     qsl = query_start_loc.cpu().long()
