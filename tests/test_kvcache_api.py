@@ -119,3 +119,18 @@ def test_static_scales_must_be_positive_finite_with_a_finite_inverse(bad: float)
         assert torch.equal(cache.data, before)
         with pytest.raises(ValueError, match=f"{name} must be"):
             cache.attention(*args)
+
+
+def test_max_seq_len_below_the_longest_sequence_is_refused() -> None:
+    """``max_seq_len`` is documented as an upper bound on ``seq_lens``; the fp8 cache's CuTe
+    prefill lays out only ``max_seq_len`` keys per sequence (the rest of its operands stay
+    uninitialised), so a smaller value was a silent wrong answer on the GPU. Wherever the
+    call reads ``seq_lens`` on the host it is now checked, naming ``max_seq_len``."""
+    cache, (q, table, lens, qsl) = _small_cache()
+    for bad in (2, 0, -1):
+        with pytest.raises(ValueError, match=f"max_seq_len={bad} is less than"):
+            cache.attention(q, table, lens, qsl, max_seq_len=bad)
+    with pytest.raises(ValueError, match="max_seq_len must be an int"):
+        cache.attention(q, table, lens, qsl, max_seq_len=3.0)  # type: ignore[arg-type]
+    assert cache.attention(q, table, lens, qsl, max_seq_len=3).shape == q.shape
+    assert cache.attention(q, table, lens, qsl, max_seq_len=4096).shape == q.shape

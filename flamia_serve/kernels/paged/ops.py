@@ -909,7 +909,9 @@ def paged_attention(
     ``block_table`` ``[B, pages]`` int32, ``seq_lens`` ``[B]`` int32 (cached tokens incl. the
     new ones), ``query_start_loc`` ``[B+1]`` int32. ``k_scale``/``v_scale``: ``fp8_static``'s
     static scales. ``num_decodes``: how many leading sequences to run as decodes (found on
-    the host when None); ``max_seq_len`` sizes the split-K of decodes (host-read when None);
+    the host when None); ``max_seq_len`` (at least the longest ``seq_lens``: checked where the
+    call reads the host) sizes the split-K of decodes and the CuTe prefill's operands
+    (host-read when None);
     ``prefill_keys`` bounds the keys of the sequences after the decodes together (host-read
     when None; the CuTe prefill of the fp8 cache sizes its buffers by it, so a bound below
     the true count is an error wherever the call reads the host). ``validate`` checks index values
@@ -929,6 +931,9 @@ def paged_attention(
                                or window < 1):  # fmt: skip
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     _static_inverses(fmt, k_scale, v_scale)  # rejects non-positive scales
+    if max_seq_len is not None and (isinstance(max_seq_len, bool)
+                                    or not isinstance(max_seq_len, int)):
+        raise ValueError(f"max_seq_len must be an int or None, got {max_seq_len!r}")
     if prefill_keys is not None and (isinstance(prefill_keys, bool)
                                      or not isinstance(prefill_keys, int) or prefill_keys < 0):
         raise ValueError(f"prefill_keys must be a non-negative int or None, got "
@@ -960,8 +965,12 @@ def paged_attention(
                                  **plan_args)  # type: ignore[arg-type]  # fmt: skip
     else:
         qsl_host = query_start_loc[: batch + 1].cpu()
+        longest = int(seq_lens.max())
         if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
+            max_seq_len = longest
+        elif max_seq_len < longest:  # the CuTe prefill lays out max_seq_len keys per sequence
+            raise ValueError(f"max_seq_len={max_seq_len} is less than the longest sequence "
+                             f"({longest} keys)")  # fmt: skip
         plan = plan_paged(fmt, heads_q, cache.shape[2], qsl_host, max_seq_len, num_tokens=total,
                           max_decodes=num_decodes, seq_lens_host=seq_lens.cpu(),
                           **plan_args)  # type: ignore[arg-type]  # fmt: skip
