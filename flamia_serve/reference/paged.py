@@ -56,10 +56,12 @@ def write_kv_cache(
     v_scale: float = 1.0,
 ) -> None:
     """Quantize ``key``/``value`` ``[N, Hkv, d]`` into ``cache`` at ``slot_mapping`` ``[N]``
-    (``block * page_size + offset``; −1 = skip), in place. K is rotated first with
-    ``hadamard``; ``k_scale``/``v_scale`` are ``fp8_static``'s static scales."""
+    (``block * page_size + offset``; −1 = skip; only its first N entries are read, as the
+    kernel's), in place. K is rotated first with ``hadamard``; ``k_scale``/``v_scale`` are
+    ``fp8_static``'s static scales."""
     page = fmt.page_size_of(cache)
     codes, scales = region_view(cache, fmt)
+    slot_mapping = slot_mapping[: key.shape[0]]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // page, slots % page

@@ -723,3 +723,15 @@ def test_a_workspace_too_small_for_the_plan_is_not_used(device: str) -> None:
                                        b.query_start_loc, num_splits=4)  # fmt: skip
     assert torch.equal(out, expected)
     assert not small.part_o.any()  # the too-small workspace was not written
+
+
+def test_reference_writer_takes_a_padded_slot_mapping(device: str) -> None:
+    """The kernel writer takes a ``slot_mapping`` longer than ``key`` (vLLM's padded one: the
+    first N entries count); the twin raised an IndexError on it instead of writing the same
+    bytes."""
+    b = make_batch([3], [4], dtype="nvfp4", device=device)
+    slots = torch.cat([b.slot_mapping, b.slot_mapping[:2]])  # two extra entries, never used
+    got, expected = b.cache.clone(), b.cache.clone()
+    kernels.write_kv_cache(got, b.key, b.value, slots, b.fmt)
+    ref.write_kv_cache(expected, b.key, b.value, slots, b.fmt)
+    assert torch.equal(got, expected) and torch.equal(got, _written(b))
