@@ -134,3 +134,13 @@ def test_max_seq_len_below_the_longest_sequence_is_refused() -> None:
         cache.attention(q, table, lens, qsl, max_seq_len=3.0)  # type: ignore[arg-type]
     assert cache.attention(q, table, lens, qsl, max_seq_len=3).shape == q.shape
     assert cache.attention(q, table, lens, qsl, max_seq_len=4096).shape == q.shape
+
+
+def test_allocate_names_a_size_that_is_not_a_positive_int() -> None:
+    """A float size (``page_size=16.0``) failed inside ``torch.zeros`` with "argument 'size'
+    ... at pos 4", naming no argument; each size is now checked by name."""
+    sizes = dict(num_blocks=4, page_size=16, heads_kv=2, head_dim=64)
+    for name in sizes:
+        for bad, error in ((float(sizes[name]), TypeError), (True, TypeError), (0, ValueError)):
+            with pytest.raises(error, match=name):
+                PagedKVCache.allocate(**(sizes | {name: bad}), dtype="fp8", device="cpu")

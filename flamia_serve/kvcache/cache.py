@@ -9,6 +9,7 @@ import torch
 
 from flamia_serve.kernels.paged import paged_attention, write_kv_cache
 from flamia_serve.kernels.paged.ops import _static_inverses, check_kernel_format
+from flamia_serve.numerics.checks import check_int
 from flamia_serve.numerics.exp2 import ExpMode
 from flamia_serve.numerics.kv_pages import KVCacheDtype, KVPageFormat
 
@@ -41,11 +42,9 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """A zeroed cache (page sizes 16, 32 and 64 are the tested ones; head dims 64, 128,
         256: the kernels' ``SUPPORTED_HEAD_DIMS``)."""
-        if page_size < 1 or num_blocks < 1 or heads_kv < 1:
-            raise ValueError(
-                f"num_blocks, page_size and heads_kv must be positive, got {num_blocks}, "
-                f"{page_size}, {heads_kv}"
-            )
+        for name, value in (("num_blocks", num_blocks), ("page_size", page_size),
+                            ("heads_kv", heads_kv), ("head_dim", head_dim)):  # fmt: skip
+            check_int(value, name, low=1)
         fmt = check_kernel_format(KVPageFormat(dtype, head_dim))  # type: ignore[arg-type]
         _static_inverses(fmt, k_scale, v_scale)  # refused here, not at the first write
         data = torch.zeros(fmt.cache_shape(num_blocks, page_size, heads_kv), dtype=torch.uint8,
