@@ -144,3 +144,23 @@ def test_allocate_names_a_size_that_is_not_a_positive_int() -> None:
         for bad, error in ((float(sizes[name]), TypeError), (True, TypeError), (0, ValueError)):
             with pytest.raises(error, match=name):
                 PagedKVCache.allocate(**(sizes | {name: bad}), dtype="fp8", device="cpu")
+
+
+def test_tile_configs_the_kernels_cannot_run_are_named() -> None:
+    """``decode_config`` / ``prefill_config`` with a tile that is not a power of two failed
+    inside Triton ("arange's range must be a power of 2", naming no argument); a key tile
+    below 16 (no MMA on the GPU), zero warps or stages, or an unknown ``kernel`` (taken as
+    Triton, silently) ran. Each is refused naming the config and the field."""
+    cache, args = _small_cache()
+    bad = [({"block_n": 24}, "block_n"), ({"block_m": 48}, "block_m"), ({"block_n": 8}, "block_n"),
+           ({"num_warps": 0}, "num_warps"), ({"num_warps": 3}, "num_warps"),
+           ({"num_stages": 0}, "num_stages"), ({"kernel": "cuda"}, "kernel")]  # fmt: skip
+    for which in ("decode_config", "prefill_config"):
+        for over, field in bad:
+            cfg = kernels.PagedConfig(**({"block_m": 16, "block_n": 16} | over))  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match=f"{which}.{field}"):
+                cache.attention(*args, **{which: cfg})
+        with pytest.raises(TypeError, match=f"{which} must be a PagedConfig"):
+            cache.attention(*args, **{which: (16, 16)})
+    ok = kernels.PagedConfig(16, 16, 2, 1)
+    assert cache.attention(*args, decode_config=ok, prefill_config=ok).shape == args[0].shape

@@ -117,6 +117,24 @@ class PagedConfig:
     kernel: str = "triton"  # "triton" | "cute"
 
 
+def _check_config(cfg: object, name: str) -> None:
+    """A caller's tile config, named ``name``, that the kernels can run: power-of-two tiles
+    (``tl.arange``), at least 16 keys per tile (the P̂·V̂ MMA's contraction), a power of two
+    of warps, at least one stage, a known ``kernel``."""
+    if not isinstance(cfg, PagedConfig):
+        raise TypeError(f"{name} must be a PagedConfig, got {type(cfg).__name__}")
+    for field, value, low in (("block_m", cfg.block_m, 16), ("block_n", cfg.block_n, 16),
+                              ("num_warps", cfg.num_warps, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < low \
+                or value & (value - 1):  # fmt: skip
+            raise ValueError(f"{name}.{field} must be a power of two >= {low}, got {value!r}")
+    if isinstance(cfg.num_stages, bool) or not isinstance(cfg.num_stages, int) \
+            or cfg.num_stages < 1:  # fmt: skip
+        raise ValueError(f"{name}.num_stages must be a positive int, got {cfg.num_stages!r}")
+    if cfg.kernel not in ("triton", "cute"):
+        raise ValueError(f"{name}.kernel must be 'triton' or 'cute', got {cfg.kernel!r}")
+
+
 def default_configs(group_p2: int, d: int, fmt: KVCacheFormat) -> tuple[PagedConfig, PagedConfig]:
     """(decode, prefill) configs, measured on the H200 (``benchmarks/tune_paged.py``,
     ``benchmarks/results/tune_paged*.json``): decodes from quantized caches gain from long key
@@ -380,6 +398,9 @@ def plan_paged_counts(
             f"{num_decode_tokens} decode tokens of {num_tokens}"
         )
     group_p2 = triton.next_power_of_2(heads_q // heads_kv)
+    for name, given in (("decode_config", decode_config), ("prefill_config", prefill_config)):
+        if given is not None:
+            _check_config(given, name)
     default_prefill = default_configs(group_p2, fmt.head_dim, fmt.dtype)[1]
     decode_cfg = decode_config or _default_decode_config(fmt, heads_q, heads_kv, num_decodes,
                                                          torch.device(device))  # fmt: skip
