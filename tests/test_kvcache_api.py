@@ -164,3 +164,12 @@ def test_tile_configs_the_kernels_cannot_run_are_named() -> None:
             cache.attention(*args, **{which: (16, 16)})
     ok = kernels.PagedConfig(16, 16, 2, 1)
     assert cache.attention(*args, decode_config=ok, prefill_config=ok).shape == args[0].shape
+
+
+def test_num_splits_must_be_an_int() -> None:
+    """``num_splits=2.5`` passed the range check and failed inside the launch (a float grid
+    size); ``True`` was taken as 1."""
+    cache, args = _small_cache()
+    for bad in (2.5, True, "2"):
+        with pytest.raises(ValueError, match="num_splits must be an int"):
+            cache.attention(*args, num_splits=bad)  # type: ignore[arg-type]

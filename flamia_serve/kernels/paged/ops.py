@@ -415,6 +415,8 @@ def plan_paged_counts(
             raise ValueError(f"block_m must be >= 16 and a multiple of the GQA group, got {cfg}")
     if (decode_cfg.keys_on_m or prefill_cfg.keys_on_m) and not fmt.dtype.v_dim_major:
         raise ValueError(f"keys_on_m needs an 8-bit cache (fp8, fp8_static), got {fmt.dtype}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)):
+        raise ValueError(f"num_splits must be an int or None, got {num_splits!r}")
     splits = num_splits or _splits_for(fmt, heads_kv, num_decodes, max_seq_len, decode_cfg,
                                        torch.device(device))  # fmt: skip
     if not 1 <= splits <= MAX_DECODE_SPLITS:
