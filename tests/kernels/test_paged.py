@@ -735,3 +735,25 @@ def test_reference_writer_takes_a_padded_slot_mapping(device: str) -> None:
     kernels.write_kv_cache(got, b.key, b.value, slots, b.fmt)
     ref.write_kv_cache(expected, b.key, b.value, slots, b.fmt)
     assert torch.equal(got, expected) and torch.equal(got, _written(b))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_non_finite_values_never_cross_a_sequence(dtype: str, device: str) -> None:
+    """DESIGN "Non-finite inputs", serving: NaN / Inf in one sequence's K, V and Q (a decode
+    and a prefill, split-K) leave every other sequence's output bit-identical."""
+    b = make_batch([1, 1, 3, 4], [17, 9, 5, 12], dtype=dtype, device=device)
+    qsl = b.query_start_loc.tolist()
+    key, value, q = b.key.clone(), b.value.clone(), b.q.clone()
+    for victim, start, bad in ((1, 18, float("nan")), (2, 28, float("inf"))):  # cached rows
+        key[start + 2, 0, 5] = bad
+        value[start + 3, 1, 7] = -bad
+        q[qsl[victim], 1, 1] = bad
+    keep = torch.ones(q.shape[0], dtype=torch.bool, device=device)
+    keep[qsl[1] : qsl[3]] = False
+    outs = []
+    for k, v, qq in ((b.key, b.value, b.q), (key, value, q)):
+        cache = b.cache.clone()
+        kernels.write_kv_cache(cache, k, v, b.slot_mapping, b.fmt)
+        outs.append(kernels.paged_attention(qq, cache, b.fmt, b.block_table, b.seq_lens,
+                                            b.query_start_loc, num_splits=2))  # fmt: skip
+    assert torch.equal(outs[0][keep], outs[1][keep])
