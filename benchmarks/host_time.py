@@ -8,10 +8,13 @@ attention call (``host_us``, median over interleaved rounds: the machine's host 
 drifts by tens of percent between runs, so variants are compared inside one run):
 
 * ``eager``: the eager path (``custom_ops.EagerAttention``, an autograd function), with a
-  plan that keeps its checked calls and kernel buffers (``VarlenPlan.workspace``);
+  plan that keeps its checked calls, kernel buffers (``VarlenPlan.workspace``) and
+  prepared launches (``AttnCall.prepared``);
+* ``eager-unprepared``: the same, its launches prepared anew at every call (the eager
+  path before 2026-12-05, ``custom_ops.KEEP_PREPARED = False``);
 * ``eager-fresh-buffers``: the same with a plan that keeps neither (``reuse=False``);
 * ``eager-custom-op``: the eager call through the ``torch.library`` custom ops
-  (``FLAMIA_EAGER_CUSTOM_OPS=1``; the eager path before 2026-12-01);
+  (``attention.EAGER_CUSTOM_OPS``; the eager path before 2026-12-01);
 * ``compiled-cudagraphs``: the step through ``torch.compile(mode="reduce-overhead",
   fullgraph=True)`` (the custom ops, replayed from CUDA graphs): what a training loop that
   needs the host out of the way runs.
@@ -34,7 +37,6 @@ import argparse
 import contextlib
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import sys
@@ -47,7 +49,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.common import graph_time, results_dir, write_results
-from flamia_serve import flamia_attn_varlen, plan_varlen
+from flamia_serve import attention, custom_ops, flamia_attn_varlen, plan_varlen
 from flamia_serve.probes import make_pack
 
 LAYERS = 8
@@ -67,16 +69,16 @@ def _host_times(fn, n: int) -> list[float]:
 
 
 @contextlib.contextmanager
-def _custom_ops(on: bool):
-    old = os.environ.get("FLAMIA_EAGER_CUSTOM_OPS")
-    os.environ["FLAMIA_EAGER_CUSTOM_OPS"] = "1" if on else "0"
+def _mode(mode: str):
+    """``"custom-op"``: eager calls through the custom ops; ``"unprepared"``: launches
+    prepared anew at every call (``custom_ops.KEEP_PREPARED = False``); else as shipped."""
+    old = attention.EAGER_CUSTOM_OPS, custom_ops.KEEP_PREPARED
+    attention.EAGER_CUSTOM_OPS = mode == "custom-op"
+    custom_ops.KEEP_PREPARED = mode != "unprepared"
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["FLAMIA_EAGER_CUSTOM_OPS"]
-        else:
-            os.environ["FLAMIA_EAGER_CUSTOM_OPS"] = old
+        attention.EAGER_CUSTOM_OPS, custom_ops.KEEP_PREPARED = old
 
 
 def _profile(name: str, fn, n: int = 100) -> None:
@@ -175,7 +177,7 @@ def main() -> int:
         return run
 
     def steps(n: int) -> dict:
-        """(impl, pass) -> (step of ``n`` attention calls, eager custom ops)."""
+        """(impl, pass) -> (step of ``n`` attention calls, ``_mode``)."""
 
         def layers(q, k, v, plan=plan):
             for _ in range(n):
@@ -188,30 +190,32 @@ def main() -> int:
         compiled_layers = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
         compiled_loss = torch.compile(loss, mode="reduce-overhead", fullgraph=True)
         return {
-            ("eager", "fwd"): (no_grad(layers), False),
-            ("eager", "fwd+bwd"): (lambda: loss(*leaves).backward(), False),
-            ("eager-fresh-buffers", "fwd"): (no_grad(layers, fresh), False),
-            ("eager-fresh-buffers", "fwd+bwd"): (lambda: loss(*leaves, fresh).backward(), False),
-            ("eager-custom-op", "fwd"): (no_grad(layers), True),
-            ("eager-custom-op", "fwd+bwd"): (lambda: loss(*leaves).backward(), True),
-            ("compiled-cudagraphs", "fwd"): (no_grad(compiled_layers), False),
+            ("eager", "fwd"): (no_grad(layers), ""),
+            ("eager", "fwd+bwd"): (lambda: loss(*leaves).backward(), ""),
+            ("eager-unprepared", "fwd"): (no_grad(layers), "unprepared"),
+            ("eager-unprepared", "fwd+bwd"): (lambda: loss(*leaves).backward(), "unprepared"),
+            ("eager-fresh-buffers", "fwd"): (no_grad(layers, fresh), ""),
+            ("eager-fresh-buffers", "fwd+bwd"): (lambda: loss(*leaves, fresh).backward(), ""),
+            ("eager-custom-op", "fwd"): (no_grad(layers), "custom-op"),
+            ("eager-custom-op", "fwd+bwd"): (lambda: loss(*leaves).backward(), "custom-op"),
+            ("compiled-cudagraphs", "fwd"): (no_grad(compiled_layers), ""),
             ("compiled-cudagraphs", "fwd+bwd"): (
-                lambda: compiled_loss(*leaves).backward(), False),
+                lambda: compiled_loss(*leaves).backward(), ""),
         }
 
     variants = {(*key, n): value for n in counts for key, value in steps(n).items()}
     samples: dict[tuple[str, str, int], list[float]] = {key: [] for key in variants}
-    for key, (step, ops) in list(variants.items()):
+    for key, (step, mode) in list(variants.items()):
         try:
-            with _custom_ops(ops):
+            with _mode(mode):
                 for _ in range(5):  # compile, record and warm up the CUDA graphs
                     step()
         except Exception as exc:  # recorded; the other variants still count
             print(f"{key}: failed: {type(exc).__name__}: {exc}"[:400])
             del variants[key], samples[key]
     for _ in range(ROUNDS):  # interleaved: every variant sees the same host conditions
-        for key, (step, ops) in variants.items():
-            with _custom_ops(ops):
+        for key, (step, mode) in variants.items():
+            with _mode(mode):
                 samples[key] += _host_times(step, 30)
     rows = []
     step_us = {key: statistics.median(times) * 1e6 for key, times in samples.items()}

@@ -11,7 +11,7 @@
 #                                                   # mixed-short, s19, s19-bench, dv-step,
 #                                                   # d128-passes, s19-w, grad-input,
 #                                                   # nvfp4-search, s22, s22-checks,
-#                                                   # host-marginal
+#                                                   # host-marginal, s23
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -115,6 +115,17 @@ fi
 if [[ $steps == *,host-marginal,* ]]; then  # host time per call at 8 and 32 layers per step,
   # and what one more call adds (the per-step costs taken out), eager and CUDA graphs
   RUN_TAIL="-n 30" run host_time_marginal 300 python benchmarks/host_time.py --layers 8,32
+fi
+if [[ $steps == *,s23,* ]]; then  # prepared launches (AttnCall.prepared: BoundLaunch, the
+  # compiled Triton kernels' runners with each call's addresses; BoundCall, the CuTe TVM-FFI
+  # calls): the eager path's tests with plans (fwd+bwd reused across steps and layers, CuTe
+  # Q slot, NVFP4, d = 256 own layout, window kernel), the CuTe forward/backward suites,
+  # then host time (eager vs eager-unprepared in the same run; 8 and 32 layers per step)
+  run pytest_gpu_s23 "${FLAMIA_TEST_SECS:-330}" python -m pytest -q -W ignore::DeprecationWarning \
+    tests/kernels/test_workspace.py tests/kernels/test_gpu_cute.py tests/test_nonfinite.py \
+    tests/kernels/test_gpu_cute_bwd.py -k "not test_cute_bwd_matches_reference or lens0"
+  RUN_TAIL="-n 45" run host_time_s23 300 python benchmarks/host_time.py --breakdown \
+    --layers 8,32
 fi
 if [[ $steps == *,host-baseline,* ]]; then  # host_time.py of an earlier tree on this machine:
   # FLAMIA_BASELINE_TREE, e.g. scratch/old from `git archive COMMIT flamia_serve benchmarks/*.py`

@@ -57,6 +57,10 @@ def _kernel_recipe(recipe: str | Recipe) -> Recipe:
     return rec
 
 
+#: eager calls through the custom ops too (``FLAMIA_EAGER_CUSTOM_OPS=1`` when imported):
+#: checks and host-time comparisons; read once (the environment costs ~2 µs a read)
+EAGER_CUSTOM_OPS = os.environ.get("FLAMIA_EAGER_CUSTOM_OPS", "0") == "1"
+
 _NO_REUSE = object()
 #: checked calls a plan keeps (signatures: shapes, dtypes, options, stream); then it starts over
 MAX_CALLS_PER_PLAN = 64
@@ -170,14 +174,15 @@ def flamia_attn_varlen(
 
     Eager calls run ``custom_ops.EagerAttention``, traced ones (``torch.compile``) the
     ``flamia::attn_varlen_fwd``/``_bwd`` custom ops: one implementation.
-    ``FLAMIA_EAGER_CUSTOM_OPS=1`` sends eager calls through the custom ops too (checks,
-    host-time comparisons).
+    ``FLAMIA_EAGER_CUSTOM_OPS=1`` at import (``attention.EAGER_CUSTOM_OPS``) sends eager calls
+    through the custom ops too (checks, host-time comparisons).
 
     Returns:
         ``O [T, Hq, d]`` in the input dtype (and the statistics when asked). Gradients flow
         to q, k, v (dQ is accumulated with FP32 atomics: not bitwise repeatable).
     """
-    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
         check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)  # raises, naming the argument
     if plan is not None:
         plan.check_call(q.shape[0] if q.dim() else -1, cu_seqlens, max_seqlen)
@@ -196,7 +201,7 @@ def flamia_attn_varlen(
                 plan.calls.clear()
             call = plan.calls[key] = _attn_call(q, k, v, cu_seqlens, max_seqlen, plan, compiling,
                                                 needs_grad, *options, stream=stream)  # fmt: skip
-    if compiling or os.environ.get("FLAMIA_EAGER_CUSTOM_OPS", "0") == "1":
+    if compiling or EAGER_CUSTOM_OPS:
         stats = torch.ops.flamia.attn_varlen_fwd(q, k, v, cu_seqlens, *op_arguments(call))
     elif needs_grad:
         stats = EagerAttention.apply(q, k, v, cu_seqlens, call)

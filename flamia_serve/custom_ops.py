@@ -23,19 +23,30 @@ Callers go through ``flamia_serve.attention``, which validates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from flamia_serve.kernels._common import BoundLaunch
 from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd, bwd_reads_rows
-from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, quantizes_q, window_limit
-from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
+from flamia_serve.kernels.attn_fwd.ops import (
+    FwdConfig,
+    FwdLaunch,
+    attn_fwd_launch,
+    quantizes_q,
+    window_limit,
+)
+from flamia_serve.kernels.quant.ops import QKVLaunch, quantize_do_launch, quantize_qkv_launch
 from flamia_serve.kernels.schedule import ShortWindows, TokenBlocks, WorkList
 from flamia_serve.kernels.workspace import PackWorkspace
 from flamia_serve.numerics import RECIPES, Recipe
+from flamia_serve.numerics.operands import KernelDO, KernelQKV
 
 Tensors = list[torch.Tensor]
+Prepared = TypeVar("Prepared", "ForwardLaunch", "BackwardLaunch")
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,9 @@ class AttnCall:
     ``VarlenPlan.token_columns``, built when None); ``bwd_blocks``/``bwd_columns``: the same
     for the backward's layout (``bwd_config.column_align``; None: the forward's, which must
     then have that alignment); ``workspace``: the plan's buffers for the kernels
-    (``VarlenPlan.workspace``; eager calls with a plan), None: new ones.
+    (``VarlenPlan.workspace``; eager calls with a plan), None: new ones. ``prepared``: with
+    a workspace, the launches kept per input layout (:func:`attention_forward`,
+    :func:`attention_backward`).
     """
 
     blocks: TokenBlocks
@@ -67,6 +80,9 @@ class AttnCall:
     workspace: PackWorkspace | None = None
     bwd_blocks: TokenBlocks | None = None
     bwd_columns: torch.Tensor | None = None
+    prepared: dict[tuple, ForwardLaunch | BackwardLaunch] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def backward_layout(self) -> tuple[TokenBlocks, int, torch.Tensor | None]:
         """``(blocks, column_align, columns)`` of the layout the backward quantizes into:
@@ -83,23 +99,141 @@ class AttnCall:
         return self.blocks, self.column_align, self.columns
 
 
-def attention_forward(
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """The launches of one forward (quantization, then attention), prepared for q/k/v of one
+    layout: ``launch(q, k, v) -> (O, M, lse)``."""
+
+    quantize: QKVLaunch
+    attend: FwdLaunch
+    defer_q: bool
+
+    @property
+    def reusable(self) -> bool:
+        return self.quantize.reusable and self.attend.reusable
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.quantize(q=q, k=k, v=v)
+        return self.attend(q=q if self.defer_q else None)
+
+
+#: input layouts whose prepared launches a call keeps; then it starts over
+MAX_PREPARED = 8
+#: False: eager calls with a plan prepare their launches anew every time, as calls without
+#: one do (host-time comparisons, ``benchmarks/host_time.py``)
+KEEP_PREPARED = True
+
+
+def _layout(*tensors: torch.Tensor) -> tuple:
+    """What prepared launches fix beyond an ``AttnCall``'s key: the tensors' strides and
+    16-byte alignment (Triton's and the CuTe loads' specialisation; whether the CuTe forward
+    quantizes Q) and the current CUDA device (Triton launches on it)."""
+    cuda = tensors[0].device.type == "cuda"
+    return (
+        *(t.stride() for t in tensors), *(t.data_ptr() % 16 == 0 for t in tensors),
+        torch.cuda.current_device() if cuda else None,
+    )  # fmt: skip
+
+
+def _prepared(call: AttnCall, key: tuple, prepare: Callable[[], Prepared]) -> Prepared:
+    """``call.prepared[key]``, prepared now if missing (and kept when reusable)."""
+    if not KEEP_PREPARED:
+        return prepare()
+    launch = call.prepared.get(key)
+    if launch is None:
+        launch = prepare()
+        if launch.reusable:
+            if len(call.prepared) >= MAX_PREPARED:
+                call.prepared.clear()
+            call.prepared[key] = launch
+    return launch  # type: ignore[return-value]
+
+
+def prepare_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, call: AttnCall
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(O [T, Hq, d], M [T, Hq], lse [T, Hq])`` of checked inputs."""
+) -> ForwardLaunch:
+    """The forward's launches for inputs laid out as ``q``/``k``/``v`` (checked inputs)."""
     if call.config is None or call.config.column_align != call.column_align:
         raise ValueError("attention_forward needs the forward config of call.column_align")
-    qkv = quantize_qkv(
+    defer_q = quantizes_q(call.config, call.recipe.qk_format, q)
+    qkv, quantize = quantize_qkv_launch(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=call.blocks, column_align=call.column_align, columns=call.columns,
-        workspace=call.workspace, widen=call.config.kernel == "cute",
-        defer_q=quantizes_q(call.config, call.recipe.qk_format, q),
+        workspace=call.workspace, widen=call.config.kernel == "cute", defer_q=defer_q,
     )  # fmt: skip
-    return attn_fwd(
+    attend = attn_fwd_launch(
         qkv, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
         softmax_scale=call.softmax_scale, out_dtype=q.dtype, config=call.config, work=call.work,
         workspace=call.workspace,
     )  # fmt: skip
+    return ForwardLaunch(quantize, attend, defer_q)
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, call: AttnCall
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(O [T, Hq, d], M [T, Hq], lse [T, Hq])`` of checked inputs. With a workspace the
+    prepared launches are kept in ``call.prepared`` per input layout: a later call of that
+    layout only launches (its tensors in place of the first call's), into the same
+    buffers."""
+    if call.workspace is None:
+        return prepare_forward(q, k, v, cu_seqlens, call)(q, k, v)
+    key = ("fwd", *_layout(q, k, v))
+    return _prepared(call, key, lambda: prepare_forward(q, k, v, cu_seqlens, call))(q, k, v)
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """The quantization launches of one backward (Q/K/V with their column-layout copies,
+    then dO), prepared for tensors of one layout, and the operands they write (``qkv``,
+    ``qdo``: buffers only), which ``attn_bwd`` then reads."""
+
+    quantize: QKVLaunch
+    quantize_grad: BoundLaunch | None
+    qkv: KernelQKV
+    qdo: KernelDO
+
+    @property
+    def reusable(self) -> bool:
+        grad = self.quantize_grad
+        return self.quantize.reusable and (grad is None or grad.reusable)
+
+    def __call__(self, d_out, q, k, v, out, m_rows, lse_rows) -> tuple[KernelQKV, KernelDO]:
+        self.quantize(q=q, k=k, v=v)
+        if self.quantize_grad is not None:
+            self.quantize_grad(d_out=d_out, out=out, m=m_rows, lse=lse_rows)
+        return self.qkv, self.qdo
+
+
+def prepare_backward(
+    d_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    call: AttnCall,
+) -> BackwardLaunch:
+    """The backward's quantization launches for tensors laid out as these (``d_out``
+    contiguous)."""
+    blocks, align, columns = call.backward_layout()
+    grad_input = call.recipe.grad_input  # dK/dQ read Q/K as BF16 rows
+    rows = bwd_reads_rows(call.bwd_config, q.shape[2], grad_input)  # Q and Ĝ as BF16 rows
+    qkv, quantize = quantize_qkv_launch(
+        q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
+        blocks=blocks, with_transposed=True, column_align=align, columns=columns,
+        workspace=call.workspace, widen=call.bwd_config.kernel == "cute",
+        q_transposed=not (rows or grad_input), q_rows=rows or grad_input, k_rows=grad_input,
+    )  # fmt: skip
+    qdo, quantize_grad = quantize_do_launch(
+        d_out, out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe, blocks=blocks,
+        column_align=align, workspace=call.workspace, g_columns=not rows, g_rows=rows,
+    )  # fmt: skip
+    return BackwardLaunch(quantize, quantize_grad, qkv, qdo)
 
 
 def attention_backward(
@@ -116,18 +250,14 @@ def attention_backward(
     """``(dQ, dK, dV)`` in the input dtype (``flamia_serve.reference.attention_backward``)."""
     if call.bwd_work is None:
         raise RuntimeError("flamia attention: the forward ran without gradients enabled")
-    blocks, align, columns = call.backward_layout()
-    grad_input = call.recipe.grad_input  # dK/dQ read Q/K as BF16 rows
-    rows = bwd_reads_rows(call.bwd_config, q.shape[2], grad_input)  # Q and Ĝ as BF16 rows
-    qkv = quantize_qkv(
-        q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
-        blocks=blocks, with_transposed=True, column_align=align, columns=columns,
-        workspace=call.workspace, widen=call.bwd_config.kernel == "cute",
-        q_transposed=not (rows or grad_input), q_rows=rows or grad_input, k_rows=grad_input,
-    )  # fmt: skip
-    qdo = quantize_do(d_out.contiguous(), out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe,
-                      blocks=blocks, column_align=align, workspace=call.workspace,
-                      g_columns=not rows, g_rows=rows)  # fmt: skip
+    d_out, m_rows, lse_rows = d_out.contiguous(), m_rows.contiguous(), lse_rows.contiguous()
+    tensors = (d_out, q, k, v, out, m_rows, lse_rows)
+    if call.workspace is None:
+        launch = prepare_backward(*tensors, cu_seqlens, call)
+    else:
+        key = ("bwd", *_layout(d_out, q, k, v, out))
+        launch = _prepared(call, key, lambda: prepare_backward(*tensors, cu_seqlens, call))
+    qkv, qdo = launch(*tensors)
     return attn_bwd(
         qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
         softmax_scale=call.softmax_scale, recipe=call.recipe, out_dtype=q.dtype,

@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import os
 import types
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -67,7 +68,9 @@ class TritonLaunch:
     pointer query); any other goes through the ``JITFunction`` (which compiles or finds the
     kernel, and checks the pointers) and is remembered (up to ``MAX_SPECIALISATIONS``, then
     the memory starts over). Under the CPU interpreter every launch goes through the
-    ``JITFunction``.
+    ``JITFunction``. Returns the runner that launched (``CompiledKernel[grid]``, which takes
+    :func:`launch_values`), None when the launch went through the ``JITFunction`` without
+    one (interpreter, unhashable arguments, parameters left to their defaults).
     """
 
     MAX_SPECIALISATIONS = 256
@@ -75,15 +78,14 @@ class TritonLaunch:
     def __init__(self, kernel: triton.JITFunction) -> None:
         self.kernel = kernel
         self._params = frozenset(kernel.arg_names)
-        self._runners: dict[tuple, object] = {}
+        self._runners: dict[tuple, Callable] = {}
 
-    def __call__(self, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+    def __call__(self, grid: tuple[int, ...], *args: object, **kwargs: object) -> Callable | None:
         grid = (*grid, 1, 1)[:3]  # what a CompiledKernel's runner indexes
-        try:
-            values = [*args, *(kwargs[n] for n in self.kernel.arg_names[len(args) :])]
-        except KeyError:  # a parameter left to its default: no fast path
+        values = launch_values(self.kernel, args, kwargs)
+        if values is None:  # a parameter left to its default: no fast path
             self.kernel[grid](*args, **kwargs)
-            return
+            return None
         key = [grid]
         for i, v in enumerate(values):
             if isinstance(v, torch.Tensor):
@@ -96,15 +98,126 @@ class TritonLaunch:
             runner = self._runners.get(tuple(key))
         except TypeError:  # an unhashable argument: no fast path
             self.kernel[grid](*args, **kwargs)
-            return
+            return None
         if runner is not None:
             runner(*values)
-            return
+            return runner
         compiled = self.kernel[grid](*args, **kwargs)
-        if isinstance(compiled, CompiledKernel):
-            if len(self._runners) >= self.MAX_SPECIALISATIONS:
-                self._runners.clear()
-            self._runners[tuple(key)] = compiled[grid]
+        if not isinstance(compiled, CompiledKernel):
+            return None
+        if len(self._runners) >= self.MAX_SPECIALISATIONS:
+            self._runners.clear()
+        runner = self._runners[tuple(key)] = compiled[grid]
+        return runner
+
+
+def launch_values(
+    kernel: triton.JITFunction, args: Sequence[object], kwargs: dict[str, object]
+) -> list[object] | None:
+    """Every parameter's value of ``kernel[grid](*args, **kwargs)`` in the kernel's order
+    (what a ``CompiledKernel``'s runner takes, tensors as they are), None when a parameter
+    is left to its default."""
+    try:
+        return [*args, *(kwargs[n] for n in kernel.arg_names[len(args) :])]
+    except KeyError:
+        return None
+
+
+def bind_slots(
+    args: Sequence[object], slots: dict[str, torch.Tensor | None]
+) -> tuple[list[object], list[tuple[int, str]], bool]:
+    """``(template, positions, reusable)`` of a call's positional ``args`` whose ``slots``
+    (name -> the tensor this call passes; None: no such tensor) change from call to call:
+    ``template`` is ``args`` with None at the slots' positions (it keeps no slot tensor
+    alive), ``positions`` the ``(position, name)`` pairs, found by identity. ``reusable`` is
+    False when one tensor fills two slots (a later call whose tensors differ could then not
+    be told apart)."""
+    names = {id(t): name for name, t in slots.items() if t is not None}
+    reusable = len(names) == sum(t is not None for t in slots.values())
+    template, positions = list(args), []
+    for pos, arg in enumerate(args):
+        name = names.get(id(arg))
+        if name is not None:
+            positions.append((pos, name))
+            template[pos] = None
+    return template, positions, reusable
+
+
+class BoundCall:
+    """``fn(*args)`` prepared for calls that differ only in the tensors of ``slots``:
+    ``bound(**tensors)`` calls it with each slot's tensor in place (the CuTe kernels'
+    TVM-FFI calls). ``reusable``: :func:`bind_slots`'s."""
+
+    def __init__(
+        self, fn: Callable, args: Sequence[object], slots: dict[str, torch.Tensor | None]
+    ) -> None:
+        self.fn = fn
+        self.args, self.positions, self.reusable = bind_slots(args, slots)
+
+    def __call__(self, **tensors: torch.Tensor | None) -> None:
+        args = list(self.args)
+        for pos, name in self.positions:
+            args[pos] = tensors[name]
+        self.fn(*args)
+
+
+class BoundLaunch:
+    """A Triton launch ``launch(grid, *args, **kwargs)`` prepared for calls that differ only
+    in the tensors of ``slots`` (name -> this call's tensor): ``bound(**tensors)``.
+
+    The first call goes through ``launch`` (:class:`TritonLaunch`); once that has run a
+    compiled kernel, later calls hand the kernel's runner the arguments' values with the
+    slots' addresses put in, skipping the per-argument specialisation (~35 arguments cost
+    the quantization launch most of its host time). Each slot's tensor must keep the dtype
+    and device of the first call's (the caller's cache key, e.g. an ``AttnCall``, fixes
+    them); an address whose 16-byte alignment differs from the first call's goes through
+    ``launch`` again. ``reusable``: :func:`bind_slots`'s (False: every call goes through
+    ``launch``).
+    """
+
+    def __init__(
+        self,
+        launch: TritonLaunch,
+        grid: tuple[int, ...],
+        args: Sequence[object],
+        kwargs: dict[str, object],
+        slots: dict[str, torch.Tensor | None],
+    ) -> None:
+        self.launch, self.grid, self.kwargs = launch, grid, kwargs
+        self.args, self.positions, self.reusable = bind_slots(args, slots)
+        self._runner: Callable | None = None
+        self._aligned: list[tuple[int, str, bool]] = []  # (position, slot, 16-byte aligned)
+        self._values: list[object] | None = None  # the runner's arguments, slots left open
+
+    def __call__(self, **tensors: torch.Tensor | None) -> None:
+        if self._runner is not None:
+            values = self._values if self._values is not None else self._runner_values()
+            values = values.copy()
+            for pos, name, aligned in self._aligned:
+                values[pos] = address = tensors[name].data_ptr()
+                if (address % 16 == 0) != aligned:
+                    break
+            else:
+                self._runner(*values)
+                return
+        args = list(self.args)
+        for pos, name in self.positions:
+            args[pos] = tensors[name]
+        runner = self.launch(self.grid, *args, **self.kwargs)
+        if runner is not None and self.reusable and self._runner is None:
+            self._aligned = [(pos, name, args[pos].data_ptr() % 16 == 0)
+                             for pos, name in self.positions]  # fmt: skip
+            self._runner = runner
+
+    def _runner_values(self) -> list[object]:
+        """The runner's arguments (tensors as addresses), made at the first reuse."""
+        values = launch_values(self.launch.kernel, self.args, self.kwargs)
+        assert values is not None  # the launch found a runner: every parameter was given
+        for pos, value in enumerate(values):
+            if isinstance(value, torch.Tensor):
+                values[pos] = value.data_ptr()
+        self._values = values
+        return values
 
 
 def round_debug_p_(buffer: torch.Tensor) -> None:

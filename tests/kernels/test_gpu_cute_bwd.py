@@ -197,10 +197,10 @@ def test_cute_bwd_after_a_forward_on_another_layout(d, recipe, custom_ops, monke
     CuTe kernel quantizes into its own 128-column layout and gives the gradients of the
     Triton backward on the forward's layout (within the two kernels' summation-order
     differences), eagerly and through the custom ops."""
-    from flamia_serve import plan_varlen
+    from flamia_serve import attention, plan_varlen
     from flamia_serve.kernels.attn_fwd.ops import default_config
 
-    monkeypatch.setenv("FLAMIA_EAGER_CUSTOM_OPS", "1" if custom_ops else "0")
+    monkeypatch.setattr(attention, "EAGER_CUSTOM_OPS", custom_ops)
     q, k, v, cu, ms = make_pack((300, 1, 700, 47), 8, 2, d, seed=1, device="cuda")
     d_out = torch.randn_like(q)
     plan = plan_varlen(cu, q.shape[0], ms)

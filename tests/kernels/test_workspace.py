@@ -1,8 +1,13 @@
-"""Eager calls with a plan reuse its checked call and kernel buffers (``PackWorkspace``)
-and launch Triton kernels past the binder (``TritonLaunch``): the results must be those of
-fresh buffers, bit for bit, whatever ran before on the same buffers."""
+"""Eager calls with a plan reuse its checked call, kernel buffers (``PackWorkspace``) and
+prepared launches (``AttnCall.prepared``, ``BoundLaunch``), and launch Triton kernels past
+the binder (``TritonLaunch``): the results must be those of fresh buffers, bit for bit,
+whatever ran before on the same buffers and whatever tensors the first call passed."""
 
 from __future__ import annotations
+
+import gc
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +15,7 @@ import triton
 import triton.language as tl
 
 from flamia_serve import flamia_attn_varlen, plan_varlen
-from flamia_serve.kernels._common import TritonLaunch
+from flamia_serve.kernels._common import BoundCall, BoundLaunch, TritonLaunch
 from flamia_serve.kernels.workspace import TICKETS, PackWorkspace, pack_constant
 from flamia_serve.probes import make_pack
 
@@ -81,6 +86,120 @@ def test_plan_call_cache_follows_the_arguments(device) -> None:
             flamia_attn_varlen(q[:, :3], k, v, cu, ms, plan=plan)
         with pytest.raises(TypeError, match=r"q must be a torch\.Tensor"):
             flamia_attn_varlen(None, k, v, cu, ms, plan=plan)
+
+
+def test_prepared_forward_per_input_layout(device) -> None:
+    """A plan's call keeps one prepared forward per input layout: later calls of the same
+    layout with other values reuse it and give a fresh call's outputs bit for bit; q/k/v as
+    views of one fused projection (other strides) get their own; none keeps the tensors of
+    the call that prepared it alive."""
+    q, k, v, cu, ms = make_pack(LENS, 4, 2, 64, seed=4, device=device)
+    plan = plan_varlen(cu, q.shape[0], ms)
+    fresh = plan_varlen(cu, q.shape[0], ms, reuse=False)
+    with torch.no_grad():
+        first = [x.clone() for x in (q, k, v)]
+        probe = weakref.ref(first[0])
+        flamia_attn_varlen(*first, cu, ms, plan=plan)
+        del first
+        gc.collect()
+        assert probe() is None  # the prepared launches keep no input alive
+        for seed in (5, 6):
+            q, k, v = make_pack(LENS, 4, 2, 64, seed=seed, device=device)[:3]
+            got = flamia_attn_varlen(q, k, v, cu, ms, plan=plan, return_stats=True)
+            want = flamia_attn_varlen(q, k, v, cu, ms, plan=fresh, return_stats=True)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        (call,) = plan.calls.values()
+        assert len(call.prepared) == 1
+        fused = torch.cat([q, k, v], dim=1)  # [T, Hq + 2·Hkv, d]: token stride 8·64
+        views = fused[:, :4], fused[:, 4:6], fused[:, 6:]
+        got = flamia_attn_varlen(*views, cu, ms, plan=plan)
+        torch.testing.assert_close(got, want[0], rtol=0, atol=0, equal_nan=True)
+        assert len(call.prepared) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lens, d, recipe",
+    [
+        ((300, 1, 700, 47), 128, "mxfp8"),  # the CuTe forward quantizes Q itself (q slot)
+        ((300, 1, 700, 47), 128, "mixed_nvfp4"),  # widened NVFP4 operands
+        ((300, 1, 700, 47), 256, "mxfp8_grad_input"),  # BF16 row operands, own layout
+        ((3, 9, 1, 17, 5, 30, 2, 11) * 8, 64, "mxfp8"),  # short documents: window kernel
+    ],
+)
+def test_gpu_prepared_launches_reused_across_steps(lens, d, recipe) -> None:
+    """Steps of several layers on one plan reuse the prepared forward and backward launches
+    (compiled kernels called with each call's tensors): every step's outputs and gradients
+    are a fresh plan's (dQ up to the atomics' order), whatever the previous step left."""
+    q, k, v, cu, ms = make_pack(lens, 8, 2, d, seed=7, device="cuda")
+    plan = plan_varlen(cu, q.shape[0], ms)
+    fresh = plan_varlen(cu, q.shape[0], ms, reuse=False)
+    for step in range(3):
+        q, k, v = make_pack(lens, 8, 2, d, seed=8 + step, device="cuda")[:3]
+        d_out = make_pack(lens, 8, 2, d, seed=20 + step, device="cuda")[0]
+        for _layer in range(2):  # the second layer's q is a fresh tensor of the same layout
+            got = _step(q, k, v, cu, ms, plan, d_out, recipe=recipe)
+            want = _step(q, k, v, cu, ms, fresh, d_out, recipe=recipe)
+            for name, a, b in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+                _same(a, b, exact=name != "dq")
+            q = got[0].clone()
+    (call,) = plan.calls.values()
+    assert {key[0] for key in call.prepared} == {"fwd", "bwd"}
+
+
+class _RecordingLaunch(TritonLaunch):
+    """A ``TritonLaunch`` stand-in: records the launches that go through it (tensors by
+    ``id``, keeping none alive) and hands out a runner that records what it is given (as a
+    compiled kernel's would take it)."""
+
+    def __init__(self) -> None:
+        self.kernel = SimpleNamespace(arg_names=["x", "out", "n", "w", "BLOCK"])
+        self.launched: list[tuple] = []
+        self.ran: list[tuple] = []
+
+    def __call__(self, grid, *args, **kwargs):
+        self.launched.append(tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args))
+        return lambda *values: self.ran.append(values)
+
+
+def test_bound_launch_puts_each_slot_in_place() -> None:
+    """The first call goes through the launch with the given tensors; later ones hand the
+    runner every value with the slots' addresses in place; an address of another 16-byte
+    alignment goes through the launch again; the slots' first tensors are not kept; a
+    launch where one tensor fills two slots is never reused (its slots cannot be told
+    apart: every call goes through the launch)."""
+    launch = _RecordingLaunch()
+    x, out, w = torch.zeros(8), torch.zeros(8), torch.ones(4)
+    bound = BoundLaunch(launch, (4,), (x, out, 7, w), {"BLOCK": 64}, {"x": x, "out": out})
+    assert bound.reusable and bound.positions == [(0, "x"), (1, "out")]
+    probe = weakref.ref(x)
+    bound(x=x, out=out)
+    assert len(launch.launched) == 1 and launch.launched[0][0] == id(x)
+    del x
+    gc.collect()
+    assert probe() is None
+    x2, out2 = torch.zeros(8), torch.zeros(8)
+    bound(x=x2, out=out2)
+    assert launch.ran == [(x2.data_ptr(), out2.data_ptr(), 7, w.data_ptr(), 64)]
+    shifted = torch.zeros(9)[1:]
+    assert shifted.data_ptr() % 16 != 0
+    bound(x=shifted, out=out2)
+    assert len(launch.ran) == 1 and launch.launched[-1][0] == id(shifted)
+    both = BoundLaunch(launch, (4,), (w, w, 7, w), {"BLOCK": 64}, {"x": w, "out": w})
+    assert not both.reusable
+    for _ in range(2):
+        both(x=w, out=w)
+    assert len(launch.ran) == 1 and launch.launched[-2:] == [(id(w), id(w), 7, id(w))] * 2
+
+
+def test_bound_call_puts_each_slot_in_place() -> None:
+    calls = []
+    a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+    bound = BoundCall(lambda *args: calls.append(args), [a, b, 3.0, c], {"a": a, "c": c})
+    assert bound.args == [None, b, 3.0, None]
+    bound(a=c, c=a)
+    assert calls[0][0] is c and calls[0][1] is b and calls[0][3] is a
 
 
 def test_workspace_tickets_are_aligned_zeros_refilled_by_one_memset() -> None:
@@ -203,3 +322,24 @@ def test_gpu_triton_launch_reuses_a_specialisation_and_checks_the_rest() -> None
     with pytest.raises(ValueError, match="cpu tensor"):
         launch((4,), x.cpu(), torch.empty_like(x), 1000, 2.0, BLOCK=256)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_bound_launch_runs_the_compiled_kernel_with_new_tensors() -> None:
+    """A ``BoundLaunch`` reused with other tensors (the compiled kernel's runner, addresses
+    put in) and with a misaligned one (through the launch) writes the right outputs."""
+    launch = TritonLaunch(_scale_kernel)
+    x = torch.randn(1000, device="cuda")
+    out = torch.empty_like(x)
+    bound = BoundLaunch(launch, (4,), (x, out, 1000, 3.0), {"BLOCK": 256}, {"x": x, "out": out})
+    bound(x=x, out=out)
+    assert torch.equal(out, x * 3) and bound._runner is not None
+    for _ in range(3):
+        x2 = torch.randn(1000, device="cuda")
+        out2 = torch.empty_like(x2)
+        bound(x=x2, out=out2)
+        assert torch.equal(out2, x2 * 3)
+    shifted = torch.randn(1001, device="cuda")[1:]
+    out3 = torch.empty_like(shifted)
+    bound(x=shifted, out=out3)
+    assert torch.equal(out3, shifted * 3)

@@ -47,7 +47,7 @@ from flash_attn.cute import pipeline as fa_pipeline
 from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
-from flamia_serve.kernels._common import sm_count
+from flamia_serve.kernels._common import BoundCall, sm_count
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
@@ -1043,6 +1043,41 @@ def attn_fwd_sm90(
     ``exp_mode="mitchell"`` (serving only; training is always exact): Mitchell-P instead of
     ``exp2`` (``numerics.exp2``). ``workspace``: the pack's, for the ticket counter.
     ``promote_pv=False``: P̂·V̂ accumulates into O inside the ``wgmma`` (``FwdConfig``)."""
+    counter = zero_counter(workspace, out.device)
+    call = attn_fwd_sm90_call(
+        qkv, cu_seqlens, work, out, m_rows, lse_rows, counter, heads_q=heads_q, causal=causal,
+        qk_scale=qk_scale, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
+        overlap=overlap, persistent=ticket, cu_seqlens_k=cu_seqlens_k, exp_mode=exp_mode,
+        promote_pv=promote_pv,
+    )  # fmt: skip
+    call(q=qkv.q_input, out=out, m=m_rows, lse=lse_rows, ticket=counter)
+
+
+def attn_fwd_sm90_call(
+    qkv: KernelQKV,
+    cu_seqlens: torch.Tensor,
+    work: WorkList,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    ticket: torch.Tensor,
+    *,
+    heads_q: int,
+    causal: bool,
+    qk_scale: float,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    overlap: bool,
+    persistent: bool = True,
+    cu_seqlens_k: torch.Tensor | None = None,
+    exp_mode: str = "exact",
+    promote_pv: bool = True,
+) -> BoundCall:
+    """:func:`attn_fwd_sm90` compiled and bound: ``call(q=qkv.q_input, out=, m=, lse=,
+    ticket=)`` launches it, ``ticket`` an int32 zero (``zero_counter``; persistent grid
+    only, ``persistent`` = the old ``ticket``); later calls may pass other tensors of the
+    same dtypes and layouts (``BoundCall``)."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     # NVFP4 Q/K: widened values, one K exponent per key (their second level)
@@ -1057,20 +1092,21 @@ def attn_fwd_sm90(
         (q_in, 16), (k_in, 16), (v_t, 16), (q_exp, 4), (qkv.kv_factors, 16),
         (cu_seqlens, 4), (cu_seqlens_k if extend else cu_seqlens, 4), (qkv.doc_v_t_start, 4),
         (work.doc, 4), (work.tile, 4),
-        (work.count, 4), (zero_counter(workspace, out.device), 4),
+        (work.count, 4), (ticket, 4),
         (out, 16),
         (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
     heads_kv = qkv.k_codes.shape[1]
     stage_o = out.stride(0) % 8 == 0 and out.stride(1) % 8 == 0
     key = (d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
-           ticket, out.dtype, extend, exp_mode, wide, promote_pv, q_block, q_in.dtype,
+           persistent, out.dtype, extend, exp_mode, wide, promote_pv, q_block, q_in.dtype,
            stage_o)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
-            ticket, extend, exp_mode, wide, promote_pv, q_block, stage_o,
+            persistent, extend, exp_mode, wide, promote_pv, q_block, stage_o,
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
-    sms = sm_count(out.device)
-    _COMPILED[key](*kernel_tensors(aligned), qk_scale, max(1, min(work.num_slots * heads_q, sms)))
+    ctas = max(1, min(work.num_slots * heads_q, sm_count(out.device)))
+    slots = {"q": qkv.q_input, "out": out, "m": m_rows, "lse": lse_rows, "ticket": ticket}
+    return BoundCall(_COMPILED[key], [*kernel_tensors(aligned), qk_scale, ctas], slots)

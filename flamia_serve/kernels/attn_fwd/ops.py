@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from flamia_serve.kernels._common import (
+    BoundCall,
+    BoundLaunch,
     TritonLaunch,
     cute_available,
     interpreted,
@@ -248,6 +250,55 @@ def _persistent_programs(device: torch.device, cfg: FwdConfig) -> int:
 
 
 def attn_fwd(
+    qkv: KernelQKV, cu_seqlens: torch.Tensor, **options: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attn_fwd_launch`, launched now: ``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``."""
+    return attn_fwd_launch(qkv, cu_seqlens, **options)(q=qkv.q_input)
+
+
+@dataclass
+class FwdLaunch:
+    """The launches of :func:`attn_fwd_launch`: ``launch(q=...)`` allocates ``O`` ``[T, Hq,
+    d]`` (``out_dtype``), ``M``/``lse`` ``[T, Hq]`` float32, draws the persistent grid's
+    counter (``ticketed``) and runs the window kernel (``windows``) and the main kernel
+    (``main``, None: no token) into them; ``q``: the operands' ``q_input`` (Q left to the
+    CuTe kernel) of this call. The first call fills the outputs made while preparing."""
+
+    out_shape: tuple[int, int, int]
+    out_dtype: torch.dtype
+    device: torch.device
+    main: BoundLaunch | BoundCall | None
+    windows: BoundLaunch | None
+    ticketed: bool
+    workspace: PackWorkspace | None
+    debug_p: torch.Tensor | None
+    first: tuple[torch.Tensor, ...] | None
+
+    @property
+    def reusable(self) -> bool:
+        """Whether a later call with other tensors of the same kind can run it."""
+        return all(x is None or x.reusable for x in (self.main, self.windows))
+
+    def __call__(
+        self, *, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.first is not None:
+            (out, m_rows, lse_rows, ticket), self.first = self.first, None
+        else:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+            m_rows = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device)
+            lse_rows = torch.empty_like(m_rows)
+            ticket = zero_counter(self.workspace, self.device) if self.ticketed else None
+        if self.windows is not None:
+            self.windows(out=out, m=m_rows, lse=lse_rows)
+        if self.main is not None:
+            self.main(q=q, out=out, m=m_rows, lse=lse_rows, ticket=ticket)
+        if self.debug_p is not None:
+            round_debug_p_(self.debug_p)
+        return out, m_rows, lse_rows
+
+
+def attn_fwd_launch(
     qkv: KernelQKV,
     cu_seqlens: torch.Tensor,
     *,
@@ -259,8 +310,11 @@ def attn_fwd(
     work: WorkList | None = None,
     debug_p: tuple[torch.Tensor, torch.Tensor] | None = None,
     workspace: PackWorkspace | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward from quantized operands: ``(O [T, Hq, d], M [T, Hq], lse [T, Hq])``.
+) -> FwdLaunch:
+    """Forward from quantized operands, prepared: ``launch(q=qkv.q_input)`` returns ``(O [T,
+    Hq, d], M [T, Hq], lse [T, Hq])``. With a ``workspace`` the launch may be kept and called
+    again for operands written into the same buffers (``quantize_qkv_launch``), with
+    another ``q_input`` of the same dtype, strides and alignment.
 
     Same contract as ``flamia_serve.reference.attention_forward`` (M integer row reference,
     lse base 2). ``work`` comes from a ``VarlenPlan``; without one it is built here. Without
@@ -332,21 +386,29 @@ def attn_fwd(
     out = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
     m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=dev)
     lse_rows = torch.empty_like(m_rows)
+    cute = cfg.kernel == "cute"
+    # the persistent grid's item counter (never read otherwise)
+    ticket = zero_counter(workspace, dev) if total and (cute or cfg.persistent) else None
+    launch = FwdLaunch(
+        (total, heads_q, d), out_dtype, dev, None, None, ticket is not None, workspace,
+        None if debug_p is None else debug_p[0], (out, m_rows, lse_rows, ticket),
+    )  # fmt: skip
     if total == 0:
-        return out, m_rows, lse_rows
+        return launch
+    slots = {"q": qkv.q_input, "out": out, "m": m_rows, "lse": lse_rows, "ticket": ticket}
     scale_log2 = softmax_scale * LOG2E * qkv.qk_rescale
     if work.windows is not None:
-        _attend_windows(qkv, work, out, m_rows, lse_rows, heads_q, causal, scale_log2)
-    if cfg.kernel == "cute":
-        from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90
+        launch.windows = _windows_launch(qkv, work, slots, heads_q, causal, scale_log2)
+    if cute:
+        from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90_call
 
-        attn_fwd_sm90(
-            qkv, cu_seqlens, work, out, m_rows, lse_rows, heads_q=heads_q, causal=causal,
-            qk_scale=scale_log2, tile_m=cfg.block_m, tile_n=cfg.block_n,
-            num_stages=cfg.num_stages, overlap=cfg.overlap, ticket=cfg.persistent,
-            workspace=workspace, promote_pv=cfg.promote_pv,
+        launch.main = attn_fwd_sm90_call(
+            qkv, cu_seqlens, work, out, m_rows, lse_rows, ticket, heads_q=heads_q,
+            causal=causal, qk_scale=scale_log2, tile_m=cfg.block_m, tile_n=cfg.block_n,
+            num_stages=cfg.num_stages, overlap=cfg.overlap, persistent=cfg.persistent,
+            promote_pv=cfg.promote_pv,
         )  # fmt: skip
-        return out, m_rows, lse_rows
+        return launch
     nvfp4 = qkv.q4 is not None and qkv.k4 is not None
     q4_args, k4_args = qkv.nvfp4_kernel_args()
     # K exponents shared by aligned key blocks are read once per block (scalar loads)
@@ -354,47 +416,48 @@ def attn_fwd(
     if debug_p is not None and cfg.kernel != "triton":
         raise ValueError("debug_p needs the Triton forward (config.kernel='triton')")
     dbg_p, dbg_m = debug_p if debug_p is not None else (m_rows, m_rows)
-    # the persistent grid's item counter (never read otherwise)
-    ticket = zero_counter(workspace, dev) if cfg.persistent else work.count
     grid = (_persistent_programs(dev, cfg) if cfg.persistent else work.num_slots * heads_q,)
-    _LAUNCH(
-        grid,
+    args = (
         qkv.q_codes, qkv.q_exp, qkv.k_codes, qkv.k_exp,
         *q4_args, *k4_args, qkv.v_t, qkv.doc_v_t_start, qkv.v_exp,
-        cu_seqlens, work.doc, work.tile, work.count, ticket,
+        cu_seqlens, work.doc, work.tile, work.count, work.count if ticket is None else ticket,
         out, m_rows, lse_rows, dbg_p, dbg_m,
         scale_log2, qkv.v_t.shape[-1], total,
+    )  # fmt: skip
+    options = dict(
         HQ=heads_q, HKV=heads_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, QK_NVFP4=nvfp4, TWO_PASS=cfg.two_pass, INTERPRET=interpreted(),
         PERSISTENT=cfg.persistent, KE_BLOCK=ke_block, DEBUG_P=debug_p is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip
-    if debug_p is not None:
-        round_debug_p_(dbg_p)
-    return out, m_rows, lse_rows
+    launch.main = BoundLaunch(_LAUNCH, grid, args, options, slots)
+    return launch
 
 
-def _attend_windows(
+def _windows_launch(
     qkv: KernelQKV,
     work: WorkList,
-    out: torch.Tensor,
-    m_rows: torch.Tensor,
-    lse_rows: torch.Tensor,
+    slots: dict[str, torch.Tensor | None],
     heads_q: int,
     causal: bool,
     scale_log2: float,
-) -> None:
-    """The short documents of ``work.windows``: persistent programs over (window, head)."""
+) -> BoundLaunch:
+    """The short documents of ``work.windows``: persistent programs over (window, head),
+    writing into ``slots``' ``out``/``m``/``lse``."""
     windows = work.windows
     total, heads_kv, d = qkv.k_codes.shape
     rows = windows.rows
+    out = slots["out"]
     programs = 2 if interpreted() else sm_count(out.device) * WINDOW_PROGRAMS_PER_SM
-    _LAUNCH_WINDOWS(
-        (min(programs, windows.start.numel() * heads_q),),
+    args = (
         qkv.q_codes, qkv.q_exp, qkv.k_codes, qkv.k_exp, qkv.v_t, qkv.v_exp, qkv.key_columns(),
-        windows.token_doc, windows.start, windows.end, windows.count, out, m_rows, lse_rows,
-        scale_log2, qkv.v_t.shape[-1], total,
+        windows.token_doc, windows.start, windows.end, windows.count, out, slots["m"],
+        slots["lse"], scale_log2, qkv.v_t.shape[-1], total,
+    )  # fmt: skip
+    options = dict(
         HQ=heads_q, HKV=heads_kv, D=d, ROWS=rows, CAUSAL=causal, INTERPRET=interpreted(),
         num_warps=8 if rows >= 128 else 4, num_stages=1,
     )  # fmt: skip
+    grid = (min(programs, windows.start.numel() * heads_q),)
+    return BoundLaunch(_LAUNCH_WINDOWS, grid, args, options, slots)

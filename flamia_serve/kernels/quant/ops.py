@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import TritonLaunch, interpreted, sm_count
+from flamia_serve.kernels._common import BoundLaunch, TritonLaunch, interpreted, sm_count
 from flamia_serve.kernels.columns import columns_from_rows, pack_column_tokens
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
 from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
@@ -76,14 +78,35 @@ class _Buffers:
 
     def column_copy(
         self, name: str, codes: torch.Tensor, columns: torch.Tensor, t_pad: int
-    ) -> torch.Tensor:
-        """``[H, d, t_pad]`` E4M3: ``codes`` ``[T, H, d]`` at their column-layout ``columns``,
-        zeros in every other column (document padding, slack)."""
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``[H, d, t_pad]`` E4M3 for ``codes`` ``[T, H, d]`` at their column-layout
+        ``columns``, zeros in every other column (document padding, slack), and the copy
+        that fills it (to run once ``codes`` hold their values)."""
         _total, heads, d = codes.shape
         out = self.zeros(name, (heads, d, t_pad), torch.uint8)
         tokens = pack_column_tokens(self.workspace, columns, self.column_align, t_pad)
-        columns_from_rows(codes.view(torch.uint8), columns, out, tokens)
-        return out.view(torch.float8_e4m3fn)
+        copy = functools.partial(columns_from_rows, codes.view(torch.uint8), columns, out, tokens)
+        return out.view(torch.float8_e4m3fn), copy
+
+
+@dataclass(frozen=True)
+class QKVLaunch:
+    """The launches of :func:`quantize_qkv_launch`: ``launch(q=q, k=k, v=v)`` runs the
+    quantization kernel (``quantize``; None: no token) on those inputs, then the column-layout
+    copies of its codes (``copies``). ``reusable``: ``BoundLaunch.reusable``."""
+
+    quantize: BoundLaunch | None
+    copies: tuple[Callable[[], None], ...] = ()
+
+    @property
+    def reusable(self) -> bool:
+        return self.quantize is None or self.quantize.reusable
+
+    def __call__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.quantize is not None:
+            self.quantize(q=q, k=k, v=v)
+        for copy in self.copies:
+            copy()
 
 
 @functools.cache
@@ -101,6 +124,15 @@ def _num_programs(device: torch.device, items: int, programs_per_sm: int) -> int
 
 
 def quantize_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, **options: object
+) -> KernelQKV:
+    """:func:`quantize_qkv_launch`'s operands, written now (one launch)."""
+    qkv, launch = quantize_qkv_launch(q, k, v, cu_seqlens, **options)
+    launch(q=q, k=k, v=v)
+    return qkv
+
+
+def quantize_qkv_launch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -121,8 +153,12 @@ def quantize_qkv(
     q_transposed: bool = True,
     q_rows: bool = False,
     k_rows: bool = False,
-) -> KernelQKV:
-    """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch.
+) -> tuple[KernelQKV, QKVLaunch]:
+    """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch:
+    ``(operands, launch)``, the operands written when ``launch(q=q, k=k, v=v)`` runs. With a
+    ``workspace`` the launch may be kept and called again for other q/k/v of the same shapes,
+    dtypes, strides and 16-byte alignment: it writes the same buffers (``QKVLaunch``); the
+    operands' ``q_input`` is this call's ``q``.
 
     Same codes as ``flamia_serve.reference.quantize_qkv``, bit for bit. Inputs are assumed
     checked (public entry points do that); ``blocks`` may be passed to reuse a plan.
@@ -206,17 +242,20 @@ def quantize_qkv(
     k_wide = buf.empty("k_wide", (total, heads_kv, d), bf16) if widen else None
     q_values = buf.zeros("q_rows", (t_pad, heads_q, d), bf16) if q_rows else None
     k_values = buf.zeros("k_rows", (t_pad, heads_kv, d), bf16) if k_rows else None
+    launch = None
     if total > 0:
         heads = (0 if defer_q else heads_q) + 2 * heads_kv
         grid = (_num_programs(dev, blocks.num_slots * heads, programs_per_sm),)
-        _LAUNCH_QKV(
-            grid, q, k, v, blocks.start, blocks.length, blocks.v_t_start,
+        args = (
+            q, k, v, blocks.start, blocks.length, blocks.v_t_start,
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q if q_wide is None else q_wide, k if k_wide is None else k_wide,
             q if q_values is None else q_values, k if k_values is None else k_values,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             t_pad, total, blocks.num_slots,
+        )  # fmt: skip
+        options = dict(
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, WIDE=widen, SCORES_ONLY=bool(scores_only),
@@ -225,24 +264,44 @@ def quantize_qkv(
             INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
+        launch = BoundLaunch(_LAUNCH_QKV, grid, args, options, {"q": q, "k": k, "v": v})
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
     q_t = k_t = None
+    copies = []
     if with_transposed:
         if columns is None:
             columns = token_columns(cu_seqlens, blocks.doc_v_t_start, total)
         if q_transposed:
-            q_t = buf.column_copy("q_t", q_codes, columns, t_pad)
-        k_t = buf.column_copy("k_t", k_codes, columns, t_pad)
-    return KernelQKV(
+            q_t, copy = buf.column_copy("q_t", q_codes, columns, t_pad)
+            copies.append(copy)
+        k_t, copy = buf.column_copy("k_t", k_codes, columns, t_pad)
+        copies.append(copy)
+    qkv = KernelQKV(
         q_codes, q_exp, k_codes, k_exp, v_t, blocks.doc_v_t_start, cu_seqlens, v_exp, kv_factors,
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
         q_t, k_t, column_align, columns, q_wide, k_wide, bool(scores_only),
         q if defer_q else None, q_values, k_values, rec.grad_input,
     )  # fmt: skip
+    return qkv, QKVLaunch(launch, tuple(copies))
 
 
 def quantize_do(
+    d_out: torch.Tensor,
+    out: torch.Tensor,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    **options: object,
+) -> KernelDO:
+    """:func:`quantize_do_launch`'s operands, written now (one launch)."""
+    qdo, launch = quantize_do_launch(d_out, out, m_rows, lse_rows, cu_seqlens, **options)
+    if launch is not None:
+        launch(d_out=d_out, out=out, m=m_rows.contiguous(), lse=lse_rows.contiguous())
+    return qdo
+
+
+def quantize_do_launch(
     d_out: torch.Tensor,
     out: torch.Tensor,
     m_rows: torch.Tensor,
@@ -257,8 +316,11 @@ def quantize_do(
     workspace: PackWorkspace | None = None,
     g_columns: bool = True,
     g_rows: bool = False,
-) -> KernelDO:
-    """The backward's dO operands in one launch (``quantize_do_kernel``): dÔ, Ĝ, D.
+) -> tuple[KernelDO, BoundLaunch | None]:
+    """The backward's dO operands in one launch (``quantize_do_kernel``): dÔ, Ĝ, D, as
+    ``(operands, launch)``, written when ``launch(d_out=, out=, m=, lse=)`` runs (None: no
+    token); with a ``workspace`` the launch may be kept for tensors of the same layouts
+    (``quantize_qkv_launch``).
 
     ``d_out``/``out`` ``[T, Hq, d]`` BF16/FP16 (last dim contiguous); ``m_rows``/``lse_rows``
     ``[T, Hq]`` float32 contiguous, as the forward returns them. Same codes as
@@ -289,19 +351,26 @@ def quantize_do(
     g_exp = buf.empty("g_exp", (heads_q, t_pad), EXPONENT_DTYPE)
     delta = buf.head_major("delta", total, heads_q, torch.float32)
     row_factor = buf.head_major("row_factor", total, heads_q, torch.float32)
+    launch = None
     if total > 0:
         grid = (_num_programs(dev, blocks.num_slots * heads_q, programs_per_sm),)
-        _LAUNCH_DO(
-            grid, d_out, out, m_rows.contiguous(), lse_rows.contiguous(),
+        m_rows, lse_rows = m_rows.contiguous(), lse_rows.contiguous()
+        args = (
+            d_out, out, m_rows, lse_rows,
             blocks.start, blocks.length, blocks.v_t_start,
             do_codes, do_exp, do_codes if g_t is None else g_t,
             do_codes if g_values is None else g_values, g_exp, delta, row_factor,
             d_out.stride(0), d_out.stride(1), out.stride(0), out.stride(1),
             t_pad, total, blocks.num_slots,
+        )  # fmt: skip
+        options = dict(
             HQ=heads_q, D=d, BLOCK=rec.token_block, INTERPRET=interpreted(),
             G_COLUMNS=g_columns, G_ROWS=g_rows, num_warps=num_warps,
         )  # fmt: skip
-    return KernelDO(
+        slots = {"d_out": d_out, "out": out, "m": m_rows, "lse": lse_rows}
+        launch = BoundLaunch(_LAUNCH_DO, grid, args, options, slots)
+    qdo = KernelDO(
         do_codes, do_exp, g_t, g_exp, delta, row_factor, blocks.doc_v_t_start, cu_seqlens,
         column_align, g_values,
     )
+    return qdo, launch
