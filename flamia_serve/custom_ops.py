@@ -108,9 +108,9 @@ class ForwardLaunch:
     attend: FwdLaunch
     defer_q: bool
 
-    @property
-    def reusable(self) -> bool:
-        return self.quantize.reusable and self.attend.reusable
+    def keep(self) -> bool:
+        """Bind its launches for other tensors: whether they can run them."""
+        return all([self.quantize.keep(), self.attend.keep()])
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -138,13 +138,11 @@ def _layout(*tensors: torch.Tensor) -> tuple:
 
 
 def _prepared(call: AttnCall, key: tuple, prepare: Callable[[], Prepared]) -> Prepared:
-    """``call.prepared[key]``, prepared now if missing (and kept when reusable)."""
-    if not KEEP_PREPARED:
-        return prepare()
+    """``call.prepared[key]``, prepared now if missing (and kept when it can be)."""
     launch = call.prepared.get(key)
     if launch is None:
         launch = prepare()
-        if launch.reusable:
+        if launch.keep():
             if len(call.prepared) >= MAX_PREPARED:
                 call.prepared.clear()
             call.prepared[key] = launch
@@ -178,7 +176,7 @@ def attention_forward(
     prepared launches are kept in ``call.prepared`` per input layout: a later call of that
     layout only launches (its tensors in place of the first call's), into the same
     buffers."""
-    if call.workspace is None:
+    if call.workspace is None or not KEEP_PREPARED:
         return prepare_forward(q, k, v, cu_seqlens, call)(q, k, v)
     key = ("fwd", *_layout(q, k, v))
     return _prepared(call, key, lambda: prepare_forward(q, k, v, cu_seqlens, call))(q, k, v)
@@ -195,10 +193,10 @@ class BackwardLaunch:
     qkv: KernelQKV
     qdo: KernelDO
 
-    @property
-    def reusable(self) -> bool:
+    def keep(self) -> bool:
+        """Bind its launches for other tensors: whether they can run them."""
         grad = self.quantize_grad
-        return self.quantize.reusable and (grad is None or grad.reusable)
+        return all([self.quantize.keep(), grad is None or grad.keep()])
 
     def __call__(self, d_out, q, k, v, out, m_rows, lse_rows) -> tuple[KernelQKV, KernelDO]:
         self.quantize(q=q, k=k, v=v)
@@ -250,9 +248,11 @@ def attention_backward(
     """``(dQ, dK, dV)`` in the input dtype (``flamia_serve.reference.attention_backward``)."""
     if call.bwd_work is None:
         raise RuntimeError("flamia attention: the forward ran without gradients enabled")
+    if d_out.numel() == 0:  # no token or no query head: autograd's dO may have 0 strides
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d_out, m_rows, lse_rows = d_out.contiguous(), m_rows.contiguous(), lse_rows.contiguous()
     tensors = (d_out, q, k, v, out, m_rows, lse_rows)
-    if call.workspace is None:
+    if call.workspace is None or not KEEP_PREPARED:
         launch = prepare_backward(*tensors, cu_seqlens, call)
     else:
         key = ("bwd", *_layout(d_out, q, k, v, out))

@@ -143,36 +143,65 @@ def bind_slots(
     return template, positions, reusable
 
 
-class BoundCall:
-    """``fn(*args)`` prepared for calls that differ only in the tensors of ``slots``:
-    ``bound(**tensors)`` calls it with each slot's tensor in place (the CuTe kernels'
-    TVM-FFI calls). ``reusable``: :func:`bind_slots`'s."""
+class _Slots:
+    """Arguments of a call, some of them (``slots``: name -> tensor) to be replaced at later
+    calls once :meth:`keep` has bound them (until then the call runs with the tensors it
+    was made with, unless given others)."""
+
+    def __init__(self, args: Sequence[object], slots: dict[str, torch.Tensor | None]) -> None:
+        self.args: Sequence[object] = args
+        self.slots: dict[str, torch.Tensor | None] | None = slots
+        self.positions: list[tuple[int, str]] = []
+        self.reusable = False  # set by keep()
+
+    def keep(self) -> bool:
+        """Bind the slots (:func:`bind_slots`; the slots' tensors are no longer held):
+        whether later calls with other tensors can run it."""
+        if self.slots is None:
+            return self.reusable
+        self.args, self.positions, self.reusable = bind_slots(self.args, self.slots)
+        self.slots = None
+        return self.reusable
+
+    def filled(self, tensors: dict[str, torch.Tensor | None]) -> Sequence[object]:
+        """The arguments with ``tensors`` in the slots."""
+        slots = self.slots
+        if slots is not None:  # not kept: made for one call, usually with these tensors
+            if all(tensors.get(name) is t for name, t in slots.items() if t is not None):
+                return self.args
+            self.keep()
+        args = list(self.args)
+        for pos, name in self.positions:
+            args[pos] = tensors[name]
+        return args
+
+
+class BoundCall(_Slots):
+    """``fn(*args)`` for calls that differ only in the tensors of ``slots``: ``bound(
+    **tensors)`` calls it with each slot's tensor in place (the CuTe kernels' TVM-FFI
+    calls); :meth:`keep` before keeping it for later calls."""
 
     def __init__(
         self, fn: Callable, args: Sequence[object], slots: dict[str, torch.Tensor | None]
     ) -> None:
+        super().__init__(args, slots)
         self.fn = fn
-        self.args, self.positions, self.reusable = bind_slots(args, slots)
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
-        args = list(self.args)
-        for pos, name in self.positions:
-            args[pos] = tensors[name]
-        self.fn(*args)
+        self.fn(*self.filled(tensors))
 
 
-class BoundLaunch:
-    """A Triton launch ``launch(grid, *args, **kwargs)`` prepared for calls that differ only
-    in the tensors of ``slots`` (name -> this call's tensor): ``bound(**tensors)``.
+class BoundLaunch(_Slots):
+    """A Triton launch ``launch(grid, *args, **kwargs)`` for calls that differ only in the
+    tensors of ``slots`` (name -> this call's tensor): ``bound(**tensors)``.
 
-    The first call goes through ``launch`` (:class:`TritonLaunch`); once that has run a
-    compiled kernel, later calls hand the kernel's runner the arguments' values with the
-    slots' addresses put in, skipping the per-argument specialisation (~35 arguments cost
-    the quantization launch most of its host time). Each slot's tensor must keep the dtype
-    and device of the first call's (the caller's cache key, e.g. an ``AttnCall``, fixes
-    them); an address whose 16-byte alignment differs from the first call's goes through
-    ``launch`` again. ``reusable``: :func:`bind_slots`'s (False: every call goes through
-    ``launch``).
+    Calls go through ``launch`` (:class:`TritonLaunch`) until one has run a compiled
+    kernel after :meth:`keep`; later calls hand that kernel's runner the arguments' values
+    with the slots' addresses put in, skipping the per-argument specialisation (~35
+    arguments cost the quantization launch most of its host time). Each slot's tensor must
+    keep the dtype and device of the first call's (the caller's cache key, e.g. an
+    ``AttnCall``, fixes them); an address whose 16-byte alignment differs from the first
+    call's goes through ``launch`` again.
     """
 
     def __init__(
@@ -183,8 +212,8 @@ class BoundLaunch:
         kwargs: dict[str, object],
         slots: dict[str, torch.Tensor | None],
     ) -> None:
+        super().__init__(args, slots)
         self.launch, self.grid, self.kwargs = launch, grid, kwargs
-        self.args, self.positions, self.reusable = bind_slots(args, slots)
         self._runner: Callable | None = None
         self._aligned: list[tuple[int, str, bool]] = []  # (position, slot, 16-byte aligned)
         self._values: list[object] | None = None  # the runner's arguments, slots left open
@@ -200,11 +229,9 @@ class BoundLaunch:
             else:
                 self._runner(*values)
                 return
-        args = list(self.args)
-        for pos, name in self.positions:
-            args[pos] = tensors[name]
+        args = self.filled(tensors)
         runner = self.launch(self.grid, *args, **self.kwargs)
-        if runner is not None and self.reusable and self._runner is None:
+        if runner is not None and self.slots is None and self.reusable and self._runner is None:
             self._aligned = [(pos, name, args[pos].data_ptr() % 16 == 0)
                              for pos, name in self.positions]  # fmt: skip
             self._runner = runner
@@ -226,9 +253,12 @@ def round_debug_p_(buffer: torch.Tensor) -> None:
     buffer.copy_(buffer.to(torch.float8_e4m3fn).float())
 
 
+@functools.cache
 def interpreted() -> bool:
     """True under Triton's CPU interpreter (3.6), which needs two workarounds: its float ->
-    E4M3 cast rounds wrongly (see ``to_e4m3``) and its BF16 ``tl.dot`` returns garbage."""
+    E4M3 cast rounds wrongly (see ``to_e4m3``) and its BF16 ``tl.dot`` returns garbage.
+    Read once, as Triton reads ``TRITON_INTERPRET`` when its kernels are defined (every
+    launch asking the environment cost ~2 µs)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -280,10 +310,13 @@ def to_e4m3(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def e4m3_value(x):
-    """float32 value of ``E4M3(x)`` (round to nearest even) for ``0 <= x <= 448``, from
-    float and integer operations only (no FP8 conversion, which Triton 3.6 mis-lays out on
-    sm_90 when the result is widened back): normals keep 3 mantissa bits, values below
-    2^-6 round to multiples of 2^-9 (the subnormals)."""
+    """float32 value of ``E4M3(x)`` (round to nearest even) for ``x >= 0``, from float and
+    integer operations only (no FP8 conversion, which Triton 3.6 mis-lays out on sm_90 when
+    the result is widened back): normals keep 3 mantissa bits, values below 2^-6 round to
+    multiples of 2^-9 (the subnormals), values above 448 saturate to 448 as ``to_e4m3``
+    and the twin's cast do (a normaliser summing 2^16 where P̂ holds 448 shrank O ~146x
+    once logits reached 2^27); NaN stays NaN."""
+    x = tl.where(x > 448.0, 448.0, x)
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     return tl.where(x < 0.015625, (x + 24576.0) - 24576.0, normal)
@@ -291,7 +324,7 @@ def e4m3_value(x):
 
 @triton.jit
 def e4m3_signed_value(x):
-    """``e4m3_value`` for ``|x| <= 448`` of either sign (NaN stays NaN)."""
+    """``e4m3_value`` of either sign (±448 beyond; NaN stays NaN)."""
     return tl.where(x < 0, -e4m3_value(-x), e4m3_value(x))
 
 

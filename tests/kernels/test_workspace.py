@@ -172,7 +172,7 @@ def test_bound_launch_puts_each_slot_in_place() -> None:
     launch = _RecordingLaunch()
     x, out, w = torch.zeros(8), torch.zeros(8), torch.ones(4)
     bound = BoundLaunch(launch, (4,), (x, out, 7, w), {"BLOCK": 64}, {"x": x, "out": out})
-    assert bound.reusable and bound.positions == [(0, "x"), (1, "out")]
+    assert bound.keep() and bound.positions == [(0, "x"), (1, "out")]
     probe = weakref.ref(x)
     bound(x=x, out=out)
     assert len(launch.launched) == 1 and launch.launched[0][0] == id(x)
@@ -187,7 +187,7 @@ def test_bound_launch_puts_each_slot_in_place() -> None:
     bound(x=shifted, out=out2)
     assert len(launch.ran) == 1 and launch.launched[-1][0] == id(shifted)
     both = BoundLaunch(launch, (4,), (w, w, 7, w), {"BLOCK": 64}, {"x": w, "out": w})
-    assert not both.reusable
+    assert not both.keep()
     for _ in range(2):
         both(x=w, out=w)
     assert len(launch.ran) == 1 and launch.launched[-2:] == [(id(w), id(w), 7, id(w))] * 2
@@ -197,9 +197,23 @@ def test_bound_call_puts_each_slot_in_place() -> None:
     calls = []
     a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
     bound = BoundCall(lambda *args: calls.append(args), [a, b, 3.0, c], {"a": a, "c": c})
-    assert bound.args == [None, b, 3.0, None]
+    bound(a=a, c=c)  # not kept: the call it was made for
+    assert calls[0][0] is a and calls[0][3] is c
+    assert bound.keep() and bound.args == [None, b, 3.0, None]
     bound(a=c, c=a)
-    assert calls[0][0] is c and calls[0][1] is b and calls[0][3] is a
+    assert calls[1][0] is c and calls[1][1] is b and calls[1][3] is a
+
+
+def test_unkept_launch_given_other_tensors_binds_them() -> None:
+    """A launch made for one call and called with other tensors puts those in (it binds its
+    slots then), not the ones it was made with."""
+    launch = _RecordingLaunch()
+    x, out, w = torch.zeros(8), torch.zeros(8), torch.ones(4)
+    bound = BoundLaunch(launch, (4,), (x, out, 7, w), {"BLOCK": 64}, {"x": x, "out": out})
+    bound(x=x, out=out)
+    other = torch.zeros(8)
+    bound(x=other, out=out)
+    assert launch.launched == [(id(x), id(out), 7, id(w)), (id(other), id(out), 7, id(w))]
 
 
 def test_workspace_tickets_are_aligned_zeros_refilled_by_one_memset() -> None:
@@ -332,6 +346,7 @@ def test_gpu_bound_launch_runs_the_compiled_kernel_with_new_tensors() -> None:
     x = torch.randn(1000, device="cuda")
     out = torch.empty_like(x)
     bound = BoundLaunch(launch, (4,), (x, out, 1000, 3.0), {"BLOCK": 256}, {"x": x, "out": out})
+    assert bound.keep()
     bound(x=x, out=out)
     assert torch.equal(out, x * 3) and bound._runner is not None
     for _ in range(3):

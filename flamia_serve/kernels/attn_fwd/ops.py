@@ -274,10 +274,10 @@ class FwdLaunch:
     debug_p: torch.Tensor | None
     first: tuple[torch.Tensor, ...] | None
 
-    @property
-    def reusable(self) -> bool:
-        """Whether a later call with other tensors of the same kind can run it."""
-        return all(x is None or x.reusable for x in (self.main, self.windows))
+    def keep(self) -> bool:
+        """Bind its launches' slots (``BoundLaunch.keep``): whether a later call with other
+        tensors of the same kind can run it."""
+        return all([x is None or x.keep() for x in (self.main, self.windows)])
 
     def __call__(
         self, *, q: torch.Tensor | None = None

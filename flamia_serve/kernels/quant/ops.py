@@ -93,14 +93,14 @@ class _Buffers:
 class QKVLaunch:
     """The launches of :func:`quantize_qkv_launch`: ``launch(q=q, k=k, v=v)`` runs the
     quantization kernel (``quantize``; None: no token) on those inputs, then the column-layout
-    copies of its codes (``copies``). ``reusable``: ``BoundLaunch.reusable``."""
+    copies of its codes (``copies``). :meth:`keep` before keeping it for other tensors."""
 
     quantize: BoundLaunch | None
     copies: tuple[Callable[[], None], ...] = ()
 
-    @property
-    def reusable(self) -> bool:
-        return self.quantize is None or self.quantize.reusable
+    def keep(self) -> bool:
+        """``BoundLaunch.keep``: whether it can run again with other tensors."""
+        return self.quantize is None or self.quantize.keep()
 
     def __call__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.quantize is not None:
