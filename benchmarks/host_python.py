@@ -8,13 +8,16 @@ autograd. It cannot replace ``host_time.py`` on the GPU (no driver launch, no Cu
 another CPU), but it compares variants of our own Python where no GPU is lent.
 
 Steps of ``--layers`` calls on a 2 x 64-token pack (Hq 32 / Hkv 8, d 128), as
-``host_time.py``; variants interleaved over rounds, medians per call (µs, printed only:
+``host_time.py`` (``--lens``/``--heads`` for others: the backward's CPU arithmetic on these
+tensors, e.g. the dQ accumulator's cast, weighs in at this size; ``--lens 8,8 --heads 2,1``
+leaves mostly Python); variants interleaved over rounds, medians per call (µs, printed only:
 no results file, these are not GPU measurements):
 
 * ``eager``: as shipped (prepared launches kept per input layout, ``AttnCall.prepared``);
 * ``eager-unprepared``: launches prepared anew at every call (``KEEP_PREPARED = False``).
 
-Usage: ``python benchmarks/host_python.py [--layers 8] [--rounds 5]``.
+Usage: ``python benchmarks/host_python.py [--layers 8] [--rounds 5] [--lens 64,64]
+[--heads 32,8]``.
 """
 
 from __future__ import annotations
@@ -55,13 +58,18 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8, help="attention calls per step")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per round")
+    parser.add_argument("--lens", default="64,64",
+                        help="document lengths (tiny ones leave the CPU's own arithmetic out)")
+    parser.add_argument("--heads", default="32,8", help="query and key/value heads")
     args = parser.parse_args()
     if not _common.interpreted():
         raise SystemExit("host_python.py runs on a CPU under TRITON_INTERPRET=1")
     _stub_launches()
     torch.set_num_threads(1)
-    q, k, v, cu, ms = make_pack((64, 64), 32, 8, 128, seed=0, device="cpu")
-    plan = plan_varlen(cu, 128, ms)
+    lens = tuple(int(n) for n in args.lens.split(","))
+    heads_q, heads_kv = (int(n) for n in args.heads.split(","))
+    q, k, v, cu, ms = make_pack(lens, heads_q, heads_kv, 128, seed=0, device="cpu")
+    plan = plan_varlen(cu, q.shape[0], ms)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
 
     def layers(q, k, v):

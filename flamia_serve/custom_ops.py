@@ -31,7 +31,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flamia_serve.kernels._common import BoundLaunch
-from flamia_serve.kernels.attn_bwd.ops import BwdConfig, attn_bwd, bwd_reads_rows
+from flamia_serve.kernels.attn_bwd.ops import BwdConfig, BwdLaunch, attn_bwd_launch, bwd_reads_rows
 from flamia_serve.kernels.attn_fwd.ops import (
     FwdConfig,
     FwdLaunch,
@@ -182,27 +182,48 @@ def attention_forward(
     return _prepared(call, key, lambda: prepare_forward(q, k, v, cu_seqlens, call))(q, k, v)
 
 
-@dataclass(frozen=True)
+@dataclass
 class BackwardLaunch:
-    """The quantization launches of one backward (Q/K/V with their column-layout copies,
-    then dO), prepared for tensors of one layout, and the operands they write (``qkv``,
-    ``qdo``: buffers only), which ``attn_bwd`` then reads."""
+    """The launches of one backward, prepared for tensors of one layout: the quantizations
+    (Q/K/V with their column-layout copies, then dO) into ``qkv``/``qdo`` (buffers only),
+    then the backward kernel(s) (``attend``: ``attn_bwd_launch``'s, prepared at the first
+    call, once the quantizations are queued, since a fallback may read their codes; kept
+    when :meth:`keep` was called and it can run again). ``launch(d_out, q, k, v, out, m,
+    lse) -> (dQ, dK, dV)``."""
 
     quantize: QKVLaunch
     quantize_grad: BoundLaunch | None
     qkv: KernelQKV
     qdo: KernelDO
+    cu_seqlens: torch.Tensor
+    call: AttnCall
+    attend: BwdLaunch | None = None
+    kept: bool = False
 
     def keep(self) -> bool:
         """Bind its launches for other tensors: whether they can run them."""
         grad = self.quantize_grad
-        return all([self.quantize.keep(), grad is None or grad.keep()])
+        self.kept = all([self.quantize.keep(), grad is None or grad.keep()])
+        return self.kept
 
-    def __call__(self, d_out, q, k, v, out, m_rows, lse_rows) -> tuple[KernelQKV, KernelDO]:
+    def __call__(
+        self, d_out, q, k, v, out, m_rows, lse_rows
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.quantize(q=q, k=k, v=v)
         if self.quantize_grad is not None:
             self.quantize_grad(d_out=d_out, out=out, m=m_rows, lse=lse_rows)
-        return self.qkv, self.qdo
+        attend = self.attend
+        if attend is None:
+            call = self.call
+            attend = attn_bwd_launch(
+                self.qkv, self.qdo, m_rows, lse_rows, self.cu_seqlens, heads_q=q.shape[1],
+                causal=call.causal, softmax_scale=call.softmax_scale, recipe=call.recipe,
+                out_dtype=q.dtype, config=call.bwd_config, work=call.bwd_work,
+                workspace=call.workspace,
+            )  # fmt: skip
+            if self.kept and attend.keep():
+                self.attend = attend
+        return attend(m=m_rows, lse=lse_rows)
 
 
 def prepare_backward(
@@ -216,8 +237,8 @@ def prepare_backward(
     cu_seqlens: torch.Tensor,
     call: AttnCall,
 ) -> BackwardLaunch:
-    """The backward's quantization launches for tensors laid out as these (``d_out``
-    contiguous)."""
+    """The backward's launches for tensors laid out as these (``d_out``, ``m_rows``,
+    ``lse_rows`` contiguous)."""
     blocks, align, columns = call.backward_layout()
     grad_input = call.recipe.grad_input  # dK/dQ read Q/K as BF16 rows
     rows = bwd_reads_rows(call.bwd_config, q.shape[2], grad_input)  # Q and Ĝ as BF16 rows
@@ -231,7 +252,7 @@ def prepare_backward(
         d_out, out, m_rows, lse_rows, cu_seqlens, recipe=call.recipe, blocks=blocks,
         column_align=align, workspace=call.workspace, g_columns=not rows, g_rows=rows,
     )  # fmt: skip
-    return BackwardLaunch(quantize, quantize_grad, qkv, qdo)
+    return BackwardLaunch(quantize, quantize_grad, qkv, qdo, cu_seqlens, call)
 
 
 def attention_backward(
@@ -257,12 +278,7 @@ def attention_backward(
     else:
         key = ("bwd", *_layout(d_out, q, k, v, out))
         launch = _prepared(call, key, lambda: prepare_backward(*tensors, cu_seqlens, call))
-    qkv, qdo = launch(*tensors)
-    return attn_bwd(
-        qkv, qdo, m_rows, lse_rows, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
-        softmax_scale=call.softmax_scale, recipe=call.recipe, out_dtype=q.dtype,
-        config=call.bwd_config, work=call.bwd_work, workspace=call.workspace,
-    )  # fmt: skip
+    return launch(*tensors)
 
 
 class EagerAttention(torch.autograd.Function):

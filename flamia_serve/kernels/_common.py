@@ -167,7 +167,10 @@ class _Slots:
         """The arguments with ``tensors`` in the slots."""
         slots = self.slots
         if slots is not None:  # not kept: made for one call, usually with these tensors
-            if all(tensors.get(name) is t for name, t in slots.items() if t is not None):
+            for name, t in slots.items():
+                if t is not None and tensors.get(name) is not t:
+                    break
+            else:
                 return self.args
             self.keep()
         args = list(self.args)

@@ -69,6 +69,9 @@ def test_reused_buffers_give_the_fresh_buffers_results(recipe, exact_causal, cau
         assert fresh.workspace_bytes() == 0 and not fresh.calls
     assert sizes[0] > 0 and sizes[0] == sizes[1]
     assert len(reused.calls) == 1
+    (call,) = reused.calls.values()  # the second step reused the first one's launches
+    kept = {key[0]: launch for key, launch in call.prepared.items()}
+    assert set(kept) == {"fwd", "bwd"} and kept["bwd"].attend is not None
 
 
 def test_plan_call_cache_follows_the_arguments(device) -> None:

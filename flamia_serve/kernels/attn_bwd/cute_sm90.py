@@ -98,6 +98,7 @@ from flash_attn.cute import pipeline as fa_pipeline
 from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
+from flamia_serve.kernels._common import BoundCall
 from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
 from flamia_serve.kernels.columns import (
     dq_from_fragments,
@@ -1432,7 +1433,7 @@ def _kv_b_operands(
     return (qkv.q_t.permute(1, 2, 0), 16), (qdo.g_t.permute(1, 2, 0), 16)
 
 
-def attn_bwd_sm90(
+def attn_bwd_sm90_launch(
     qkv: KernelQKV,
     qdo: KernelDO,
     m_rows: torch.Tensor,
@@ -1450,14 +1451,20 @@ def attn_bwd_sm90(
     debug_p: torch.Tensor | None = None,
     num_stages: int = 2,
     workspace: PackWorkspace | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dQ [T, Hq, d], dK, dV [T, Hkv, d])`` in ``out_dtype`` from quantized operands
-    (``ops.attn_bwd``'s contract); ``work`` is a key-tile list with ``block_n = TILE_N``;
-    the column layout's alignment must be a multiple of ``TILE_N``. ``bf16_kv``: dK/dV as
-    BF16 products of ``q_rows``/``g_rows`` (else FP8 ones of ``q_t``/``g_t``, promoted).
-    ``workspace``: the pack's, for the dQ accumulator and the token-major V codes. Operands
-    quantized for ``grad_qk="input"`` (``qkv.grad_input``) run the BF16 dQ product of
-    ``qkv.k_rows`` (``bf16_dq``; ``bf16_kv`` then required: ``q_rows`` holds Q's input)."""
+) -> tuple:
+    """The CuTe backward prepared for ``ops.BwdLaunch`` (``ops.attn_bwd``'s contract: ``(dQ
+    [T, Hq, d], dK, dV [T, Hkv, d])`` in ``out_dtype`` from quantized operands; ``work`` is a
+    key-tile list with ``block_n = TILE_N``; the column layout's alignment must be a multiple
+    of ``TILE_N``): ``(dq_acc, gather, kernels, finish, dk, dv, keepable)`` — the zeroed
+    FP32 dQ accumulator, the token-major V gather (already run for this call: V codes from
+    the column layout, into the workspace's buffer), the compiled kernels bound to their
+    tensors (slots ``m``, ``lse``, ``dk``, ``dv``; one per pass), the dQ read-back, this
+    call's dK/dV, and whether the prepared launch may run again (not when dK/dV's B operands
+    were rebuilt here from this call's codes). ``bf16_kv``: dK/dV as BF16 products of
+    ``q_rows``/``g_rows`` (else FP8 ones of ``q_t``/``g_t``, promoted). ``workspace``: the
+    pack's, for the dQ accumulator and the token-major V codes. Operands quantized for
+    ``grad_qk="input"`` (``qkv.grad_input``) run the BF16 dQ product of ``qkv.k_rows``
+    (``bf16_dq``; ``bf16_kv`` then required: ``q_rows`` holds Q's input)."""
     total, heads_kv, d = qkv.k_codes.shape
     dev = qkv.k_codes.device
     q_in, k_in, q_score_exp = qkv.score_operands("CuTe backward")  # Sᵀ's
@@ -1475,20 +1482,25 @@ def attn_bwd_sm90(
     cols = qkv.key_columns()
     tokens = pack_column_tokens(workspace, cols, qkv.column_align, t_pad)
     v_codes = rows_from_columns(qkv.v_t, cols, out=v_bytes, tokens=tokens)
+    gather = functools.partial(rows_from_columns, qkv.v_t, cols, out=v_codes, tokens=tokens)
     v_codes = v_codes.view(torch.float8_e4m3fn)
+    keepable = not bf16_kv or (qkv.q_rows is not None and qdo.g_rows is not None)
     q_b, g_b = _kv_b_operands(qkv, qdo, bf16_kv)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
+    m, lse = m_rows.contiguous(), lse_rows.contiguous()
     aligned = (
         (q_in, 16), (k_in, 16), (v_codes, 16), (qdo.do_codes, 16),
         q_b, (qkv.k_rows, 16) if bf16_dq else (qkv.k_t.permute(1, 2, 0), 16), g_b,
         (qkv.q_exp.t(), 4),
         (q_score_exp, 4), (qkv.k_exp, 4), (qkv.kv_factors, 16),
-        (qdo.do_exp.t(), 4), (qdo.g_exp, 4), (qdo.delta.t(), 4), (m_rows.contiguous(), 4),
-        (lse_rows.contiguous(), 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),
+        (qdo.do_exp.t(), 4), (qdo.g_exp, 4), (qdo.delta.t(), 4), (m, 4),
+        (lse, 4), (cu_seqlens, 4), (qkv.doc_v_t_start, 4), (work.doc, 4),
         (work.tile, 4), (work.count, 4), (dq_acc, 16), (dk, 16), (dv, 16), (dbg, 4),
     )  # fmt: skip
     block_exponents = qkv.k_exp_block % HALF == 0  # Q/K share the block (1: per token)
     tensors = kernel_tensors(aligned) if total else []
+    slots = {"m": m, "lse": lse, "dk": dk, "dv": dv}
+    kernels = []
     # P̂ for debug_p: every kernel writes it (both passes rebuild the same bits; a GPU test
     # runs each pass alone and compares)
     debug = debug_p is not None
@@ -1504,9 +1516,11 @@ def attn_bwd_sm90(
                 kernel, aligned, Float32(qk_scale), Float32(softmax_scale), Int32(1)
             )
         if total:
-            _COMPILED[key](*tensors, qk_scale, softmax_scale, work.num_slots * heads_kv)
+            args = [*tensors, qk_scale, softmax_scale, work.num_slots * heads_kv]
+            kernels.append(BoundCall(_COMPILED[key], args, slots))
     at = pack_constant(  # where dq_acc holds each token's dQ (the pack fixes it)
         workspace, ("dq_index", step, d),
         lambda: dq_fragment_index(operands.v_t_key(cols), step, d),
     )  # fmt: skip
-    return dq_from_fragments(dq_acc, at, d, out_dtype), dk, dv
+    finish = functools.partial(dq_from_fragments, at=at, d=d, out_dtype=out_dtype)
+    return dq_acc, gather, kernels, finish, dk, dv, keepable

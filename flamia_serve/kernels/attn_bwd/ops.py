@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from flamia_serve.kernels._common import TritonLaunch, interpreted, round_debug_p_
+from flamia_serve.kernels._common import (
+    BoundCall,
+    BoundLaunch,
+    TritonLaunch,
+    interpreted,
+    round_debug_p_,
+)
 from flamia_serve.kernels.attn_bwd.triton import attn_bwd_kernel
 from flamia_serve.kernels.attn_fwd.ops import _cute_available, cute_available
 from flamia_serve.kernels.schedule import WorkList, build_key_work_list
@@ -214,6 +221,64 @@ def attn_bwd(
     m_rows: torch.Tensor,
     lse_rows: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    **options: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attn_bwd_launch`, launched now: ``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv,
+    d])``."""
+    m_rows, lse_rows = m_rows.contiguous(), lse_rows.contiguous()
+    launch = attn_bwd_launch(qkv, qdo, m_rows, lse_rows, cu_seqlens, **options)
+    return launch(m=m_rows, lse=lse_rows)
+
+
+@dataclass
+class BwdLaunch:
+    """The launches of :func:`attn_bwd_launch`: ``launch(m=, lse=)`` (the forward's ``[T,
+    Hq]`` statistics, contiguous) zeroes the dQ accumulator ``dq_acc``, allocates dK/dV
+    (``kv_shape``, ``out_dtype``), runs ``gather`` (the CuTe kernels' token-major V codes)
+    and ``kernels`` into them and returns ``(finish(dq_acc), dK, dV)``. The first call
+    takes the accumulator, dK/dV and gathered V as prepared (``first``). ``keepable``:
+    False when preparing computed something from this call's operands (it cannot run
+    again: :meth:`keep` says so)."""
+
+    kv_shape: tuple[int, int, int]
+    out_dtype: torch.dtype
+    device: torch.device
+    dq_acc: torch.Tensor
+    gather: Callable[[], object] | None
+    kernels: list[BoundLaunch | BoundCall]
+    finish: Callable[[torch.Tensor], torch.Tensor]
+    debug_p: torch.Tensor | None
+    first: tuple[torch.Tensor, torch.Tensor] | None
+    keepable: bool = True
+
+    def keep(self) -> bool:
+        """Bind its kernels' slots (``BoundLaunch.keep``): whether later calls can run it."""
+        return all([kernel.keep() for kernel in self.kernels]) and self.keepable
+
+    def __call__(
+        self, *, m: torch.Tensor, lse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.first is not None:
+            (dk, dv), self.first = self.first, None
+        else:
+            self.dq_acc.zero_()
+            dk = torch.empty(self.kv_shape, dtype=self.out_dtype, device=self.device)
+            dv = torch.empty_like(dk)
+            if self.gather is not None:
+                self.gather()
+        for kernel in self.kernels:
+            kernel(m=m, lse=lse, dk=dk, dv=dv)
+        if self.debug_p is not None:
+            round_debug_p_(self.debug_p)
+        return self.finish(self.dq_acc), dk, dv
+
+
+def attn_bwd_launch(
+    qkv: KernelQKV,
+    qdo: KernelDO,
+    m_rows: torch.Tensor,
+    lse_rows: torch.Tensor,
+    cu_seqlens: torch.Tensor,
     *,
     heads_q: int,
     causal: bool,
@@ -225,8 +290,11 @@ def attn_bwd(
     debug_p: torch.Tensor | None = None,
     with_dq: bool = True,
     workspace: PackWorkspace | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dQ [T, Hq, d], dK [T, Hkv, d], dV [T, Hkv, d])`` in ``out_dtype``.
+) -> BwdLaunch:
+    """The backward, prepared: ``launch(m=m_rows, lse=lse_rows)`` returns ``(dQ [T, Hq, d],
+    dK [T, Hkv, d], dV [T, Hkv, d])`` in ``out_dtype``. With a ``workspace`` the launch may
+    be kept (``BwdLaunch.keep``) and called again for operands written into the same
+    buffers, with other statistics of the same layout.
 
     Same contract as ``flamia_serve.reference.attention_backward`` (accumulation order
     aside; dQ is summed with FP32 atomics, so it is not bitwise repeatable run to run).
@@ -276,9 +344,9 @@ def attn_bwd(
             cu_seqlens, total, block_n=cfg.work_block_n, block_m=cfg.block_m, causal=causal
         )
     if cfg.kernel == "cute":
-        from flamia_serve.kernels.attn_bwd.cute_sm90 import attn_bwd_sm90
+        from flamia_serve.kernels.attn_bwd.cute_sm90 import attn_bwd_sm90_launch
 
-        dq, dk, dv = attn_bwd_sm90(
+        dq_acc, gather, kernels, finish, dk, dv, keepable = attn_bwd_sm90_launch(
             qkv, qdo, m_rows, lse_rows, cu_seqlens, work, heads_q=heads_q, causal=causal,
             softmax_scale=softmax_scale, qk_scale=softmax_scale * LOG2E * qkv.qk_rescale,
             dk_keys=rec.ds_block[1], out_dtype=out_dtype,
@@ -286,9 +354,8 @@ def attn_bwd(
             debug_p=debug_p,
             num_stages=cfg.num_stages, workspace=workspace,
         )  # fmt: skip
-        if debug_p is not None:
-            round_debug_p_(debug_p)
-        return dq, dk, dv
+        return BwdLaunch(dk.shape, out_dtype, dev, dq_acc, gather, kernels, finish, debug_p,
+                         (dk, dv), keepable)  # fmt: skip
     if (qkv.q_t is None and not qkv.grad_input) or qdo.g_t is None:
         raise ValueError(
             "the Triton backward reads qkv.q_t and qdo.g_t: quantize with q_transposed=True "
@@ -297,8 +364,12 @@ def attn_bwd(
     dq_acc = zeroed_accumulator(workspace, (total, heads_q, d), dev)
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
+    launch = BwdLaunch(
+        dk.shape, out_dtype, dev, dq_acc, None, [],
+        lambda acc: acc.to(out_dtype, copy=True), debug_p, (dk, dv),
+    )  # fmt: skip
     if total == 0:
-        return dq_acc.to(out_dtype, copy=True), dk, dv
+        return launch
     q4_args, k4_args = qkv.nvfp4_kernel_args()
     if d // cfg.head_dim_parts < 32:
         raise ValueError(
@@ -312,16 +383,18 @@ def attn_bwd(
     k_t = qkv.k_t if qkv.k_t is not None else qkv.k_codes
     q_rows = qkv.q_rows if qkv.grad_input else dq_acc.view(torch.bfloat16)
     k_rows = qkv.k_rows if qkv.grad_input else q_rows
-    _LAUNCH(
-        grid,
+    m, lse = m_rows.contiguous(), lse_rows.contiguous()
+    args = (
         qkv.q_codes, qkv.q_exp, q_t, q_rows, qkv.k_codes, qkv.k_exp, k_t, k_rows, *q4_args,
         *k4_args,
         qkv.v_t, qkv.v_exp, qkv.doc_v_t_start,
         qdo.do_codes, qdo.do_exp, qdo.g_t, qdo.g_exp, qdo.delta,
-        m_rows.contiguous(), lse_rows.contiguous(),
+        m, lse,
         cu_seqlens, work.doc, work.tile, work.count,
         dq_acc, dk, dv, debug_p if debug_p is not None else dq_acc,
         softmax_scale * LOG2E * qkv.qk_rescale, softmax_scale, qkv.v_t.shape[-1], total,
+    )  # fmt: skip
+    options = dict(
         HQ=heads_q, HKV=heads_kv, D=d, D_OUT=d // cfg.head_dim_parts, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         DK_KEYS=rec.ds_block[1], CAUSAL=bool(causal), QK_NVFP4=nvfp4,
@@ -330,6 +403,6 @@ def attn_bwd(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip
-    if debug_p is not None:
-        round_debug_p_(debug_p)
-    return dq_acc.to(out_dtype, copy=True), dk, dv
+    slots = {"m": m, "lse": lse, "dk": dk, "dv": dv}
+    launch.kernels.append(BoundLaunch(_LAUNCH, grid, args, options, slots))
+    return launch
