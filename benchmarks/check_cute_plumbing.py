@@ -26,17 +26,9 @@ if __package__ in (None, ""):
 
 import torch
 
+from flamia_serve import custom_ops, flamia_attn_varlen, plan_varlen
 from flamia_serve.kernels import _common
-
-# every Triton launch: a no-op whose runner is a no-op (BoundLaunch then takes its kept path)
-_common.TritonLaunch.__call__ = lambda self, grid, *a, **k: (lambda *values: None)
-
-from flamia_serve import custom_ops, flamia_attn_varlen, plan_varlen  # noqa: E402
-from flamia_serve.kernels.attn_bwd import cute_sm90 as bwd_cute  # noqa: E402
-from flamia_serve.kernels.attn_bwd import ops as bwd_ops  # noqa: E402
-from flamia_serve.kernels.attn_fwd import cute_sm90 as fwd_cute  # noqa: E402
-from flamia_serve.kernels.attn_fwd import ops as fwd_ops  # noqa: E402
-from flamia_serve.probes import make_pack  # noqa: E402
+from flamia_serve.probes import make_pack
 
 LENS = (300, 1, 200)
 CONFIGS = [("mxfp8", 128), ("mixed_nvfp4", 128), ("mxfp8_grad_input", 128), ("mxfp8", 64),
@@ -47,20 +39,53 @@ FWD_Q, FWD_TICKET, FWD_OUT, FWD_M, FWD_LSE = 0, 11, 12, 13, 14
 BWD_M, BWD_LSE, BWD_DK, BWD_DV = 14, 15, 22, 23
 
 
-def _patch() -> tuple[list, dict]:
-    """Record the CuTe kernels' calls and count the preparations."""
-    calls: list[tuple[str, tuple]] = []
-    counts = {"forward": 0, "backward": 0, "backward kernels": 0}
+def stub_triton_launches() -> None:
+    """Every ``TritonLaunch``: a no-op returning a no-op runner (so ``BoundLaunch`` takes
+    its kept path as after a compiled launch)."""
+
+    def runner(*values: object) -> None:
+        return None
+
+    def launch(self, grid, *args, **kwargs):  # TritonLaunch.__call__
+        return runner
+
+    _common.TritonLaunch.__call__ = launch
+
+
+def stub_cute(calls: list | None = None) -> None:
+    """The CuTe kernels as if on an sm_90 GPU with 132 SMs, ``cute.compile`` replaced by a
+    recorder of each kernel call's ``(kernel class name, args)`` into ``calls`` (None:
+    nothing recorded). Needs the CuTe DSL installed (imports the CuTe modules)."""
+    from flamia_serve.kernels.attn_bwd import cute_sm90 as bwd_cute
+    from flamia_serve.kernels.attn_bwd import ops as bwd_ops
+    from flamia_serve.kernels.attn_fwd import cute_sm90 as fwd_cute
+    from flamia_serve.kernels.attn_fwd import ops as fwd_ops
 
     def compile_kernel(kernel, aligned, *scalars, **options):
         name = type(kernel).__name__
+        if calls is None:
+            return lambda *args: None
         return lambda *args: calls.append((name, args))
 
     for module in (fwd_cute, bwd_cute):
         module.compile_kernel = compile_kernel
-        module.sm_count = lambda device: 4
+        module.sm_count = lambda device: 132
     for module in (fwd_ops, bwd_ops):
         module.cute_available = lambda device: True
+
+
+def cute_configs(recipe: str, d: int) -> dict:
+    """``flamia_attn_varlen``'s ``config``/``bwd_config`` for the CuTe kernels."""
+    from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG
+    from flamia_serve.kernels.attn_fwd.ops import default_config
+
+    nvfp4 = recipe.startswith("mixed")
+    cfg = default_config(d, torch.device("cpu"), kernel="cute", qk_nvfp4=nvfp4)
+    return {"config": cfg, "bwd_config": CUTE_BWD_CONFIG}
+
+
+def _count_preparations() -> dict:
+    counts = {"forward": 0, "backward": 0, "backward kernels": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -72,13 +97,12 @@ def _patch() -> tuple[list, dict]:
     custom_ops.prepare_forward = counted("forward", custom_ops.prepare_forward)
     custom_ops.prepare_backward = counted("backward", custom_ops.prepare_backward)
     custom_ops.attn_bwd_launch = counted("backward kernels", custom_ops.attn_bwd_launch)
-    return calls, counts
+    return counts
 
 
 def check(recipe: str, d: int, calls: list, counts: dict, steps: int = 3) -> str:
-    device = torch.device("cpu")
-    cfg = fwd_ops.default_config(d, device, kernel="cute", qk_nvfp4=recipe.startswith("mixed"))
-    q_slot = cfg.quantize_q and not recipe.startswith("mixed") and d <= 128
+    configs = cute_configs(recipe, d)
+    q_slot = configs["config"].quantize_q and not recipe.startswith("mixed") and d <= 128
     cu, ms = make_pack(LENS, 4, 2, d, seed=1)[3:]
     plan = plan_varlen(cu, sum(LENS), ms)
     counts.update(dict.fromkeys(counts, 0))
@@ -87,9 +111,8 @@ def check(recipe: str, d: int, calls: list, counts: dict, steps: int = 3) -> str
         q, k, v = (x.requires_grad_() for x in make_pack(LENS, 4, 2, d, seed=2 + step)[:3])
         calls.clear()
         out, m, lse = flamia_attn_varlen(
-            q, k, v, cu, ms, plan=plan, recipe=recipe, config=cfg,
-            bwd_config=bwd_ops.CUTE_BWD_CONFIG, return_stats=True,
-        )  # fmt: skip
+            q, k, v, cu, ms, plan=plan, recipe=recipe, return_stats=True, **configs
+        )
         ((name, args),) = calls
         assert name == "FlamiaFwdSm90", name
         assert args[FWD_OUT] is out and args[FWD_M] is m and args[FWD_LSE] is lse, "fwd outputs"
@@ -109,7 +132,10 @@ def check(recipe: str, d: int, calls: list, counts: dict, steps: int = 3) -> str
 
 
 def main() -> int:
-    calls, counts = _patch()
+    calls: list[tuple[str, tuple]] = []
+    stub_triton_launches()
+    stub_cute(calls)
+    counts = _count_preparations()
     for recipe, d in CONFIGS:
         print(check(recipe, d, calls, counts))
     print("ok")

@@ -2,10 +2,11 @@
 
 Every Triton launch is stubbed (``TritonLaunch`` hands back a runner that does nothing) and
 the tensors stay on the CPU (the interpreter's device rules), so what is timed is the
-Python of the Triton path's launchers (the CuTe kernels' need a GPU) and of the entry
-point: argument checks, the plan's checked call, prepared launches, output allocations,
-autograd. It cannot replace ``host_time.py`` on the GPU (no driver launch, no CuTe call,
-another CPU), but it compares variants of our own Python where no GPU is lent.
+Python of the Triton path's launchers (``--cute``: the CuTe kernels', with ``cute.compile``
+stubbed too, in the CuTe venv) and of the entry point: argument checks, the plan's checked
+call, prepared launches, output allocations, autograd. It cannot replace ``host_time.py``
+on the GPU (no driver launch, no CuTe call, another CPU), but it compares variants of our
+own Python where no GPU is lent.
 
 Steps of ``--layers`` calls on a 2 x 64-token pack (Hq 32 / Hkv 8, d 128), as
 ``host_time.py`` (``--lens``/``--heads`` for others: the backward's CPU arithmetic on these
@@ -17,7 +18,7 @@ no results file, these are not GPU measurements):
 * ``eager-unprepared``: launches prepared anew at every call (``KEEP_PREPARED = False``).
 
 Usage: ``python benchmarks/host_python.py [--layers 8] [--rounds 5] [--lens 64,64]
-[--heads 32,8]``.
+[--heads 32,8] [--cute]``.
 """
 
 from __future__ import annotations
@@ -35,22 +36,10 @@ if __package__ in (None, ""):
 
 import torch
 
+from benchmarks.check_cute_plumbing import cute_configs, stub_cute, stub_triton_launches
 from flamia_serve import custom_ops, flamia_attn_varlen, plan_varlen
 from flamia_serve.kernels import _common
 from flamia_serve.probes import make_pack
-
-
-def _stub_launches() -> None:
-    """Make every ``TritonLaunch`` a no-op that returns a no-op runner (so ``BoundLaunch``
-    takes its reuse path as it would after a compiled launch)."""
-
-    def runner(*values: object) -> None:
-        return None
-
-    def launch(self, grid, *args, **kwargs):  # TritonLaunch.__call__
-        return runner
-
-    _common.TritonLaunch.__call__ = launch
 
 
 def main() -> int:
@@ -61,10 +50,17 @@ def main() -> int:
     parser.add_argument("--lens", default="64,64",
                         help="document lengths (tiny ones leave the CPU's own arithmetic out)")
     parser.add_argument("--heads", default="32,8", help="query and key/value heads")
+    parser.add_argument("--cute", action="store_true",
+                        help="the CuTe kernels' launchers (needs the CuTe DSL, e.g. the CuTe "
+                        "venv; cute.compile stubbed as in check_cute_plumbing.py)")
     args = parser.parse_args()
     if not _common.interpreted():
         raise SystemExit("host_python.py runs on a CPU under TRITON_INTERPRET=1")
-    _stub_launches()
+    stub_triton_launches()
+    options = {}
+    if args.cute:
+        stub_cute()
+        options = cute_configs("mxfp8", 128)
     torch.set_num_threads(1)
     lens = tuple(int(n) for n in args.lens.split(","))
     heads_q, heads_kv = (int(n) for n in args.heads.split(","))
@@ -74,7 +70,7 @@ def main() -> int:
 
     def layers(q, k, v):
         for _ in range(args.layers):
-            q = flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+            q = flamia_attn_varlen(q, k, v, cu, ms, plan=plan, **options)
         return q
 
     def fwd() -> None:
