@@ -318,7 +318,8 @@ def e4m3_value(x):
     the result is widened back): normals keep 3 mantissa bits, values below 2^-6 round to
     multiples of 2^-9 (the subnormals), values above 448 saturate to 448 as ``to_e4m3``
     and the twin's cast do (a normaliser summing 2^16 where P̂ holds 448 shrank O ~146x
-    once logits reached 2^27); NaN stays NaN."""
+    once logits reached 2^27). NaN is not kept: the GPU's NaN (0x7FFFFFFF) rounds to -0.0
+    (H200, 2026-12-05), the interpreter's (0x7FC00000) stays NaN."""
     x = tl.where(x > 448.0, 448.0, x)
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)

@@ -20,7 +20,7 @@ def _e4m3_value_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def test_e4m3_value_is_torch_round_to_nearest_even(device) -> None:
     """Every E4M3 value, every midpoint between neighbours (ties go to the even code),
     points just beside each midpoint, random values in [0, 448], subnormals included, and
-    values past 448 (saturated to 448, as the casts do; +Inf too); NaN stays NaN."""
+    values past 448 (saturated to 448, as the casts do; +Inf too)."""
     codes = torch.arange(0, 127, dtype=torch.uint8)  # +0 .. 448 (0x7E); 0x7F is NaN
     grid = codes.view(torch.float8_e4m3fn).float()
     mid = (grid[:-1] + grid[1:]) / 2
@@ -33,9 +33,6 @@ def test_e4m3_value_is_torch_round_to_nearest_even(device) -> None:
     _e4m3_value_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
     want = x.clamp(max=448).to(torch.float8_e4m3fn).float()
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
-    nan = torch.full((4,), float("nan"), device=device)
-    _e4m3_value_kernel[(1,)](nan, out, 4, BLOCK=256)
-    assert bool(out[:4].isnan().all())
 
 
 @triton.jit
