@@ -390,8 +390,8 @@ def attn_fwd_launch(
     # the persistent grid's item counter (never read otherwise)
     ticket = zero_counter(workspace, dev) if total and (cute or cfg.persistent) else None
     launch = FwdLaunch(
-        (total, heads_q, d), out_dtype, dev, None, None, ticket is not None, workspace,
-        None if debug_p is None else debug_p[0], (out, m_rows, lse_rows, ticket),
+        (total, heads_q, d), out_dtype, dev, None, None, ticket is not None, workspace, None,
+        (out, m_rows, lse_rows, ticket),
     )  # fmt: skip
     if total == 0:
         return launch
@@ -416,6 +416,7 @@ def attn_fwd_launch(
     if debug_p is not None and cfg.kernel != "triton":
         raise ValueError("debug_p needs the Triton forward (config.kernel='triton')")
     dbg_p, dbg_m = debug_p if debug_p is not None else (m_rows, m_rows)
+    launch.debug_p = debug_p[0] if debug_p is not None else None  # rounded after the launch
     grid = (_persistent_programs(dev, cfg) if cfg.persistent else work.num_slots * heads_q,)
     args = (
         qkv.q_codes, qkv.q_exp, qkv.k_codes, qkv.k_exp,
