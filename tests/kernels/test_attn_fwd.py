@@ -264,10 +264,13 @@ def test_fwd_config_errors(device) -> None:
         default_config(64, q.device, kernel="fast")
     assert default_config(64, q.device, kernel="cute").kernel == "cute"
     assert default_config(64, q.device, kernel="triton").kernel == "triton"
+    aligned = quantize_qkv(q, k, v, cu, column_align=128)
     if not cute_available(q.device):
-        aligned = quantize_qkv(q, k, v, cu, column_align=128)
         with pytest.raises(RuntimeError, match="needs an sm_90 GPU"):
             attn_fwd(aligned, cu, config=FwdConfig(128, 128, kernel="cute"), **args)
+    debug = tuple(torch.zeros(2, 49, 49, device=q.device) for _ in range(2))
+    with pytest.raises(ValueError, match="debug_p needs the Triton forward"):  # never ignored
+        attn_fwd(aligned, cu, config=FwdConfig(128, 128, kernel="cute"), debug_p=debug, **args)
     q, k, v, cu, _ms = make_pack((40, 9), 2, 1, 256, seed=1, device=device)
     qkv = quantize_qkv(q, k, v, cu, column_align=128)
     with pytest.raises(ValueError, match="only with promote_pv=False"):

@@ -362,6 +362,8 @@ def attn_fwd_launch(
             f"column_align={cfg.column_align} (config.column_align), got a layout aligned to "
             f"{qkv.column_align} (a tile would hold the next document's values)"
         )
+    if debug_p is not None and cfg.kernel != "triton":
+        raise ValueError("debug_p needs the Triton forward (config.kernel='triton')")
     if cfg.kernel == "cute" and not cute_available(dev):
         raise RuntimeError(
             "config.kernel='cute' needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4 "
@@ -413,8 +415,6 @@ def attn_fwd_launch(
     q4_args, k4_args = qkv.nvfp4_kernel_args()
     # K exponents shared by aligned key blocks are read once per block (scalar loads)
     ke_block = qkv.k_exp_block if not nvfp4 and cfg.block_n % qkv.k_exp_block == 0 else 1
-    if debug_p is not None and cfg.kernel != "triton":
-        raise ValueError("debug_p needs the Triton forward (config.kernel='triton')")
     dbg_p, dbg_m = debug_p if debug_p is not None else (m_rows, m_rows)
     launch.debug_p = debug_p[0] if debug_p is not None else None  # rounded after the launch
     grid = (_persistent_programs(dev, cfg) if cfg.persistent else work.num_slots * heads_q,)
