@@ -6,7 +6,9 @@ launchers' halves are the ones CI runs under the interpreter). Per configuration
 x head dims) it checks what a GPU run could only show as wrong numbers: each launch is
 prepared once and kept (``AttnCall.prepared``), and every recorded kernel call of every
 step received that step's tensors in its slots (the forward's O/M/lse, Q where the kernel
-quantizes it, a fresh ticket; the backward's M/lse in each pass), not the first step's.
+quantizes it, a fresh ticket; the backward's M/lse in each pass), not the first step's, and
+the backward's Triton launches ran in every step in order (the V gather before the
+kernels, one dQ read-back after them).
 
 Run in the CuTe venv (``benchmarks/cute_venv.sh``; its Triton may differ from 3.6, whose
 interpreter our kernels need, hence the stubs)::
@@ -37,16 +39,25 @@ CONFIGS = [("mxfp8", 128), ("mixed_nvfp4", 128), ("mxfp8_grad_input", 128), ("mx
 # ``aligned`` order)
 FWD_Q, FWD_TICKET, FWD_OUT, FWD_M, FWD_LSE = 0, 11, 12, 13, 14
 BWD_M, BWD_LSE, BWD_DK, BWD_DV = 14, 15, 22, 23
+COPY_TO_COLUMNS, DQ_READ_BACK = 7, "_dq_from_fragments_kernel"  # columns.py's copies
 
 
-def stub_triton_launches() -> None:
+def stub_triton_launches(calls: list | None = None) -> None:
     """Every ``TritonLaunch``: a no-op returning a no-op runner (so ``BoundLaunch`` takes
-    its kept path as after a compiled launch)."""
+    its kept path as after a compiled launch); with ``calls``, each launch and runner call
+    appends ``(kernel name, every parameter's value)``."""
 
-    def runner(*values: object) -> None:
-        return None
+    def runner_of(name: str):
+        def runner(*values: object) -> None:
+            if calls is not None:
+                calls.append((name, values))
+
+        return runner
 
     def launch(self, grid, *args, **kwargs):  # TritonLaunch.__call__
+        name = self.kernel.fn.__name__
+        runner = runner_of(name)
+        runner(*(_common.launch_values(self.kernel, args, kwargs) or args))
         return runner
 
     _common.TritonLaunch.__call__ = launch
@@ -113,19 +124,28 @@ def check(recipe: str, d: int, calls: list, counts: dict, steps: int = 3) -> str
         out, m, lse = flamia_attn_varlen(
             q, k, v, cu, ms, plan=plan, recipe=recipe, return_stats=True, **configs
         )
-        ((name, args),) = calls
+        ((name, args),) = [call for call in calls if call[0].startswith("Flamia")]
         assert name == "FlamiaFwdSm90", name
         assert args[FWD_OUT] is out and args[FWD_M] is m and args[FWD_LSE] is lse, "fwd outputs"
         assert (args[FWD_Q] is q) == q_slot, "fwd Q slot"
         tickets.add(args[FWD_TICKET].data_ptr())
         calls.clear()
         out.float().sum().backward()
-        modes = [name for name, _ in calls]
+        names = [name for name, _ in calls]
+        modes = [name for name in names if name.startswith("Flamia")]
         assert modes and set(modes) == {"FlamiaBwdSm90"}, modes
-        for _, args in calls:
+        first, last = names.index("FlamiaBwdSm90"), len(names) - 1 - names[::-1].index(
+            "FlamiaBwdSm90")  # fmt: skip
+        gathers = [i for i, (name, args) in enumerate(calls)
+                   if name == "_copy_kernel" and not args[COPY_TO_COLUMNS]]  # fmt: skip
+        assert gathers and max(gathers) < first, f"the V gather before the kernels: {names}"
+        assert names.count(DQ_READ_BACK) == 1 and names.index(DQ_READ_BACK) > last, names
+        for _, args in (call for call in calls if call[0] == "FlamiaBwdSm90"):
             assert args[BWD_M] is m and args[BWD_LSE] is lse, "bwd M/lse slots"
             assert args[BWD_DK] is not args[BWD_DV]
-        assert len({id(args[BWD_DK]) for _, args in calls}) == 1, "one dK per step"
+        assert len({id(args[BWD_DK]) for name, args in calls if name == "FlamiaBwdSm90"}) == 1, (
+            "one dK per step"
+        )
     assert len(tickets) == steps, "a fresh ticket per forward"
     assert counts == {"forward": 1, "backward": 1, "backward kernels": 1}, counts
     return f"{recipe} d={d}: {len(modes)} backward pass(es), prepared once over {steps} steps"
@@ -133,7 +153,7 @@ def check(recipe: str, d: int, calls: list, counts: dict, steps: int = 3) -> str
 
 def main() -> int:
     calls: list[tuple[str, tuple]] = []
-    stub_triton_launches()
+    stub_triton_launches(calls)
     stub_cute(calls)
     counts = _count_preparations()
     for recipe, d in CONFIGS:

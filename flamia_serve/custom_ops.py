@@ -130,11 +130,8 @@ def _layout(*tensors: torch.Tensor) -> tuple:
     """What prepared launches fix beyond an ``AttnCall``'s key: the tensors' strides and
     16-byte alignment (Triton's and the CuTe loads' specialisation; whether the CuTe forward
     quantizes Q) and the current CUDA device (Triton launches on it)."""
-    cuda = tensors[0].device.type == "cuda"
-    return (
-        *(t.stride() for t in tensors), *(t.data_ptr() % 16 == 0 for t in tensors),
-        torch.cuda.current_device() if cuda else None,
-    )  # fmt: skip
+    device = torch.cuda.current_device() if tensors[0].is_cuda else None
+    return (*[t.stride() for t in tensors], *[t.data_ptr() % 16 == 0 for t in tensors], device)
 
 
 def _prepared(call: AttnCall, key: tuple, prepare: Callable[[], Prepared]) -> Prepared:

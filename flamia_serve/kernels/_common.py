@@ -33,6 +33,18 @@ def _jit_int_rule(fn: types.FunctionType) -> triton.JITFunction:
 v_t_key = _jit_int_rule(operands.v_t_key)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of ints on the host (``triton.cdiv`` is a constexpr function: its
+    wrapper costs ~2 µs of host time a call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for n <= 1), on the host (``triton.next_power_of_2``
+    is a constexpr function, ~2 µs a call)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached: the query costs host time on

@@ -18,12 +18,20 @@ Each function runs its kernel on CUDA tensors and under Triton's CPU interpreter
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import TritonLaunch, interpreted, sm_count, to_out
+from flamia_serve.kernels._common import (
+    BoundLaunch,
+    TritonLaunch,
+    cdiv,
+    interpreted,
+    sm_count,
+    to_out,
+)
 from flamia_serve.kernels.workspace import PackWorkspace, pack_constant
 
 #: columns per program of the copies
@@ -113,13 +121,41 @@ def pack_column_tokens(
     return pack_constant(workspace, key, lambda: column_tokens(columns, t_pad))
 
 
-def _copy(src: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, heads: int, d: int,
-          t_pad: int, to_columns: bool) -> None:  # fmt: skip
+def _no_copy() -> None:
+    """The copy of a pack without tokens."""
+
+
+def _copy_launch(src: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, heads: int, d: int,
+                 t_pad: int, to_columns: bool) -> BoundLaunch:  # fmt: skip
+    """The copy kernel bound to its buffers, kept: calling it copies their current values
+    (no argument changes between calls, so later calls launch the compiled kernel
+    directly)."""
     if tokens.shape != (t_pad,) or tokens.dtype != torch.int32:
         raise ValueError(f"tokens must be an int32 [{t_pad}] tensor (column_tokens)")
-    grid = (triton.cdiv(t_pad, BLOCK_T), heads)
-    _LAUNCH_COPY(grid, src.view(torch.uint8), tokens, out.view(torch.uint8), t_pad, H=heads,
-                 D=d, BLOCK=BLOCK_T, TO_COLUMNS=to_columns)  # fmt: skip
+    grid = (cdiv(t_pad, BLOCK_T), heads)
+    args = (src.view(torch.uint8), tokens, out.view(torch.uint8), t_pad)
+    options = dict(H=heads, D=d, BLOCK=BLOCK_T, TO_COLUMNS=to_columns)
+    launch = BoundLaunch(_LAUNCH_COPY, grid, args, options, {})
+    launch.keep()
+    return launch
+
+
+def rows_from_columns_launch(
+    src: torch.Tensor, columns: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor | None = None
+) -> Callable[[], None]:
+    """:func:`rows_from_columns` into ``out`` (contiguous ``[T, H, d]``, a 1-byte dtype),
+    prepared: ``copy()`` copies ``src``'s current codes (the same buffers at every call)."""
+    heads, d, t_pad = src.shape
+    _check(columns, t_pad, d)
+    if not src.is_contiguous():
+        raise ValueError("src must be a contiguous [H, d, t_pad] tensor")
+    n = columns.numel()
+    if out.shape != (n, heads, d) or out.element_size() != 1 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous 1-byte [{n}, {heads}, {d}] tensor")
+    if not n:
+        return _no_copy
+    tokens = column_tokens(columns, t_pad) if tokens is None else tokens
+    return _copy_launch(src, tokens, out, heads, d, t_pad, False)
 
 
 def rows_from_columns(
@@ -131,22 +167,34 @@ def rows_from_columns(
     """Token-major ``[T, H, d]`` copy of the column-layout ``src`` ``[H, d, t_pad]`` (a
     1-byte dtype) at ``columns [T]``; ``out``: where to write it (else a new tensor);
     ``tokens``: ``column_tokens(columns, t_pad)`` when the caller keeps it (else built)."""
-    heads, d, t_pad = src.shape
-    _check(columns, t_pad, d)
-    if not src.is_contiguous():
-        raise ValueError("src must be a contiguous [H, d, t_pad] tensor")
-    n = columns.numel()
     if out is None:
-        out = torch.empty(n, heads, d, dtype=src.dtype, device=src.device)
-    if n:
-        tokens = column_tokens(columns, t_pad) if tokens is None else tokens
-        _copy(src, tokens, out, heads, d, t_pad, False)
+        heads, d, _t_pad = src.shape
+        out = torch.empty(columns.numel(), heads, d, dtype=src.dtype, device=src.device)
+    rows_from_columns_launch(src, columns, out, tokens)()
     return out
 
 
 def rows_from_columns_torch(src: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """Twin of :func:`rows_from_columns`."""
     return src.permute(2, 0, 1)[columns.long()].contiguous()
+
+
+def columns_from_rows_launch(
+    rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor | None = None
+) -> Callable[[], None]:
+    """:func:`columns_from_rows` of contiguous ``rows`` prepared: ``copy()`` copies their
+    current codes (the same buffers at every call)."""
+    n, heads, d = rows.shape
+    _check(columns, out.shape[2], d)
+    if out.shape[:2] != (heads, d) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{heads}, {d}, t_pad] tensor")
+    if not rows.is_contiguous():
+        raise ValueError("rows must be a contiguous [T, H, d] tensor")
+    if not n:
+        return _no_copy
+    t_pad = out.shape[2]
+    tokens = column_tokens(columns, t_pad) if tokens is None else tokens
+    return _copy_launch(rows, tokens, out, heads, d, t_pad, True)
 
 
 def columns_from_rows(
@@ -159,14 +207,7 @@ def columns_from_rows(
     ``out`` ``[H, d, t_pad]`` at ``columns [T]``, zero into the columns without a token
     that share a 64-column block with one (others are left as they are: keep ``out``'s
     padding zero); ``tokens`` as for :func:`rows_from_columns`."""
-    n, heads, d = rows.shape
-    _check(columns, out.shape[2], d)
-    if out.shape[:2] != (heads, d) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{heads}, {d}, t_pad] tensor")
-    if n:
-        t_pad = out.shape[2]
-        tokens = column_tokens(columns, t_pad) if tokens is None else tokens
-        _copy(rows.contiguous(), tokens, out, heads, d, t_pad, True)
+    columns_from_rows_launch(rows.contiguous(), columns, out, tokens)()
 
 
 def columns_from_rows_torch(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor) -> None:
@@ -184,9 +225,53 @@ def dq_heads_per_program(n_tokens: int, heads: int, device: torch.device) -> int
         return heads
     target = DQ_PROGRAMS_PER_SM * sm_count(device)
     group = heads
-    while group > 1 and triton.cdiv(n_tokens, DQ_BLOCK_T) * (heads // group) < target:
+    while group > 1 and cdiv(n_tokens, DQ_BLOCK_T) * (heads // group) < target:
         group = math.gcd(heads, group // 2)
     return group
+
+
+class DQReadBack:
+    """:func:`dq_from_fragments` of one accumulator and index, prepared: ``read()`` returns a
+    new dQ ``[T, Hq, d]`` from the accumulator's current values (one kept launch)."""
+
+    def __init__(
+        self, dq_acc: torch.Tensor, at: torch.Tensor, d: int, out_dtype: torch.dtype,
+        *, block_t: int = DQ_BLOCK_T, heads_per_program: int | None = None,
+    ) -> None:  # fmt: skip
+        heads = dq_acc.shape[0]
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"head dim {d}: the read-back needs a power of two >= 16")
+        if block_t < 1 or block_t & (block_t - 1):
+            raise ValueError(f"block_t {block_t}: tokens per program must be a power of two")
+        if heads_per_program is not None and heads_per_program < 1:
+            raise ValueError(f"heads_per_program {heads_per_program}: must be at least 1")
+        if at.numel() % d or not dq_acc.is_contiguous():
+            raise ValueError(f"at must hold T·{d} offsets and dq_acc be contiguous")
+        n_tokens = at.numel() // d
+        self.shape, self.dtype, self.device = (n_tokens, heads, d), out_dtype, dq_acc.device
+        self.launch: BoundLaunch | None = None
+        self._first: torch.Tensor | None = None  # the first call's output
+        if n_tokens:
+            if heads_per_program is None:
+                heads_per_program = dq_heads_per_program(n_tokens, heads, dq_acc.device)
+            group = math.gcd(heads, heads_per_program)
+            grid = (cdiv(n_tokens, block_t), heads // group)
+            out = self._first = self._empty()
+            args = (dq_acc, at, out, n_tokens, dq_acc[0].numel())
+            options = dict(HQ=heads, D=d, BLOCK=block_t, HEADS=group, INTERPRET=interpreted())
+            self.launch = BoundLaunch(_LAUNCH_DQ, grid, args, options, {"out": out})
+            self.launch.keep()
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def __call__(self) -> torch.Tensor:
+        out, self._first = self._first, None
+        if out is None:
+            out = self._empty()
+        if self.launch is not None:
+            self.launch(out=out)
+        return out
 
 
 def dq_from_fragments(
@@ -197,25 +282,10 @@ def dq_from_fragments(
     ``dq_acc`` (``[Hq, ...]``, contiguous) and its int32 index ``at [T·d]``
     (``attn_bwd.dq_layout.dq_fragment_index``). A program reads ``block_t`` tokens of
     ``heads_per_program`` heads (its gcd with Hq; default :func:`dq_heads_per_program`)."""
-    heads = dq_acc.shape[0]
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head dim {d}: the read-back needs a power of two >= 16")
-    if block_t < 1 or block_t & (block_t - 1):
-        raise ValueError(f"block_t {block_t}: tokens per program must be a power of two")
-    if heads_per_program is not None and heads_per_program < 1:
-        raise ValueError(f"heads_per_program {heads_per_program}: must be at least 1")
-    if at.numel() % d or not dq_acc.is_contiguous():
-        raise ValueError(f"at must hold T·{d} offsets and dq_acc be contiguous")
-    n_tokens = at.numel() // d
-    out = torch.empty(n_tokens, heads, d, dtype=out_dtype, device=dq_acc.device)
-    if n_tokens:
-        if heads_per_program is None:
-            heads_per_program = dq_heads_per_program(n_tokens, heads, dq_acc.device)
-        group = math.gcd(heads, heads_per_program)
-        grid = (triton.cdiv(n_tokens, block_t), heads // group)
-        _LAUNCH_DQ(grid, dq_acc, at, out, n_tokens, dq_acc[0].numel(), HQ=heads, D=d,
-                   BLOCK=block_t, HEADS=group, INTERPRET=interpreted())  # fmt: skip
-    return out
+    read = DQReadBack(
+        dq_acc, at, d, out_dtype, block_t=block_t, heads_per_program=heads_per_program
+    )
+    return read()
 
 
 def dq_from_fragments_torch(

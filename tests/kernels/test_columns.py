@@ -6,11 +6,14 @@ import torch
 
 from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
 from flamia_serve.kernels.columns import (
+    DQReadBack,
     columns_from_rows,
+    columns_from_rows_launch,
     columns_from_rows_torch,
     dq_from_fragments,
     dq_from_fragments_torch,
     rows_from_columns,
+    rows_from_columns_launch,
     rows_from_columns_torch,
 )
 
@@ -74,6 +77,42 @@ def test_column_copies_on_a_plan_layout(align) -> None:
         assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
     with pytest.raises(ValueError, match="tokens must be an int32"):
         rows_from_columns(src, cols, tokens=tokens[:-1])
+
+
+def test_prepared_copies_and_read_back_follow_their_buffers() -> None:
+    """The prepared forms (the eager path keeps them per pack) copy the buffers' values at
+    each call, not the values they were prepared with; the read-back returns a new dQ per
+    call."""
+    cols, t_pad = _columns([5, 130, 1])
+    src, rows = _codes((2, 64, t_pad)), _codes((cols.numel(), 2, 64))
+    out_rows = torch.empty(cols.numel(), 2, 64, dtype=torch.uint8, device=DEV)
+    out_cols = torch.zeros(2, 64, t_pad, dtype=torch.uint8, device=DEV)
+    gather = rows_from_columns_launch(src, cols, out_rows)
+    scatter = columns_from_rows_launch(rows.view(torch.uint8), cols, out_cols)
+    at = dq_fragment_index(cols, 64, 64)
+    acc = torch.randn(2, t_pad // 64, 64 * 64, device=DEV)
+    read = DQReadBack(acc, at, 64, torch.bfloat16)
+    firsts = []
+    for _ in range(2):
+        gather()
+        scatter()
+        assert torch.equal(out_rows, rows_from_columns_torch(src, cols).view(torch.uint8))
+        want = torch.zeros_like(out_cols)
+        columns_from_rows_torch(rows.view(torch.uint8), cols, want)
+        assert torch.equal(out_cols, want)
+        got = read()
+        assert torch.equal(got, dq_from_fragments_torch(acc, at, 64, torch.bfloat16))
+        firsts.append(got)
+        src.copy_(_codes(src.shape))  # new values in the same buffers
+        rows.copy_(_codes(rows.shape))
+        acc.normal_()
+    assert firsts[0].data_ptr() != firsts[1].data_ptr()
+    assert not torch.equal(firsts[0], firsts[1])
+    with pytest.raises(ValueError, match="out must be a contiguous 1-byte"):
+        rows_from_columns_launch(src, cols, out_rows[:-1])
+    with pytest.raises(ValueError, match="rows must be a contiguous"):
+        columns_from_rows_launch(rows.transpose(0, 1).contiguous().transpose(0, 1), cols, out_cols)
+    assert DQReadBack(acc, at[:0], 64, torch.bfloat16)().shape == (0, 2, 64)
 
 
 def test_dq_from_fragments_refuses_bad_arguments() -> None:

@@ -6,7 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
-from flamia_serve.kernels._common import e2m1_decode, e2m1_quantize, e2m1_round, e4m3_value
+from flamia_serve.kernels._common import (
+    cdiv,
+    e2m1_decode,
+    e2m1_quantize,
+    e2m1_round,
+    e4m3_value,
+    next_power_of_2,
+)
 from flamia_serve.numerics import formats
 
 
@@ -76,3 +83,14 @@ def test_e2m1_quantize_is_the_threshold_rule(device) -> None:
     assert bool((want == 8).any())  # negative zero codes are there
     assert torch.equal(value.cpu().view(torch.int32)[finite], bits[finite])
     assert torch.equal(decoded.cpu().view(torch.int32), bits)
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons() -> None:
+    """The host helpers give Triton's values (they replace its constexpr functions, whose
+    wrappers cost host time) for every size the launchers pass."""
+    for a in range(0, 600):
+        for b in (1, 2, 3, 16, 32, 64, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for n in range(1, 2100):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+    assert next_power_of_2(0) == 1

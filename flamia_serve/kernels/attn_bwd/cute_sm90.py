@@ -101,9 +101,10 @@ from quack import copy_utils, layout_utils, sm90_utils
 from flamia_serve.kernels._common import BoundCall
 from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
 from flamia_serve.kernels.columns import (
-    dq_from_fragments,
+    DQReadBack,
     pack_column_tokens,
     rows_from_columns,
+    rows_from_columns_launch,
 )
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
@@ -1478,12 +1479,15 @@ def attn_bwd_sm90_launch(
     dk = torch.empty(total, heads_kv, d, dtype=out_dtype, device=dev)
     dv = torch.empty_like(dk)
     v_shape = (total, heads_kv, d)  # token-major V codes, gathered from the column layout
-    v_bytes = workspace.empty("v_codes", v_shape, torch.uint8) if workspace is not None else None
+    v_bytes = (
+        workspace.empty("v_codes", v_shape, torch.uint8) if workspace is not None
+        else torch.empty(v_shape, dtype=torch.uint8, device=dev)
+    )  # fmt: skip
     cols = qkv.key_columns()
     tokens = pack_column_tokens(workspace, cols, qkv.column_align, t_pad)
-    v_codes = rows_from_columns(qkv.v_t, cols, out=v_bytes, tokens=tokens)
-    gather = functools.partial(rows_from_columns, qkv.v_t, cols, out=v_codes, tokens=tokens)
-    v_codes = v_codes.view(torch.float8_e4m3fn)
+    gather = rows_from_columns_launch(qkv.v_t, cols, v_bytes, tokens)
+    gather()
+    v_codes = v_bytes.view(torch.float8_e4m3fn)
     keepable = not bf16_kv or (qkv.q_rows is not None and qdo.g_rows is not None)
     q_b, g_b = _kv_b_operands(qkv, qdo, bf16_kv)
     dbg = debug_p if debug_p is not None else _placeholder(dev)
@@ -1522,5 +1526,5 @@ def attn_bwd_sm90_launch(
         workspace, ("dq_index", step, d),
         lambda: dq_fragment_index(operands.v_t_key(cols), step, d),
     )  # fmt: skip
-    finish = functools.partial(dq_from_fragments, at=at, d=d, out_dtype=out_dtype)
+    finish = DQReadBack(dq_acc, at, d, out_dtype)
     return dq_acc, gather, kernels, finish, dk, dv, keepable

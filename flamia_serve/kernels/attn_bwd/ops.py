@@ -235,10 +235,10 @@ class BwdLaunch:
     """The launches of :func:`attn_bwd_launch`: ``launch(m=, lse=)`` (the forward's ``[T,
     Hq]`` statistics, contiguous) zeroes the dQ accumulator ``dq_acc``, allocates dK/dV
     (``kv_shape``, ``out_dtype``), runs ``gather`` (the CuTe kernels' token-major V codes)
-    and ``kernels`` into them and returns ``(finish(dq_acc), dK, dV)``. The first call
-    takes the accumulator, dK/dV and gathered V as prepared (``first``). ``keepable``:
-    False when preparing computed something from this call's operands (it cannot run
-    again: :meth:`keep` says so)."""
+    and ``kernels`` into them and returns ``(finish(), dK, dV)`` (``finish``: dQ in the
+    output dtype from ``dq_acc``). The first call takes the accumulator, dK/dV and gathered
+    V as prepared (``first``). ``keepable``: False when preparing computed something from
+    this call's operands (it cannot run again: :meth:`keep` says so)."""
 
     kv_shape: tuple[int, int, int]
     out_dtype: torch.dtype
@@ -246,7 +246,7 @@ class BwdLaunch:
     dq_acc: torch.Tensor
     gather: Callable[[], object] | None
     kernels: list[BoundLaunch | BoundCall]
-    finish: Callable[[torch.Tensor], torch.Tensor]
+    finish: Callable[[], torch.Tensor]
     debug_p: torch.Tensor | None
     first: tuple[torch.Tensor, torch.Tensor] | None
     keepable: bool = True
@@ -270,7 +270,7 @@ class BwdLaunch:
             kernel(m=m, lse=lse, dk=dk, dv=dv)
         if self.debug_p is not None:
             round_debug_p_(self.debug_p)
-        return self.finish(self.dq_acc), dk, dv
+        return self.finish(), dk, dv
 
 
 def attn_bwd_launch(
@@ -366,7 +366,7 @@ def attn_bwd_launch(
     dv = torch.empty_like(dk)
     launch = BwdLaunch(
         dk.shape, out_dtype, dev, dq_acc, None, [],
-        lambda acc: acc.to(out_dtype, copy=True), debug_p, (dk, dv),
+        lambda: dq_acc.to(out_dtype, copy=True), debug_p, (dk, dv),
     )  # fmt: skip
     if total == 0:
         return launch

@@ -23,9 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
-from flamia_serve.kernels._common import cute_available, cute_dsl_available, interpreted, sm_count
+from flamia_serve.kernels._common import (
+    cdiv,
+    cute_available,
+    cute_dsl_available,
+    interpreted,
+    next_power_of_2,
+    sm_count,
+)
 from flamia_serve.kernels.attn_fwd.ops import FwdConfig, default_config
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
@@ -184,7 +190,7 @@ def cute_prefill_runs(fmt: KVPageFormat, device: torch.device) -> bool:
 def triton_decode_config(fmt: KVPageFormat, heads_q: int, heads_kv: int) -> PagedConfig:
     """The Triton kernel's measured decode config for this cache and GQA group (what runs
     where the CuTe decodes do not, and what a caller passes to compare with them)."""
-    group_p2 = triton.next_power_of_2(heads_q // heads_kv)
+    group_p2 = next_power_of_2(heads_q // heads_kv)
     return default_configs(group_p2, fmt.head_dim, fmt.dtype)[0]
 
 
@@ -213,7 +219,7 @@ def decode_splits(num_decodes: int, heads_kv: int, max_seq_len: int, block_n: in
         return 1
     want = math.ceil(waves * _num_sms(device) / (num_decodes * heads_kv))
     by_length = max(1, math.ceil(max_seq_len / (4 * block_n)))
-    return min(MAX_DECODE_SPLITS, triton.next_power_of_2(max(1, min(want, by_length))))
+    return min(MAX_DECODE_SPLITS, next_power_of_2(max(1, min(want, by_length))))
 
 
 def leading_decodes(query_start_loc: torch.Tensor) -> int:
@@ -312,7 +318,7 @@ class PagedPlan:
 
     @property
     def group_p2(self) -> int:
-        return triton.next_power_of_2(self.heads_q // self.heads_kv)
+        return next_power_of_2(self.heads_q // self.heads_kv)
 
     @property
     def num_prefills(self) -> int:
@@ -397,7 +403,7 @@ def plan_paged_counts(
             f"inconsistent batch counts: {num_decodes} decodes of {num_seqs} sequences, "
             f"{num_decode_tokens} decode tokens of {num_tokens}"
         )
-    group_p2 = triton.next_power_of_2(heads_q // heads_kv)
+    group_p2 = next_power_of_2(heads_q // heads_kv)
     for name, given in (("decode_config", decode_config), ("prefill_config", prefill_config)):
         if given is not None:
             _check_config(given, name)
@@ -423,7 +429,7 @@ def plan_paged_counts(
         raise ValueError(f"num_splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
     rest = num_seqs - num_decodes
     block_q = prefill_cfg.block_m // group_p2
-    prefill = triton.cdiv(max(num_tokens - num_decode_tokens, 0), block_q) + rest if rest else 0
+    prefill = cdiv(max(num_tokens - num_decode_tokens, 0), block_q) + rest if rest else 0
     return PagedPlan(fmt, heads_q, heads_kv, num_seqs, num_tokens, num_decodes,
                      num_decode_tokens, splits, decode_cfg, prefill_cfg, prefill, max_seq_len,
                      max(prefill_keys, 0))  # fmt: skip
@@ -472,7 +478,7 @@ def run_write_kv_cache(
     write_kv_cache_kernel[(num_tokens,)](
         key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1), slot_mapping,
         layout.codes, layout.scales, k_inv_scale, v_inv_scale,
-        HKV=heads_kv, HKV_P2=triton.next_power_of_2(heads_kv), D=d, LOG2_D=int(math.log2(d)),
+        HKV=heads_kv, HKV_P2=next_power_of_2(heads_kv), D=d, LOG2_D=int(math.log2(d)),
         KV_FMT=fmt.dtype.kernel_id, HADAMARD=hadamard, INTERPRET=interpreted(),
         num_warps=4, **layout.kernel_args(),
     )  # fmt: skip
@@ -543,12 +549,12 @@ def prefill_offsets(
     batch of an engine runs one compiled variant."""
     count = plan.num_prefills
     # rows 16-byte aligned for every count (else each count class is another JIT variant)
-    rows = torch.empty(3, triton.cdiv(count + 1, 4) * 4, dtype=torch.int32,
+    rows = torch.empty(3, cdiv(count + 1, 4) * 4, dtype=torch.int32,
                        device=seq_lens.device)  # fmt: skip
     offsets = rows[:, : count + 1]
     prefill_offsets_kernel[(1,)](
         seq_lens, query_start_loc, plan.num_decodes, count, offsets[0], offsets[1], offsets[2],
-        B_P2=triton.next_power_of_2(max(count, max_seqs) + 1), ALIGN=column_align,
+        B_P2=next_power_of_2(max(count, max_seqs) + 1), ALIGN=column_align,
     )  # fmt: skip
     return offsets
 
@@ -606,7 +612,7 @@ def prefill_operands(
     k_codes = torch.empty(plan.prefill_keys, plan.heads_kv, d, dtype=torch.uint8, device=dev)
     v_t = torch.empty(plan.heads_kv, d, t_pad, dtype=torch.uint8, device=dev)
     factors = torch.empty(plan.heads_kv, 3, t_pad, dtype=torch.float32, device=dev)
-    chunks = triton.cdiv(triton.cdiv(plan.max_seq_len, column_align) * column_align, chunk)
+    chunks = cdiv(cdiv(plan.max_seq_len, column_align) * column_align, chunk)
     prefill_operands_kernel[(count, chunks, plan.heads_kv // heads)](
         cache, layout.scales, block_table, block_table.stride(0), seq_lens, plan.num_decodes,
         offsets[1], offsets[2], k_codes, v_t, factors, t_pad, HKV=plan.heads_kv, D=d,
@@ -615,7 +621,7 @@ def prefill_operands(
     q_codes = torch.empty(rows, plan.heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
     q_exp = torch.empty(plan.heads_q, rows, dtype=EXPONENT_DTYPE, device=dev)
     block = 16 if interpreted() else 64
-    quantize_q_tokens_kernel[(triton.cdiv(rows, block), plan.heads_q)](
+    quantize_q_tokens_kernel[(cdiv(rows, block), plan.heads_q)](
         q[plan.num_decode_tokens :], q.stride(0), q.stride(1), rows, q_codes, q_exp,
         HQ=plan.heads_q, D=d, BLOCK=block, INTERPRET=interpreted(),
     )  # fmt: skip

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from flamia_serve.kernels._common import BoundLaunch, TritonLaunch, interpreted, sm_count
-from flamia_serve.kernels.columns import columns_from_rows, pack_column_tokens
+from flamia_serve.kernels.columns import columns_from_rows_launch, pack_column_tokens
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
 from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
 from flamia_serve.kernels.workspace import PackWorkspace
@@ -85,7 +85,7 @@ class _Buffers:
         _total, heads, d = codes.shape
         out = self.zeros(name, (heads, d, t_pad), torch.uint8)
         tokens = pack_column_tokens(self.workspace, columns, self.column_align, t_pad)
-        copy = functools.partial(columns_from_rows, codes.view(torch.uint8), columns, out, tokens)
+        copy = columns_from_rows_launch(codes.view(torch.uint8), columns, out, tokens)
         return out.view(torch.float8_e4m3fn), copy
 
 
