@@ -98,7 +98,7 @@ def _profile(name: str, fn, n: int = 100) -> None:
     print(f"wrote {path}")
 
 
-def _breakdown(q, k, v, cu, plan, d_out) -> None:
+def _breakdown(q, k, v, cu, ms, plan, d_out) -> None:
     """Host time of each piece of a forward+backward, called alone (printed)."""
     from flamia_serve.kernels.attn_bwd.ops import attn_bwd, bwd_reads_rows, default_bwd_config
     from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config
@@ -149,6 +149,35 @@ def _breakdown(q, k, v, cu, plan, d_out) -> None:
     }
     for name, fn in pieces.items():
         print(f"  piece {name}: host {statistics.median(_host_times(fn, 100)) * 1e6:.1f} us")
+    try:  # the eager path with a plan, piece by piece (new 2026-12-05: not yet run on a GPU)
+        _breakdown_prepared(q, k, v, cu, ms, plan)
+    except Exception as exc:  # printed; the rest of the run still counts
+        print(f"  pieces of the prepared forward: failed: {type(exc).__name__}: {exc}"[:400])
+
+
+def _breakdown_prepared(q, k, v, cu, ms, plan) -> None:
+    """Host time of the eager no-grad call with a plan and of its kept launches, alone."""
+    with torch.no_grad():
+        flamia_attn_varlen(q, k, v, cu, ms, plan=plan)
+        flamia_attn_varlen(q, k, v, cu, ms, plan=plan)  # the kept launches' runners
+    call = next(c for c in plan.calls.values() if c.bwd_work is None)
+    prepared = next(p for p in call.prepared.values() if isinstance(p, custom_ops.ForwardLaunch))
+    quantize, attend = prepared.quantize.quantize, prepared.attend
+    q_slot = q if prepared.defer_q else None
+    pieces = {
+        "eager flamia_attn_varlen (no grad, kept launches)": lambda: flamia_attn_varlen(
+            q, k, v, cu, ms, plan=plan),
+        "custom_ops.attention_forward (kept)": lambda: custom_ops.attention_forward(
+            q, k, v, cu, call),
+        "ForwardLaunch (kept)": lambda: prepared(q, k, v),
+        "kept quantize BoundLaunch (Triton runner)": lambda: quantize(q=q, k=k, v=v),
+        "kept FwdLaunch (3 allocations, ticket, launch)": lambda: attend(q=q_slot),
+        "torch.cuda.current_stream()": torch.cuda.current_stream,
+    }  # fmt: skip
+    with torch.no_grad():
+        for name, fn in pieces.items():
+            print(f"  piece {name}: host "
+                  f"{statistics.median(_host_times(fn, 100)) * 1e6:.1f} us")  # fmt: skip
 
 
 def main() -> int:
@@ -164,7 +193,7 @@ def main() -> int:
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     d_out = torch.randn_like(q)
     if args.breakdown:
-        _breakdown(q, k, v, cu, plan, d_out)
+        _breakdown(q, k, v, cu, ms, plan, d_out)
 
     fresh = plan_varlen(cu, 128, ms, reuse=False)
     counts = sorted({int(n) for n in args.layers.split(",")})
