@@ -341,12 +341,21 @@ def parse_settings(text: str, form: str) -> list[tuple[int, ...]]:
     return out
 
 
+#: DESIGN.md section 8: what a row's ``pass`` may be
+PASSES = ("fwd", "bwd", "fwd+bwd", "quant", "decode", "prefill", "e2e", "copy")
+
+
 def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
-    """Write ``<results_dir>/<name>.json`` in the DESIGN.md section-6 shape; return path.
+    """Write ``<results_dir>/<name>.json`` in the DESIGN.md section-8 shape; return path.
 
     Top level: ``benchmark, gpu, torch, triton, date, rows`` plus ``cuda``, ``libraries``
-    (:func:`library_versions`: the baselines' and ours) and ``extra``.
+    (:func:`library_versions`: the baselines' and ours) and ``extra``. A row with a ``pass``
+    that is not one of :data:`PASSES` is refused before anything is written (rows without
+    one, e.g. the numerics scripts' accuracy rows, are not timings).
     """
+    for row in rows:
+        if "pass" in row and row["pass"] not in PASSES:
+            raise ValueError(f"{name}: row pass {row['pass']!r} is not one of {PASSES}")
     env = env_info()
     doc: dict[str, Any] = {
         "benchmark": name,

@@ -77,8 +77,9 @@ def measure(pack: str, d: int, quick: bool, modes: tuple[str, ...] = EXP_MODES,
         outs[mode] = out.clone()
         t = graph_time(call, rep_ms=50 if quick else 200)
         tflops = causal_flops(lens, HQ, d) / (t["ms"] * 1e-3) / 1e12
-        rows.append({"workload": f"{pack}-d{d}", "pass": "forward",
-                     "impl": f"cute-{cfg.block_m}x{cfg.block_n}-{mode}", **t, "tflops": tflops,
+        rows.append({"workload": f"{pack}-d{d}", "pass": "prefill",
+                     "impl": f"flamia-cute-{cfg.block_m}x{cfg.block_n}-{mode}", **t,
+                     "tflops": tflops,
                      "head_dim": d})  # fmt: skip
     if once or "exact" not in outs:
         return rows

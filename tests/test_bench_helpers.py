@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import parse_settings, time_ms
+from benchmarks.common import parse_settings, time_ms, write_results
 from benchmarks.decode import parse
 from benchmarks.decode_overhead import fit_line
 from benchmarks.exp_bound import parse_pack
@@ -29,6 +29,17 @@ def test_decode_workload_names_parse_or_fail_clearly() -> None:
     assert parse("B1-L1024") == (1, 1024)
     with pytest.raises(ValueError, match="B<sequences>-L<keys>"):
         parse("16x8192")
+
+
+def test_write_results_refuses_a_pass_outside_design(tmp_path, monkeypatch) -> None:
+    """DESIGN section 8 names the passes a row may have; others are refused before any file
+    is written."""
+    monkeypatch.setenv("FLAMIA_RESULTS_DIR", str(tmp_path))
+    row = {"workload": "W1", "pass": "forward", "impl": "flamia-mxfp8", "ms": 1.0,
+           "tflops": None, "gbps": None}  # fmt: skip
+    with pytest.raises(ValueError, match="pass 'forward'"):
+        write_results("bad", [row])
+    assert not list(tmp_path.iterdir())
 
 
 def test_time_ms_names_a_bad_flush_mode() -> None:
