@@ -115,19 +115,13 @@ def _resolve_device(name: str | None) -> str:
 
 
 def _check_writable(path: str) -> Path:
-    """Fail before the work if ``path`` cannot be written (creates nothing that stays)."""
-    p = Path(path)
-    if p.is_dir():
-        raise UsageError(f"--json {path}: is a directory")
-    existed = p.exists()
+    """Fail before the work if ``path`` cannot be written (``files.check_writable``)."""
+    from flamia_serve.files import check_writable
+
     try:
-        with open(p, "a"):
-            pass
-    except OSError as err:
-        raise UsageError(f"--json {path}: cannot write ({err.strerror or err})") from None
-    if not existed:
-        p.unlink()
-    return p
+        return check_writable(path)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _fmt(x: float | None, spec: str) -> str:

@@ -74,6 +74,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flamia_serve.files import check_writable
 from flamia_serve.train import data as pdata
 from flamia_serve.train import pretrain
 from flamia_serve.train.module import PATHS
@@ -619,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         pretrain._need_train_extra()
         cfg = config_from_args(args)
         if args.json and (not torchrun or os.environ["RANK"] == "0"):
-            pretrain.check_writable(args.json)  # before the run, not after it
+            check_writable(args.json, make_parents=True)  # before the run, not after it
         if args.spawn is not None and torchrun:
             raise ValueError("--spawn: not under torchrun (torchrun already started the ranks)")
         if torchrun:

@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flamia_serve.files import check_writable
 from flamia_serve.train import data as pdata
 
 ATTENTIONS = ("bf16", "mxfp8", "mxfp8_grad_input", "mixed_nvfp4", "mixed_nvfp4_hadamard")
@@ -492,22 +493,6 @@ def read_json(path: str | Path, flag: str) -> dict:
         raise ValueError(f"{flag} {path}: not JSON ({e})") from None
 
 
-def check_writable(path: str | Path, flag: str = "--json") -> None:
-    """Fail before any work if ``path`` cannot be written (leaves nothing behind)."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory")
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
-    if not existed:
-        path.unlink()
-
-
 def check_device(name: str) -> torch.device:
     """``--device``: cpu, cuda or cuda:N that exists here (``ValueError`` naming the flag)."""
     from flamia_serve.numerics.checks import check_device as check
@@ -610,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config_from_args(args)
             device = check_device(args.device)
             if args.json:
-                check_writable(args.json)
+                check_writable(args.json, make_parents=True)
             result = pretrain(cfg, args.attention, device=device, roots=args.source,
                               cache_dir=args.cache_dir, max_files=args.max_files,
                               progress=not args.no_progress, json_path=args.json)

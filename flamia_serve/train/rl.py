@@ -93,6 +93,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from flamia_serve.backend.demo import SMALL_LLAMA
+from flamia_serve.files import check_writable
 from flamia_serve.numerics.kv_pages import VLLM_KV_CACHE_DTYPES
 from flamia_serve.train.pretrain import (
     ATTENTIONS,
@@ -101,7 +102,6 @@ from flamia_serve.train.pretrain import (
     _progress,
     attention_setup,
     check_device,
-    check_writable,
     model_shape,
     read_json,
 )
@@ -1285,7 +1285,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         setups = setups_from_args(args, device)
         if args.json:
-            check_writable(args.json)
+            check_writable(args.json, make_parents=True)
         need_train_extra()
         check_environment(setups, device)
     except (ValueError, SetupError) as e:
