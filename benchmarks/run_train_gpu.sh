@@ -119,12 +119,13 @@ fi
 if [[ $steps == *,s23,* ]]; then  # prepared launches (AttnCall.prepared: BoundLaunch, the
   # compiled Triton kernels' runners with each call's addresses; BoundCall, the CuTe TVM-FFI
   # calls): the eager path's tests with plans (fwd+bwd reused across steps and layers, CuTe
-  # Q slot, NVFP4, d = 256 own layout, window kernel), e4m3_value's saturation, the
+  # Q slot, NVFP4, d = 256 own layout, window kernel), the kept column copies / V gather /
+  # dQ read-back (test_columns, 2026-12-05 s24), e4m3_value's saturation, the
   # adversarial entry calls, the CuTe forward/backward suites, then host time (eager vs eager-unprepared in the same run; 8 and 32 layers per step)
   # (files in order of importance: a timeout cuts the last ones)
   run pytest_gpu_s23 "${FLAMIA_TEST_SECS:-330}" python -m pytest -q -W ignore::DeprecationWarning \
-    tests/kernels/test_workspace.py tests/test_nonfinite.py tests/kernels/test_common.py \
-    tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_entry_adversarial.py \
+    tests/kernels/test_workspace.py tests/kernels/test_columns.py tests/test_nonfinite.py \
+    tests/kernels/test_common.py tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_entry_adversarial.py \
     tests/kernels/test_gpu_cute.py -k "not test_cute_bwd_matches_reference or lens0"
   RUN_TAIL="-n 45" run host_time_s23 300 python benchmarks/host_time.py --breakdown \
     --layers 8,32

@@ -25,7 +25,7 @@ from flamia_serve.kernels.attn_fwd.ops import FwdConfig, attn_fwd, default_confi
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.numerics import RECIPES, Recipe, resolve_recipe
 from flamia_serve.numerics.checks import (
-    batched_cu_seqlens,
+    check_batched_inputs,
     check_softmax_scale,
     check_varlen_inputs,
 )
@@ -210,6 +210,32 @@ def flamia_attn_varlen(
     return stats if return_stats else stats[0]
 
 
+#: device -> ((B, S), plan) of the last batched shape :func:`flamia_attn` ran there
+_BATCHED_PLANS: dict[torch.device, tuple[tuple[int, int], VarlenPlan]] = {}
+
+
+def _batched_plan(batch: int, seq: int, device: torch.device) -> VarlenPlan:
+    """The plan of ``batch`` documents of ``seq`` tokens, kept per device while the shape
+    stays (eager calls): every layer and step of a batched model reuses its schedules,
+    checked calls and kernel buffers, as a packed call with a plan does. Inside
+    ``torch.compile`` a one-call plan (nothing kept)."""
+    compiling = torch.compiler.is_compiling()
+    hit = None if compiling else _BATCHED_PLANS.get(device)
+    if hit is not None and hit[0] == (batch, seq):
+        return hit[1]
+    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
+    if compiling:
+        return plan_varlen(cu, batch * seq, seq, validate=False, reuse=False)
+    plan = plan_varlen(cu, batch * seq, seq, validate=False)  # valid by construction
+    _BATCHED_PLANS[device] = ((batch, seq), plan)
+    return plan
+
+
+def release_batched_plans() -> None:
+    """Drop the plans (and kernel buffers) :func:`flamia_attn` keeps between calls."""
+    _BATCHED_PLANS.clear()
+
+
 def flamia_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,19 +249,19 @@ def flamia_attn(
     """Batched FLAMIA attention: q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` -> ``[B, S, Hq, d]``.
 
     Each batch row is one document (scales never cross rows); same options as
-    :func:`flamia_attn_varlen`.
+    :func:`flamia_attn_varlen`. Eager calls keep the plan of the last ``[B, S]`` per device
+    (schedules and the kernels' buffers for ``B·S`` tokens, shared by all layers, as a
+    packed call's plan): a new shape replaces it, :func:`release_batched_plans` drops it.
     """
-    cu = batched_cu_seqlens(q, k, v)
-    if cu is None:  # nothing to attend: an empty output (still in q's graph)
+    batch, seq = check_batched_inputs(q, k, v)
+    if batch * seq == 0:  # nothing to attend: an empty output (still in q's graph)
         return q.clone()
-    batch, seq = q.shape[:2]
-    # valid by construction; one call: no buffers kept
-    plan = plan_varlen(cu, batch * seq, seq, validate=False, reuse=False)
+    plan = _batched_plan(batch, seq, q.device)
     out = flamia_attn_varlen(
         q.reshape(batch * seq, *q.shape[2:]),
         k.reshape(batch * seq, *k.shape[2:]),
         v.reshape(batch * seq, *v.shape[2:]),
-        cu,
+        plan.cu_seqlens,
         seq,
         causal=causal,
         recipe=recipe,
@@ -299,4 +325,10 @@ def debug_p_hat(
     return fwd_final, bwd_p
 
 
-__all__ = ["P_HAT_EXP", "debug_p_hat", "flamia_attn", "flamia_attn_varlen"]
+__all__ = [
+    "P_HAT_EXP",
+    "debug_p_hat",
+    "flamia_attn",
+    "flamia_attn_varlen",
+    "release_batched_plans",
+]

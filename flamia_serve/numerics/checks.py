@@ -68,10 +68,9 @@ def check_int(value: object, name: str, *, low: int, high: int | None = None) ->
     return value
 
 
-def batched_cu_seqlens(q: object, k: object, v: object) -> torch.Tensor | None:
+def check_batched_inputs(q: object, k: object, v: object) -> tuple[int, int]:
     """Check a batched call, q ``[B, S, Hq, d]``, k/v ``[B, S, Hkv, d]`` BF16/FP16, and return
-    its ``cu_seqlens`` (int32 ``[B+1]`` on q's device, one document per batch row), or
-    ``None`` when ``B·S == 0`` (nothing to attend). ``ValueError`` names what differs."""
+    ``(B, S)``. ``ValueError`` names what differs."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(x, name, ndim=4, dtypes=INPUT_DTYPES)
     batch, seq = q.shape[:2]
@@ -80,6 +79,14 @@ def batched_cu_seqlens(q: object, k: object, v: object) -> torch.Tensor | None:
             f"q, k, v must share [B, S], got {tuple(q.shape[:2])}, {tuple(k.shape[:2])}, "
             f"{tuple(v.shape[:2])}"
         )
+    return batch, seq
+
+
+def batched_cu_seqlens(q: object, k: object, v: object) -> torch.Tensor | None:
+    """:func:`check_batched_inputs`, then the call's ``cu_seqlens`` (int32 ``[B+1]`` on q's
+    device, one document per batch row), or ``None`` when ``B·S == 0`` (nothing to
+    attend)."""
+    batch, seq = check_batched_inputs(q, k, v)
     if batch * seq == 0:
         return None
     return torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)

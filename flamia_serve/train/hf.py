@@ -43,29 +43,30 @@ def register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
 
 
-class _PlanCache:
-    """The last pack's plan, keyed by the identity of the tensor it came from (every layer
-    of one forward passes the same ``cu_seq_lens_q`` / ``position_ids`` object)."""
+class _LastBySource:
+    """What was derived from the last tensor seen (a pack's documents and plan), keyed by
+    that tensor's identity and version: every layer of one forward passes the same
+    ``cu_seq_lens_q`` / ``position_ids`` / attention mask object."""
 
     def __init__(self) -> None:
         self._ref: weakref.ref | None = None
         self._version = -1
-        self._plan: VarlenPlan | None = None
-        self._cu: torch.Tensor | None = None
+        self._value: object = None
 
-    def get(self, source: torch.Tensor
-            ) -> tuple[torch.Tensor | None, VarlenPlan | None] | None:  # fmt: skip
+    def get(self, source: torch.Tensor) -> object:
+        """The value put for ``source`` (unchanged since), else None."""
         if self._ref is not None and self._ref() is source and source._version == self._version:
-            return self._cu, self._plan
+            return self._value
         return None
 
-    def put(self, source: torch.Tensor, cu: torch.Tensor | None, plan: VarlenPlan | None
-            ) -> None:  # fmt: skip
-        self._ref, self._version = weakref.ref(source), source._version
-        self._cu, self._plan = cu, plan
+    def put(self, source: torch.Tensor, value: object) -> None:
+        self._ref, self._version, self._value = weakref.ref(source), source._version, value
 
 
-_CACHE = _PlanCache()
+#: (cu_seqlens, plan) of the last packed microbatch ((None, None): a document per row)
+_CACHE = _LastBySource()
+#: (packing,) of the last attention mask (``_mask_packing``; packing None: no padding)
+_UNPADDED = _LastBySource()
 
 
 def _documents_from_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
@@ -105,13 +106,13 @@ def _packed_plan(kwargs: dict, batch: int, seq: int
         cu = _documents_from_positions(position_ids, batch)
         if cu.numel() == batch + 1:  # a document per row: the batched path is the same call
             if not torch.compiler.is_compiling():
-                _CACHE.put(source, None, None)  # read once per microbatch, not per layer
+                _CACHE.put(source, (None, None))  # read once per microbatch, not per layer
             return None
         max_len = int((cu[1:] - cu[:-1]).max())
     if torch.compiler.is_compiling():
         return cu, max_len, None
     plan = plan_varlen(cu, total, max_len)
-    _CACHE.put(source, cu, plan)
+    _CACHE.put(source, (cu, plan))
     return cu, max_len, plan
 
 
@@ -200,25 +201,46 @@ def flamia_attention_forward(
             plan = None
         flat = (x.flatten(0, 1) for x in (q, k, v))
         out = flamia_attention(*flat, cu, max_len, plan=plan, **opts).view(q.shape)
-    elif attention_mask is not None and attention_mask.dim() == 2 and not attention_mask.all():
-        out = _unpadded(q, k, v, attention_mask.bool(), opts)
+    elif attention_mask is not None and (packing := _mask_packing(attention_mask, q, opts)):
+        out = _unpadded(q, k, v, packing, opts)
     else:
         out = flamia_attention(q, k, v, **opts)
     return out.to(query.dtype), None
 
 
-def _unpadded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+def _mask_packing(mask: torch.Tensor, q: torch.Tensor, opts: dict) -> tuple | None:
+    """``(token index, cu_seqlens, max_seqlen, plan)`` of the unpadded tokens of the 2-D
+    padding ``mask`` ``[B, S]`` (nonzero: a token), each row one document; None when
+    nothing is padded. Made once per mask (host reads), not per layer."""
+    compiling = torch.compiler.is_compiling()
+    hit = None if compiling else _UNPADDED.get(mask)
+    if hit is not None:
+        return hit[0]
+    packing = None
+    valid = mask.bool()
+    if not valid.all():
+        idx = valid.flatten().nonzero().flatten()
+        lengths = valid.sum(1)
+        cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=q.device)
+        cu[1:] = lengths.cumsum(0)
+        max_len = max(int(lengths.max()), 1)
+        kernels = use_kernels(q.device, opts["path"]) and not compiling
+        plan = plan_varlen(cu, int(idx.numel()), max_len) if kernels else None
+        packing = (idx, cu, max_len, plan)
+    if not compiling:
+        _UNPADDED.put(mask, (packing,))
+    return packing
+
+
+def _unpadded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: tuple,
               opts: dict) -> torch.Tensor:  # fmt: skip
-    """Padded batch ``[B, S, ...]`` with ``valid`` ``[B, S]``: pack each row's tokens as one
-    document, attend, scatter back (padded positions get zeros)."""
-    batch, seq = valid.shape
-    idx = valid.flatten().nonzero().flatten()
-    lengths = valid.sum(1)
-    cu = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
-    cu[1:] = lengths.cumsum(0)
+    """Padded batch ``[B, S, ...]``: its unpadded tokens (``packing``: :func:`_mask_packing`)
+    attended as one document per row, scattered back (padded positions get zeros)."""
+    idx, cu, max_len, plan = packing
+    batch, seq = q.shape[:2]
     packed = flamia_attention(
-        q.flatten(0, 1)[idx], k.flatten(0, 1)[idx], v.flatten(0, 1)[idx], cu,
-        max(int(lengths.max()), 1), **opts,
+        q.flatten(0, 1)[idx], k.flatten(0, 1)[idx], v.flatten(0, 1)[idx], cu, max_len,
+        plan=plan, **opts,
     )  # fmt: skip
     out = q.new_zeros(batch * seq, *q.shape[2:])
     out = out.index_copy(0, idx, packed)

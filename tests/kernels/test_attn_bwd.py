@@ -398,6 +398,48 @@ def test_transformers_llama_flamia_matches_reference_path(device) -> None:
         assert _rel(g, grads_r[name]) <= 3e-2, name
 
 
+def test_transformers_llama_flamia_padded_batch_packs_once(device, monkeypatch) -> None:
+    """A padded batch (2-D attention mask) through the kernels: its packing and plan are made
+    once per forward and shared by the layers, with the results of packing at every layer
+    (bit for bit on the CPU; dQ's atomics on a GPU) and the reference path's loss."""
+    pytest.importorskip("transformers")
+    import flamia_serve.train.hf as hf
+    from tests.train.test_hf import tiny_llama
+
+    model = tiny_llama(flamia_recipe="mxfp8", num_hidden_layers=2).to(device)
+    ids = torch.randint(0, 64, (2, 24), device=device)
+    mask = torch.ones(2, 24, dtype=torch.long, device=device)
+    mask[1, 15:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    packings = []
+    put, get = hf._UNPADDED.put, hf._UNPADDED.get
+
+    def recorded(source, value) -> None:
+        packings.append(value[0])
+        put(source, value)
+
+    monkeypatch.setattr(hf._UNPADDED, "put", recorded)
+    results = []
+    for path, reuse in (("kernel", True), ("kernel", False), ("reference", True)):
+        monkeypatch.setattr(hf._UNPADDED, "get", get if reuse else lambda source: None)
+        model.config.flamia_path = path
+        model.zero_grad()
+        packings.clear()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert len(packings) == (1 if reuse else 2)  # per forward / per layer
+        if reuse and path == "kernel":  # both layers ran on the one packing's plan
+            ((_idx, _cu, _ms, plan),) = packings
+            assert plan is not None and len(plan.calls) == 1
+    (loss_k, grads_k), (loss_f, grads_f), (loss_r, _grads_r) = results
+    exact = device == "cpu"
+    torch.testing.assert_close(loss_k, loss_f, rtol=0 if exact else 1e-3, atol=0)
+    for g, f in zip(grads_k, grads_f, strict=True):
+        torch.testing.assert_close(g, f, rtol=0 if exact else 2e-2, atol=0 if exact else 1e-5)
+    assert float((loss_k - loss_r).abs()) <= 1e-3 * float(loss_r.abs())
+
+
 def test_training_entry_point_errors(device) -> None:
     """Bad choices of the training entry points fail by name before any work."""
     from types import SimpleNamespace

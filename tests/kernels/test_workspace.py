@@ -91,6 +91,47 @@ def test_plan_call_cache_follows_the_arguments(device) -> None:
             flamia_attn_varlen(None, k, v, cu, ms, plan=plan)
 
 
+def test_batched_calls_keep_the_last_shapes_plan(device) -> None:
+    """``flamia_attn`` keeps the plan of the last [B, S] per device: a later step of the same
+    shape reuses it (schedules, checked calls, buffers) and gives a fresh one-call plan's
+    outputs and gradients (dQ up to the GPU's atomics order); shapes alternating A, B, A
+    each get their own schedules; ``release_batched_plans`` drops it."""
+    from flamia_serve import attention
+
+    attention.release_batched_plans()
+
+    def fresh(q, k, v):  # the batched call on a one-call plan (what flamia_attn did before)
+        b, s = q.shape[:2]
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        plan = plan_varlen(cu, b * s, s, reuse=False)
+        flat = (x.flatten(0, 1) for x in (q, k, v))
+        return flamia_attn_varlen(*flat, cu, s, plan=plan).view(q.shape)
+
+    shapes = [(2, 40), (3, 17), (2, 40)]
+    plans = []
+    for step, (b, s) in enumerate(shapes):
+        q, k, v, _cu, _ms = make_pack([s] * b, 4, 2, 64, seed=20 + step, device=device)
+        d_out = torch.randn(b, s, 4, 64, device=device).to(q.dtype)
+        q, k, v = (x.view(b, s, *x.shape[1:]) for x in (q, k, v))
+        results = []
+        for attend in (attention.flamia_attn, fresh):
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            out = attend(*leaves)
+            out.backward(d_out)
+            results.append([out.detach(), *(x.grad for x in leaves)])
+        for name, a, b_ in zip(("o", "dq", "dk", "dv"), *results, strict=True):
+            _same(a, b_, exact=device == "cpu" or name != "dq")
+        ((shape, plan),) = attention._BATCHED_PLANS.values()
+        assert shape == (b, s) and plan.reuse and plan.calls
+        plans.append(plan)
+        again = attention.flamia_attn(q, k, v)  # same shape: the same plan, no new call
+        assert attention._BATCHED_PLANS[q.device][1] is plan and len(plan.calls) == 2
+        torch.testing.assert_close(again, results[0][0], rtol=0, atol=0)
+    assert plans[0] is not plans[1] and plans[2] is not plans[0]  # only the last shape kept
+    attention.release_batched_plans()
+    assert not attention._BATCHED_PLANS
+
+
 def test_prepared_forward_per_input_layout(device) -> None:
     """A plan's call keeps one prepared forward per input layout: later calls of the same
     layout with other values reuse it and give a fresh call's outputs bit for bit; q/k/v as

@@ -15,12 +15,14 @@ from flamia_serve.train.hf import flamia_attention_forward, register  # noqa: E4
 
 def tiny_llama(**config: object) -> torch.nn.Module:
     """A one-layer GQA Llama (2/1 heads of d = 64, seeded) with ``attn_implementation=
-    "flamia"``; ``config``: further config fields (default ``flamia_path="reference"``)."""
+    "flamia"``; ``config``: further config fields (default ``flamia_path="reference"``,
+    ``num_hidden_layers=1``)."""
     register()
+    fields = {"num_hidden_layers": 1, "flamia_path": "reference", **config}
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, use_cache=False,
-        attn_implementation="flamia", **{"flamia_path": "reference", **config},
+        vocab_size=64, hidden_size=128, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, use_cache=False, attn_implementation="flamia",
+        **fields,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
@@ -83,3 +85,34 @@ def test_compiled_batches_of_several_rows_take_the_batched_call(monkeypatch) -> 
         assert seen == []
         model(input_ids=torch.randint(0, 64, (1, 12)), position_ids=pos[None])
     assert len(seen) == 1
+
+
+def test_a_padding_mask_is_packed_once_per_forward(monkeypatch) -> None:
+    """Every layer gets the same padding mask: its packing (token index, cu_seqlens, plan:
+    host reads) is made at the first layer and reused by the others; a new mask (or one
+    changed in place) is packed again; each padded row still equals the row alone."""
+    import flamia_serve.train.hf as hf
+
+    model = tiny_llama(num_hidden_layers=3)
+    puts = []
+    put = hf._UNPADDED.put
+
+    def recorded(mask, value) -> None:
+        puts.append(value)
+        put(mask, value)
+
+    monkeypatch.setattr(hf._UNPADDED, "put", recorded)
+    ids = torch.randint(0, 64, (2, 12))
+    padding = torch.ones(2, 12, dtype=torch.long)
+    with torch.no_grad():
+        for cut in (7, 4):
+            padding[1, cut:] = 0
+            padded = model(input_ids=ids, attention_mask=padding).logits[1, :cut]
+            alone = model(input_ids=ids[1:, :cut]).logits[0]
+            assert torch.allclose(padded, alone, atol=1e-5), cut
+        model(input_ids=ids, attention_mask=torch.ones(2, 12, dtype=torch.long))
+    # one packing per forward with a padded mask (three layers each); transformers hands an
+    # all-ones mask over as None (the batched call: nothing packed)
+    assert [p[0][1].tolist() for p in puts] == [[0, 12, 19], [0, 12, 16]]
+    (idx, _cu, max_len, plan) = puts[1][0]
+    assert idx.numel() == 16 and max_len == 12 and plan is None  # the reference path
