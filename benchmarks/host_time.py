@@ -13,6 +13,8 @@ drifts by tens of percent between runs, so variants are compared inside one run)
 * ``eager-unprepared``: the same, its launches prepared anew at every call (the eager
   path before 2026-12-05, ``custom_ops.KEEP_PREPARED = False``);
 * ``eager-fresh-buffers``: the same with a plan that keeps neither (``reuse=False``);
+* ``eager-batched``: the same pack as ``[2, 64]`` rows through ``flamia_attn`` (no plan
+  passed: the plan it keeps for its last shape, 2026-12-05; before, a one-call plan);
 * ``eager-custom-op``: the eager call through the ``torch.library`` custom ops
   (``attention.EAGER_CUSTOM_OPS``; the eager path before 2026-12-01);
 * ``compiled-cudagraphs``: the step through ``torch.compile(mode="reduce-overhead",
@@ -49,7 +51,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.common import graph_time, results_dir, write_results
-from flamia_serve import attention, custom_ops, flamia_attn_varlen, plan_varlen
+from flamia_serve import attention, custom_ops, flamia_attn, flamia_attn_varlen, plan_varlen
 from flamia_serve.probes import make_pack
 
 LAYERS = 8
@@ -216,6 +218,15 @@ def main() -> int:
         def loss(q, k, v, plan=plan):
             return layers(q, k, v, plan).float().square().mean()
 
+        def batched_layers(q, k, v, *_plan):  # the same pack as [2, 64] rows, flamia_attn
+            q, k, v = (x.view(2, 64, *x.shape[1:]) for x in (q, k, v))
+            for _ in range(n):
+                q = flamia_attn(q, k, v)
+            return q
+
+        def batched_loss(q, k, v):
+            return batched_layers(q, k, v).float().square().mean()
+
         compiled_layers = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
         compiled_loss = torch.compile(loss, mode="reduce-overhead", fullgraph=True)
         return {
@@ -225,6 +236,8 @@ def main() -> int:
             ("eager-unprepared", "fwd+bwd"): (lambda: loss(*leaves).backward(), "unprepared"),
             ("eager-fresh-buffers", "fwd"): (no_grad(layers, fresh), ""),
             ("eager-fresh-buffers", "fwd+bwd"): (lambda: loss(*leaves, fresh).backward(), ""),
+            ("eager-batched", "fwd"): (no_grad(batched_layers), ""),
+            ("eager-batched", "fwd+bwd"): (lambda: batched_loss(*leaves).backward(), ""),
             ("eager-custom-op", "fwd"): (no_grad(layers), "custom-op"),
             ("eager-custom-op", "fwd+bwd"): (lambda: loss(*leaves).backward(), "custom-op"),
             ("compiled-cudagraphs", "fwd"): (no_grad(compiled_layers), ""),
