@@ -105,7 +105,12 @@ def build_short_windows(cu_seqlens: torch.Tensor, total_tokens: int, limit: int)
     starts, ends = cu[:-1], cu[1:]
     short = (ends > starts) & (ends - starts <= limit)
     n = (total_tokens + limit - 1) // limit
-    chunk = (starts // limit).clamp(0, max(n - 1, 0))
+    if n == 0:  # no token: no window (the scatters below would index an empty tensor)
+        none = torch.zeros(0, dtype=torch.int32, device=cu.device)
+        count = torch.zeros(1, dtype=torch.int32, device=cu.device)
+        return ShortWindows(none, none.clone(), count, token_documents(cu_seqlens, 0)[0].int(),
+                            limit)  # fmt: skip
+    chunk = (starts // limit).clamp(0, n - 1)
     first = torch.full((n,), total_tokens, dtype=torch.long, device=cu.device)
     first = first.scatter_reduce(0, chunk, torch.where(short, starts, total_tokens), "amin")
     last = torch.zeros(n, dtype=torch.long, device=cu.device)

@@ -366,6 +366,10 @@ def test_short_windows_hold_every_short_document_once() -> None:
         assert all(lens[d] > limit for d in work.doc[:count].tolist())
     with pytest.raises(ValueError, match="power of two"):
         build_short_windows(cu, total, 48)
+    for empty in ([0], [0, 0], [0, 0, 0]):  # no token (an empty pack's backward on a GPU)
+        win = build_short_windows(torch.tensor(empty, dtype=torch.int32), 0, 16)
+        assert int(win.count) == 0 and win.start.numel() == win.end.numel() == 0
+        assert win.token_doc.numel() == 0
     with pytest.raises(ValueError, match="extend"):
         build_work_list(cu, total, block_m=32, block_n=16, causal=True, cu_seqlens_k=cu,
                         window_limit=16)  # fmt: skip

@@ -16,10 +16,13 @@ they agree bit for bit; dQ only up to its FP32 atomics' order on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from flamia_serve import flamia_attn, flamia_attn_varlen, plan_varlen
+from flamia_serve.kernels.attn_fwd.ops import default_config
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import attention, attention_float64
 
@@ -216,13 +219,19 @@ def test_gradients_for_some_inputs_and_strided_incoming_gradients(device) -> Non
         assert _same(x.grad, 2 * g, name), name
 
 
-def test_empty_pack_backward_of_a_reduced_loss(device) -> None:
+@pytest.mark.parametrize("windows", [False, True])
+def test_empty_pack_backward_of_a_reduced_loss(windows, device) -> None:
     """An empty microbatch (T = 0; the forward returns an empty O) must also run the
-    backward of the usual ``loss = o.sum()`` / ``o.mean()``, as the twin does."""
+    backward of the usual ``loss = o.sum()`` / ``o.mean()``, as the twin does; also with the
+    short-document windows a GPU picks for it (their schedule indexed an empty tensor)."""
     cu = torch.zeros(3, dtype=torch.int32, device=device)
     leaves = [torch.zeros(0, h, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
               for h in (2, 1, 1)]  # fmt: skip
-    flamia_attn_varlen(*leaves, cu, 0).float().sum().backward()
+    config = None
+    if windows:
+        base = default_config(64, torch.device(device), kernel="triton")
+        config = dataclasses.replace(base, windows=True, quantize_q=False)
+    flamia_attn_varlen(*leaves, cu, 0, config=config).float().sum().backward()
     assert [tuple(x.grad.shape) for x in leaves] == [(0, 2, 64), (0, 1, 64), (0, 1, 64)]
 
 
