@@ -57,11 +57,18 @@ def _check_out(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _check_against_twin(kern: list, ref: list, exact: list | None = None) -> None:
+    """O within the kernel path's bounds; each gradient within 3% of the twin's, relative to
+    the twin's norm or, where that is (near) zero — dQ/dK of 1-token documents, whose
+    softmax has one key — to 1e-3 of the call's largest gradient norm (a GPU's FP8 dot and
+    D's FP32 sum round dP − D differently, leaving a residue the twin does not have)."""
     _check_out(kern[0], ref[0])
+    scale = max(float(r.detach().double().norm()) for r in ref[1:])
     for name, a, r in zip(NAMES[1:], kern[1:], ref[1:], strict=True):
         assert a.shape == r.shape and a.dtype == r.dtype, name
         assert bool(torch.isfinite(a).all()), name
-        assert _rel(a, r) <= 3e-2, (name, _rel(a, r))
+        diff = float((a.detach().double() - r.detach().double()).norm())
+        den = max(float(r.detach().double().norm()), 1e-3 * scale, 1e-300)
+        assert diff / den <= 3e-2, (name, diff / den)
     if exact is not None:
         for name, a, r, e in zip(NAMES, kern, ref, exact, strict=True):
             assert _cos(a, e) >= _cos(r, e) - 2e-4, (name, _cos(a, e), _cos(r, e))
