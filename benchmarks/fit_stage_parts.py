@@ -4,7 +4,7 @@ A call carries the working tree (tracked and untracked-not-ignored files) plus t
 part, 64 MiB in all. ``../shared/device/stage.sh`` cuts parts of 60 MiB, which with this
 repository's ~4.7 MB tree no longer fit (seen 2026-12-01). After ``stage.sh BUNDLE``, run
 
-    python benchmarks/fit_stage_parts.py vllm fa4 [--margin-kib 512]
+    python benchmarks/fit_stage_parts.py vllm fa4 [--margin-kib 4096]
 
 to rewrite ``.stage/BUNDLE/partN`` from the stage cache (``$FLAMIA_STAGE_CACHE``, default
 ``~/.cache/flamia-stage``) with the largest part size that fits, using the shared
@@ -43,7 +43,8 @@ def part_limit(tree: int, margin: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bundles", nargs="+")
-    p.add_argument("--margin-kib", type=int, default=512)
+    p.add_argument("--margin-kib", type=int, default=4096,
+                   help="room left in a call (2026-12-05: 0.5 MiB was refused as over 64 MiB)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(SHARED_DEVICE))
     import split_parts  # the shared splitter
