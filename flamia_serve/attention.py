@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 
 import torch
 
@@ -136,6 +137,30 @@ def _attn_call(
     )  # fmt: skip
 
 
+#: device -> (cu_seqlens weakref, its version, T, max_seqlen, plan) of the last eager call
+#: made without a plan there
+_VARLEN_PLANS: dict[torch.device, tuple] = {}
+
+
+def _plan_of_last_pack(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> VarlenPlan:
+    """The plan of an eager call made without one, kept for the last ``cu_seqlens`` tensor
+    per device (unchanged since, same T and ``max_seqlen``): every layer of a step passes the
+    same tensor, so the pack is checked (one host read) and planned once, as with a plan."""
+    hit = _VARLEN_PLANS.get(q.device)
+    if hit is not None:
+        ref, version, total, longest, plan = hit
+        if (ref() is cu_seqlens and cu_seqlens._version == version and total == q.shape[0]
+                and longest == max_seqlen):  # fmt: skip
+            return plan
+    check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)  # raises, naming the argument
+    plan = plan_varlen(cu_seqlens, q.shape[0], max_seqlen, validate=False)
+    entry = (weakref.ref(cu_seqlens), cu_seqlens._version, q.shape[0], max_seqlen, plan)
+    _VARLEN_PLANS[q.device] = entry
+    return plan
+
+
 def flamia_attn_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -169,7 +194,9 @@ def flamia_attn_varlen(
             float32 ``[T, Hq]`` (not differentiable).
         plan: ``plan_varlen(cu_seqlens, T, max_seqlen)`` built once per microbatch: skips
             the host read that validates ``cu_seqlens`` and reuses the schedules (forward
-            and backward). Inside ``torch.compile`` a missing plan is built unvalidated.
+            and backward). Without one, eager calls keep a plan for the last
+            ``cu_seqlens`` tensor per device (validated once; ``release_batched_plans``
+            drops it); inside ``torch.compile`` a missing plan is built unvalidated.
         config / bwd_config: kernel tiles (defaults per head dim and device).
 
     Eager calls run ``custom_ops.EagerAttention``, traced ones (``torch.compile``) the
@@ -184,9 +211,12 @@ def flamia_attn_varlen(
     tensor = torch.Tensor
     if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
         check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)  # raises, naming the argument
+    compiling = torch.compiler.is_compiling()
+    if plan is None and not compiling and isinstance(cu_seqlens, tensor) \
+            and type(max_seqlen) is int:  # fmt: skip
+        plan = _plan_of_last_pack(q, k, v, cu_seqlens, max_seqlen)
     if plan is not None:
         plan.check_call(q.shape[0] if q.dim() else -1, cu_seqlens, max_seqlen)
-    compiling = torch.compiler.is_compiling()
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     options = (causal, recipe, exact_causal, softmax_scale, config, bwd_config)
     stream = _reuse_stream(q, plan, compiling)
@@ -232,8 +262,10 @@ def _batched_plan(batch: int, seq: int, device: torch.device) -> VarlenPlan:
 
 
 def release_batched_plans() -> None:
-    """Drop the plans (and kernel buffers) :func:`flamia_attn` keeps between calls."""
+    """Drop the plans (and kernel buffers) that calls without a plan keep between calls
+    (:func:`flamia_attn`'s last shape, :func:`flamia_attn_varlen`'s last pack)."""
     _BATCHED_PLANS.clear()
+    _VARLEN_PLANS.clear()
 
 
 def flamia_attn(

@@ -132,6 +132,44 @@ def test_batched_calls_keep_the_last_shapes_plan(device) -> None:
     assert not attention._BATCHED_PLANS
 
 
+def test_calls_without_a_plan_keep_one_for_their_pack(device) -> None:
+    """Eager calls without a plan keep one for the last ``cu_seqlens`` tensor per device:
+    layers passing the same tensor reuse it (checked once) with a one-call plan's results;
+    ``cu_seqlens`` changed in place, another tensor, another ``max_seqlen`` or token count
+    plan again; a bad ``cu_seqlens`` still raises by name."""
+    from flamia_serve import attention
+
+    attention.release_batched_plans()
+    q, k, v, cu, ms = make_pack(LENS, 4, 2, 64, seed=31, device=device)
+    with torch.no_grad():
+        want = flamia_attn_varlen(q, k, v, cu, ms, plan=plan_varlen(cu, q.shape[0], ms,
+                                                                      reuse=False))  # fmt: skip
+        outs = [flamia_attn_varlen(q, k, v, cu, ms) for _ in range(3)]
+        (entry,) = attention._VARLEN_PLANS.values()
+        plan = entry[-1]
+        assert plan.cu_seqlens is cu and len(plan.calls) == 1
+        for out in outs:
+            _same(out, want, exact=True)
+        flamia_attn_varlen(q, k, v, cu, ms + 1)  # another max_seqlen: planned again
+        assert attention._VARLEN_PLANS[q.device][-1] is not plan
+        other = cu.clone()
+        other[1] = 7  # a new pack in another tensor
+        got = flamia_attn_varlen(q, k, v, other, ms)
+        again = flamia_attn_varlen(q, k, v, other, ms, plan=plan_varlen(other, q.shape[0], ms))
+        _same(got, again, exact=True)
+        assert attention._VARLEN_PLANS[q.device][-1].cu_seqlens is other
+        other[1] = 9  # the same tensor changed in place: planned again, not stale
+        got = flamia_attn_varlen(q, k, v, other, ms)
+        fresh = plan_varlen(other.clone(), q.shape[0], ms)
+        _same(got, flamia_attn_varlen(q, k, v, fresh.cu_seqlens, ms, plan=fresh), exact=True)
+        bad = cu.clone()
+        bad[2] = 2  # below cu[1]
+        with pytest.raises(ValueError, match="non-decreasing"):
+            flamia_attn_varlen(q, k, v, bad, ms)
+    attention.release_batched_plans()
+    assert not attention._VARLEN_PLANS
+
+
 def test_prepared_forward_per_input_layout(device) -> None:
     """A plan's call keeps one prepared forward per input layout: later calls of the same
     layout with other values reuse it and give a fresh call's outputs bit for bit; q/k/v as
