@@ -195,7 +195,7 @@ def flamia_attn_varlen(
         plan: ``plan_varlen(cu_seqlens, T, max_seqlen)`` built once per microbatch: skips
             the host read that validates ``cu_seqlens`` and reuses the schedules (forward
             and backward). Without one, eager calls keep a plan for the last
-            ``cu_seqlens`` tensor per device (validated once; ``release_batched_plans``
+            ``cu_seqlens`` tensor per device (validated once; ``release_kept_plans``
             drops it); inside ``torch.compile`` a missing plan is built unvalidated.
         config / bwd_config: kernel tiles (defaults per head dim and device).
 
@@ -261,7 +261,7 @@ def _batched_plan(batch: int, seq: int, device: torch.device) -> VarlenPlan:
     return plan
 
 
-def release_batched_plans() -> None:
+def release_kept_plans() -> None:
     """Drop the plans (and kernel buffers) that calls without a plan keep between calls
     (:func:`flamia_attn`'s last shape, :func:`flamia_attn_varlen`'s last pack)."""
     _BATCHED_PLANS.clear()
@@ -283,7 +283,7 @@ def flamia_attn(
     Each batch row is one document (scales never cross rows); same options as
     :func:`flamia_attn_varlen`. Eager calls keep the plan of the last ``[B, S]`` per device
     (schedules and the kernels' buffers for ``B·S`` tokens, shared by all layers, as a
-    packed call's plan): a new shape replaces it, :func:`release_batched_plans` drops it.
+    packed call's plan): a new shape replaces it, :func:`release_kept_plans` drops it.
     """
     batch, seq = check_batched_inputs(q, k, v)
     if batch * seq == 0:  # nothing to attend: an empty output (still in q's graph)
@@ -362,5 +362,5 @@ __all__ = [
     "debug_p_hat",
     "flamia_attn",
     "flamia_attn_varlen",
-    "release_batched_plans",
+    "release_kept_plans",
 ]

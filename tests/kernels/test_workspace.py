@@ -95,10 +95,10 @@ def test_batched_calls_keep_the_last_shapes_plan(device) -> None:
     """``flamia_attn`` keeps the plan of the last [B, S] per device: a later step of the same
     shape reuses it (schedules, checked calls, buffers) and gives a fresh one-call plan's
     outputs and gradients (dQ up to the GPU's atomics order); shapes alternating A, B, A
-    each get their own schedules; ``release_batched_plans`` drops it."""
+    each get their own schedules; ``release_kept_plans`` drops it."""
     from flamia_serve import attention
 
-    attention.release_batched_plans()
+    attention.release_kept_plans()
 
     def fresh(q, k, v):  # the batched call on a one-call plan (what flamia_attn did before)
         b, s = q.shape[:2]
@@ -128,7 +128,7 @@ def test_batched_calls_keep_the_last_shapes_plan(device) -> None:
         assert attention._BATCHED_PLANS[q.device][1] is plan and len(plan.calls) == 2
         torch.testing.assert_close(again, results[0][0], rtol=0, atol=0)
     assert plans[0] is not plans[1] and plans[2] is not plans[0]  # only the last shape kept
-    attention.release_batched_plans()
+    attention.release_kept_plans()
     assert not attention._BATCHED_PLANS
 
 
@@ -139,7 +139,7 @@ def test_calls_without_a_plan_keep_one_for_their_pack(device) -> None:
     plan again; a bad ``cu_seqlens`` still raises by name."""
     from flamia_serve import attention
 
-    attention.release_batched_plans()
+    attention.release_kept_plans()
     q, k, v, cu, ms = make_pack(LENS, 4, 2, 64, seed=31, device=device)
     with torch.no_grad():
         want = flamia_attn_varlen(q, k, v, cu, ms, plan=plan_varlen(cu, q.shape[0], ms,
@@ -166,7 +166,7 @@ def test_calls_without_a_plan_keep_one_for_their_pack(device) -> None:
         bad[2] = 2  # below cu[1]
         with pytest.raises(ValueError, match="non-decreasing"):
             flamia_attn_varlen(q, k, v, bad, ms)
-    attention.release_batched_plans()
+    attention.release_kept_plans()
     assert not attention._VARLEN_PLANS
 
 
