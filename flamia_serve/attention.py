@@ -149,7 +149,7 @@ def _plan_of_last_pack(
     per device (unchanged since, same T and ``max_seqlen``): every layer of a step passes the
     same tensor, so the pack is checked (one host read) and planned once, as with a plan."""
     hit = _VARLEN_PLANS.get(q.device)
-    if hit is not None:
+    if hit is not None and q.dim():
         ref, version, total, longest, plan = hit
         if (ref() is cu_seqlens and cu_seqlens._version == version and total == q.shape[0]
                 and longest == max_seqlen):  # fmt: skip

@@ -162,6 +162,8 @@ def test_calls_without_a_plan_keep_one_for_their_pack(device) -> None:
         got = flamia_attn_varlen(q, k, v, other, ms)
         fresh = plan_varlen(other.clone(), q.shape[0], ms)
         _same(got, flamia_attn_varlen(q, k, v, fresh.cu_seqlens, ms, plan=fresh), exact=True)
+        with pytest.raises(ValueError, match="q must have 3 dims"):  # with a plan kept
+            flamia_attn_varlen(q[0, 0, 0], k, v, other, ms)
         bad = cu.clone()
         bad[2] = 2  # below cu[1]
         with pytest.raises(ValueError, match="non-decreasing"):
