@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 
 import torch
 
@@ -137,9 +136,8 @@ def _attn_call(
     )  # fmt: skip
 
 
-#: device -> (cu_seqlens weakref, its version, T, max_seqlen, plan) of the last eager call
-#: made without a plan there
-_VARLEN_PLANS: dict[torch.device, tuple] = {}
+#: device -> the plan of the last eager call made without one there
+_VARLEN_PLANS: dict[torch.device, VarlenPlan] = {}
 
 
 def _plan_of_last_pack(
@@ -148,16 +146,14 @@ def _plan_of_last_pack(
     """The plan of an eager call made without one, kept for the last ``cu_seqlens`` tensor
     per device (unchanged since, same T and ``max_seqlen``): every layer of a step passes the
     same tensor, so the pack is checked (one host read) and planned once, as with a plan."""
-    hit = _VARLEN_PLANS.get(q.device)
-    if hit is not None and q.dim():
-        ref, version, total, longest, plan = hit
-        if (ref() is cu_seqlens and cu_seqlens._version == version and total == q.shape[0]
-                and longest == max_seqlen):  # fmt: skip
-            return plan
+    plan = _VARLEN_PLANS.get(q.device)
+    if (plan is not None and q.dim() and plan.cu_seqlens is cu_seqlens
+            and plan.cu_version == cu_seqlens._version and plan.total_tokens == q.shape[0]
+            and plan.max_seqlen == max_seqlen):  # fmt: skip
+        return plan
     check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)  # raises, naming the argument
-    plan = plan_varlen(cu_seqlens, q.shape[0], max_seqlen, validate=False)
-    entry = (weakref.ref(cu_seqlens), cu_seqlens._version, q.shape[0], max_seqlen, plan)
-    _VARLEN_PLANS[q.device] = entry
+    plan = _VARLEN_PLANS[q.device] = plan_varlen(cu_seqlens, q.shape[0], max_seqlen,
+                                                 validate=False)  # fmt: skip
     return plan
 
 
@@ -240,8 +236,8 @@ def flamia_attn_varlen(
     return stats if return_stats else stats[0]
 
 
-#: device -> ((B, S), plan) of the last batched shape :func:`flamia_attn` ran there
-_BATCHED_PLANS: dict[torch.device, tuple[tuple[int, int], VarlenPlan]] = {}
+#: device -> the plan of the last batched shape :func:`flamia_attn` ran there
+_BATCHED_PLANS: dict[torch.device, VarlenPlan] = {}
 
 
 def _batched_plan(batch: int, seq: int, device: torch.device) -> VarlenPlan:
@@ -250,14 +246,13 @@ def _batched_plan(batch: int, seq: int, device: torch.device) -> VarlenPlan:
     checked calls and kernel buffers, as a packed call with a plan does. Inside
     ``torch.compile`` a one-call plan (nothing kept)."""
     compiling = torch.compiler.is_compiling()
-    hit = None if compiling else _BATCHED_PLANS.get(device)
-    if hit is not None and hit[0] == (batch, seq):
-        return hit[1]
+    plan = None if compiling else _BATCHED_PLANS.get(device)
+    if plan is not None and (plan.total_tokens, plan.max_seqlen) == (batch * seq, seq):
+        return plan
     cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
     if compiling:
         return plan_varlen(cu, batch * seq, seq, validate=False, reuse=False)
-    plan = plan_varlen(cu, batch * seq, seq, validate=False)  # valid by construction
-    _BATCHED_PLANS[device] = ((batch, seq), plan)
+    plan = _BATCHED_PLANS[device] = plan_varlen(cu, batch * seq, seq, validate=False)
     return plan
 
 

@@ -121,11 +121,11 @@ def test_batched_calls_keep_the_last_shapes_plan(device) -> None:
             results.append([out.detach(), *(x.grad for x in leaves)])
         for name, a, b_ in zip(("o", "dq", "dk", "dv"), *results, strict=True):
             _same(a, b_, exact=device == "cpu" or name != "dq")
-        ((shape, plan),) = attention._BATCHED_PLANS.values()
-        assert shape == (b, s) and plan.reuse and plan.calls
+        (plan,) = attention._BATCHED_PLANS.values()
+        assert (plan.total_tokens, plan.max_seqlen) == (b * s, s) and plan.reuse and plan.calls
         plans.append(plan)
         again = attention.flamia_attn(q, k, v)  # same shape: the same plan, no new call
-        assert attention._BATCHED_PLANS[q.device][1] is plan and len(plan.calls) == 2
+        assert attention._BATCHED_PLANS[q.device] is plan and len(plan.calls) == 2
         torch.testing.assert_close(again, results[0][0], rtol=0, atol=0)
     assert plans[0] is not plans[1] and plans[2] is not plans[0]  # only the last shape kept
     attention.release_kept_plans()
@@ -145,19 +145,18 @@ def test_calls_without_a_plan_keep_one_for_their_pack(device) -> None:
         want = flamia_attn_varlen(q, k, v, cu, ms, plan=plan_varlen(cu, q.shape[0], ms,
                                                                       reuse=False))  # fmt: skip
         outs = [flamia_attn_varlen(q, k, v, cu, ms) for _ in range(3)]
-        (entry,) = attention._VARLEN_PLANS.values()
-        plan = entry[-1]
+        (plan,) = attention._VARLEN_PLANS.values()
         assert plan.cu_seqlens is cu and len(plan.calls) == 1
         for out in outs:
             _same(out, want, exact=True)
         flamia_attn_varlen(q, k, v, cu, ms + 1)  # another max_seqlen: planned again
-        assert attention._VARLEN_PLANS[q.device][-1] is not plan
+        assert attention._VARLEN_PLANS[q.device] is not plan
         other = cu.clone()
         other[1] = 7  # a new pack in another tensor
         got = flamia_attn_varlen(q, k, v, other, ms)
         again = flamia_attn_varlen(q, k, v, other, ms, plan=plan_varlen(other, q.shape[0], ms))
         _same(got, again, exact=True)
-        assert attention._VARLEN_PLANS[q.device][-1].cu_seqlens is other
+        assert attention._VARLEN_PLANS[q.device].cu_seqlens is other
         other[1] = 9  # the same tensor changed in place: planned again, not stale
         got = flamia_attn_varlen(q, k, v, other, ms)
         fresh = plan_varlen(other.clone(), q.shape[0], ms)
