@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from flamia_serve.custom_ops import AttnCall, EagerAttention, attention_forward, op_arguments
+from flamia_serve.custom_ops import AttnCall, attention_forward, eager_attention, op_arguments
 from flamia_serve.kernels.attn_bwd.ops import (
     BwdConfig,
     attn_bwd,
@@ -74,9 +74,9 @@ def _reuse_stream(q: torch.Tensor, plan: VarlenPlan | None, compiling: bool) -> 
         return _NO_REUSE
     if q.device.type != "cuda":
         return None
-    if torch.cuda.is_current_stream_capturing():
+    if torch._C._cuda_isCurrentStreamCapturing():  # torch.cuda's, without its Python
         return _NO_REUSE
-    return torch.cuda.current_stream(q.device).cuda_stream
+    return torch._C._cuda_getCurrentRawStream(q.device.index)  # ~8 µs less than current_stream
 
 
 def _attn_call(
@@ -230,7 +230,7 @@ def flamia_attn_varlen(
     if compiling or EAGER_CUSTOM_OPS:
         stats = torch.ops.flamia.attn_varlen_fwd(q, k, v, cu_seqlens, *op_arguments(call))
     elif needs_grad:
-        stats = EagerAttention.apply(q, k, v, cu_seqlens, call)
+        stats = eager_attention(q, k, v, cu_seqlens, call)
     else:
         stats = attention_forward(q, k, v, cu_seqlens, call)
     return stats if return_stats else stats[0]

@@ -130,7 +130,7 @@ def _layout(*tensors: torch.Tensor) -> tuple:
     """What prepared launches fix beyond an ``AttnCall``'s key: the tensors' strides and
     16-byte alignment (Triton's and the CuTe loads' specialisation; whether the CuTe forward
     quantizes Q) and the current CUDA device (Triton launches on it)."""
-    device = torch.cuda.current_device() if tensors[0].is_cuda else None
+    device = torch._C._cuda_getDevice() if tensors[0].is_cuda else None  # current_device()
     return (*[t.stride() for t in tensors], *[t.data_ptr() % 16 == 0 for t in tensors], device)
 
 
@@ -288,13 +288,39 @@ class EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, m_rows, lse_rows, cu_seqlens)
         ctx.call = call
         ctx.mark_non_differentiable(m_rows, lse_rows)
+        # M and lse get no gradient: without this autograd would fill two [T, Hq] zero
+        # tensors for them at every backward (two allocations and memsets per layer)
+        ctx.set_materialize_grads(False)
         return out, m_rows, lse_rows
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out, _d_m, _d_lse):
+        if d_out is None:  # O reached no loss (only the statistics were used)
+            return None, None, None, None, None
         dq, dk, dv = attention_backward(d_out, *ctx.saved_tensors, ctx.call)
         return dq, dk, dv, None, None
+
+
+#: the C ``apply`` that ``autograd.Function.apply`` ends in, bound to ``EagerAttention``
+_EAGER_APPLY = (
+    torch._C._FunctionBase.__dict__["apply"].__get__(None, EagerAttention)
+    if "apply" in torch._C._FunctionBase.__dict__
+    else None
+)
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, call: AttnCall
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``EagerAttention.apply(q, k, v, cu_seqlens, call)``. Outside functorch transforms it
+    calls the C ``apply`` directly, as ``autograd.Function.apply`` does after its checks
+    (their Python costs ~4 µs a call on the development CPU, several times that on the GPU
+    hosts); inside one, ``apply`` itself (which refuses: no ``setup_context``)."""
+    if _EAGER_APPLY is None or torch._C._are_functorch_transforms_active():
+        return EagerAttention.apply(q, k, v, cu_seqlens, call)
+    unwrap = torch._C._functorch.unwrap_if_dead  # as Function.apply does
+    return _EAGER_APPLY(unwrap(q), unwrap(k), unwrap(v), unwrap(cu_seqlens), call)
 
 
 # ---- custom ops: the same calls with tensor-list / int arguments ------------------------

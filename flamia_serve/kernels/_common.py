@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.compiler import CompiledKernel
+from triton.knobs import HookChain
 
 from flamia_serve.numerics import operands
 from flamia_serve.numerics.formats import NVFP4_ERROR_BITS as _NVFP4_ERROR_BITS
@@ -80,7 +82,7 @@ class TritonLaunch:
     pointer query); any other goes through the ``JITFunction`` (which compiles or finds the
     kernel, and checks the pointers) and is remembered (up to ``MAX_SPECIALISATIONS``, then
     the memory starts over). Under the CPU interpreter every launch goes through the
-    ``JITFunction``. Returns the runner that launched (``CompiledKernel[grid]``, which takes
+    ``JITFunction``. Returns the runner that launched (:func:`compiled_runner`, which takes
     :func:`launch_values`), None when the launch went through the ``JITFunction`` without
     one (interpreter, unhashable arguments, parameters left to their defaults).
     """
@@ -119,8 +121,36 @@ class TritonLaunch:
             return None
         if len(self._runners) >= self.MAX_SPECIALISATIONS:
             self._runners.clear()
-        runner = self._runners[tuple(key)] = compiled[grid]
+        runner = self._runners[tuple(key)] = compiled_runner(compiled, grid)
         return runner
+
+
+def _current_raw_stream() -> int:
+    """The current CUDA stream of the current device, as Triton's launcher takes it."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+def compiled_runner(compiled: CompiledKernel, grid: tuple[int, int, int]) -> Callable:
+    """``compiled[grid]`` (its runner: ``runner(*launch_values)``, tensors or addresses)
+    without that runner's per-launch Python while no launch hook is set: it asks Triton's
+    driver proxy for the device and stream and builds the hooks' launch metadata at every
+    launch (~5 µs of host time on the GPU hosts); this one hands the launcher the current
+    stream and no hooks. With a hook set (profilers such as Proton add them) every launch
+    goes through Triton's runner, so the hooks see it."""
+    standard = compiled[grid]  # loads the kernel (CompiledKernel._init_handles)
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    hooks = knobs.runtime
+    g0, g1, g2 = grid
+
+    def runner(*values: object) -> None:
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        unhooked = type(enter) is HookChain and type(leave) is HookChain
+        if unhooked and not (enter.calls or leave.calls):
+            run(g0, g1, g2, _current_raw_stream(), function, metadata, None, None, None, *values)
+        else:
+            standard(*values)
+
+    return runner
 
 
 def launch_values(
@@ -194,13 +224,29 @@ class _Slots:
 class BoundCall(_Slots):
     """``fn(*args)`` for calls that differ only in the tensors of ``slots``: ``bound(
     **tensors)`` calls it with each slot's tensor in place (the CuTe kernels' TVM-FFI
-    calls); :meth:`keep` before keeping it for later calls."""
+    calls); :meth:`keep` before keeping it for later calls.
+
+    ``fixed`` (e.g. ``tvm_ffi.from_dlpack``): applied once, when :meth:`keep` binds the
+    slots, to every tensor argument outside them, so later calls pass those converted
+    (TVM-FFI converts a torch tensor at every call otherwise). TVM-FFI takes the call's
+    stream from its torch tensors: calls must pass at least one slot's tensor."""
 
     def __init__(
-        self, fn: Callable, args: Sequence[object], slots: dict[str, torch.Tensor | None]
+        self,
+        fn: Callable,
+        args: Sequence[object],
+        slots: dict[str, torch.Tensor | None],
+        fixed: Callable[[torch.Tensor], object] | None = None,
     ) -> None:
         super().__init__(args, slots)
-        self.fn = fn
+        self.fn, self.fixed = fn, fixed
+
+    def keep(self) -> bool:
+        reusable = super().keep()
+        if reusable and self.fixed is not None and self.positions:
+            convert, self.fixed = self.fixed, None
+            self.args = [convert(a) if isinstance(a, torch.Tensor) else a for a in self.args]
+        return reusable
 
     def __call__(self, **tensors: torch.Tensor | None) -> None:
         self.fn(*self.filled(tensors))

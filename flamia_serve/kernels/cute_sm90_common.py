@@ -41,6 +41,14 @@ def compile_kernel(kernel, aligned, *scalars, options: str = TVM_FFI):
     )  # fmt: skip
 
 
+def ffi_tensor(t: torch.Tensor) -> object:
+    """``t`` as a TVM-FFI tensor (same memory, ``t`` kept alive): what a kept ``BoundCall``
+    passes for the arguments that stay (``BoundCall(fixed=ffi_tensor)``)."""
+    import tvm_ffi  # what the TVM-FFI calls (TVM_FFI) need anyway
+
+    return tvm_ffi.from_dlpack(t)
+
+
 def kernel_tensors(aligned) -> list[torch.Tensor]:
     """The launch's tensors of ``aligned``: E4M3 ones as bytes (what the kernels declare)."""
     return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t, _ in aligned]

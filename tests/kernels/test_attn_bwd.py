@@ -332,6 +332,30 @@ def test_autograd_as_accurate_as_reference(recipe, zero_v, device) -> None:
         assert _rel(a, r) <= 3e-2, name
 
 
+def test_eager_backward_gets_no_zero_gradients_for_the_statistics(device, monkeypatch) -> None:
+    """M and lse are not differentiable: the eager backward receives None for them (autograd
+    would otherwise allocate and fill two [T, Hq] zero tensors per layer and step), with or
+    without ``return_stats``, and its gradients are unchanged."""
+    from flamia_serve.custom_ops import EagerAttention
+
+    seen = []
+    backward = EagerAttention.backward
+
+    def recording(ctx, d_out, d_m, d_lse):
+        seen.append((d_out is None, d_m, d_lse))
+        return backward(ctx, d_out, d_m, d_lse)
+
+    monkeypatch.setattr(EagerAttention, "backward", staticmethod(recording))
+    q, k, v, cu, ms = make_pack((9, 1, 6), 2, 1, 64, seed=4, device=device)
+    d_out = torch.randn_like(q)
+    plain = _grads(lambda *a: flamia_attn_varlen(*a, cu, ms), q, k, v, d_out)
+    stats = _grads(lambda *a: flamia_attn_varlen(*a, cu, ms, return_stats=True)[0], q, k, v, d_out)
+    assert seen == [(False, None, None)] * 2
+    tol = 1e-2 if q.is_cuda else 0  # dQ: FP32 atomics on a GPU
+    for a, b in zip(plain, stats, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol / 10)
+
+
 def test_torch_compile_fullgraph(device) -> None:
     """A function calling the op compiles with fullgraph=True (AOTAutograd traces the
     custom ops' fake implementations, forward and backward) and matches eager."""
@@ -364,6 +388,14 @@ def test_grad_errors(device) -> None:
     with pytest.raises(ValueError, match="with_transposed=True"):
         attn_bwd(qkv, quantize_do(q.detach(), out, m, lse, cu), m, lse, cu, heads_q=4,
                  causal=True, softmax_scale=0.125)  # fmt: skip
+
+
+def test_functorch_transforms_are_refused(device) -> None:
+    """``torch.func`` transforms of an eager call raise (the autograd function has no
+    ``setup_context``), as ``autograd.Function.apply`` does, instead of running untracked."""
+    q, k, v, cu, ms = make_pack((9, 4), 2, 1, 64, seed=5, device=device)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: flamia_attn_varlen(x, k, v, cu, ms).float().sum())(q)
 
 
 def test_kernel_path_needs_gpu_or_interpreter(monkeypatch) -> None:

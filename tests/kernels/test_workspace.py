@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from flamia_serve import flamia_attn_varlen, plan_varlen
+from flamia_serve.kernels import _common
 from flamia_serve.kernels._common import BoundCall, BoundLaunch, TritonLaunch
 from flamia_serve.kernels.workspace import TICKETS, PackWorkspace, pack_constant
 from flamia_serve.probes import make_pack
@@ -287,6 +288,33 @@ def test_bound_call_puts_each_slot_in_place() -> None:
     assert calls[1][0] is c and calls[1][1] is b and calls[1][3] is a
 
 
+def test_bound_call_converts_the_tensors_outside_its_slots_once_when_kept() -> None:
+    """``fixed`` (the TVM-FFI conversion) is applied once, at ``keep``, to the tensors that
+    stay; the slots' tensors pass as given; without slots nothing is converted (TVM-FFI
+    would then find no torch tensor to take the stream from)."""
+    calls, converted = [], []
+    a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+
+    def fixed(t: torch.Tensor) -> tuple:
+        converted.append(t)
+        return ("converted", t)
+
+    bound = BoundCall(lambda *args: calls.append(args), [a, b, 3.0, c], {"a": a, "c": c}, fixed)
+    bound(a=a, c=c)  # made for this call: as given
+    assert [x is y for x, y in zip(calls[0], (a, b, 3.0, c), strict=True)] == [True] * 4
+    assert not converted
+    assert bound.keep() and bound.keep()
+    assert len(converted) == 1 and converted[0] is b
+    for _ in range(2):
+        bound(a=c, c=a)
+        assert calls[-1][0] is c and calls[-1][1] == ("converted", b) and calls[-1][3] is a
+    assert len(converted) == 1
+    alone = BoundCall(lambda *args: calls.append(args), [a, b], {}, fixed)
+    assert alone.keep()
+    alone()
+    assert calls[-1][0] is a and calls[-1][1] is b and len(converted) == 1
+
+
 def test_unkept_launch_given_other_tensors_binds_them() -> None:
     """A launch made for one call and called with other tensors puts those in (it binds its
     slots then), not the ones it was made with."""
@@ -441,3 +469,74 @@ def test_gpu_bound_launch_runs_the_compiled_kernel_with_new_tensors() -> None:
     out3 = torch.empty_like(shifted)
     bound(x=shifted, out=out3)
     assert torch.equal(out3, shifted * 3)
+
+
+class _FakeCompiled:
+    """The parts of a ``CompiledKernel`` that ``compiled_runner`` uses, recording launches."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def run(self, *args: object) -> None:
+        self.calls.append(("launcher", args))
+
+    def __getitem__(self, grid):
+        return lambda *values: self.calls.append(("triton runner", grid, values))
+
+
+def test_compiled_runner_calls_the_launcher_unless_a_launch_hook_is_set(monkeypatch) -> None:
+    """No hook: the launcher gets the grid, the current stream, no metadata or hooks, then
+    the values. A hook in Triton's chain, or one set as a plain function: Triton's runner,
+    so the hook sees the launch."""
+    calls: list = []
+    monkeypatch.setattr(_common, "_current_raw_stream", lambda: 77)
+    runner = _common.compiled_runner(_FakeCompiled(calls), (3, 2, 1))
+    runner(10, 20)
+    assert calls == [("launcher", (3, 2, 1, 77, "function", "metadata", None, None, None, 10, 20))]
+
+    def hook(metadata: object) -> None:
+        pass
+
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        runner(5)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert calls[-1] == ("triton runner", (3, 2, 1), (5,))
+    runner(6)
+    assert calls[-1][0] == "launcher"
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", hook)
+    runner(7)
+    assert calls[-1] == ("triton runner", (3, 2, 1), (7,))
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_runner_launches_on_the_current_stream_and_calls_hooks() -> None:
+    """The kept runner launches on the stream current at each call (a side stream's kernel
+    is ordered after that stream's earlier work) and calls a launch hook when one is set."""
+    launch = TritonLaunch(_scale_kernel)
+    x = torch.randn(1 << 20, device="cuda")
+    out = torch.empty_like(x)
+    launch((4096,), x, out, x.numel(), 2.0, BLOCK=256)  # compiles; the runner is kept
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            y = x * 3  # queued on the side stream, before the launch reads it
+            launch((4096,), y, out, x.numel(), 2.0, BLOCK=256)
+    side.synchronize()
+    assert torch.equal(out, x * 6) and len(launch._runners) == 1
+    seen: list = []
+
+    def hook(metadata: object) -> None:
+        seen.append(metadata)
+
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch((4096,), x, out, x.numel(), 2.0, BLOCK=256)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert len(seen) == 1 and torch.equal(out, x * 2)

@@ -112,6 +112,7 @@ from flamia_serve.kernels.cute_sm90_common import (
     column_offset,
     compile_kernel,
     e4m3_exponent,
+    ffi_tensor,
     kernel_tensors,
     pow2,
     v_t_position,
@@ -1521,7 +1522,7 @@ def attn_bwd_sm90_launch(
             )
         if total:
             args = [*tensors, qk_scale, softmax_scale, work.num_slots * heads_kv]
-            kernels.append(BoundCall(_COMPILED[key], args, slots))
+            kernels.append(BoundCall(_COMPILED[key], args, slots, fixed=ffi_tensor))
     at = pack_constant(  # where dq_acc holds each token's dQ (the pack fixes it)
         workspace, ("dq_index", step, d),
         lambda: dq_fragment_index(operands.v_t_key(cols), step, d),

@@ -54,6 +54,7 @@ from flamia_serve.kernels.cute_sm90_common import (
     column_offset,
     compile_kernel,
     e4m3_exponent,
+    ffi_tensor,
     kernel_tensors,
     load_shared_words,
     pow2,
@@ -1109,4 +1110,5 @@ def attn_fwd_sm90_call(
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     ctas = max(1, min(work.num_slots * heads_q, sm_count(out.device)))
     slots = {"q": qkv.q_input, "out": out, "m": m_rows, "lse": lse_rows, "ticket": ticket}
-    return BoundCall(_COMPILED[key], [*kernel_tensors(aligned), qk_scale, ctas], slots)
+    args = [*kernel_tensors(aligned), qk_scale, ctas]
+    return BoundCall(_COMPILED[key], args, slots, fixed=ffi_tensor)

@@ -256,6 +256,13 @@ def attn_fwd(
     return attn_fwd_launch(qkv, cu_seqlens, **options)(q=qkv.q_input)
 
 
+def row_stats(total: int, heads_q: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``M`` and ``lse``, float32 ``[T, Hq]`` each (contiguous), the two halves of one
+    allocation (one allocator call per forward less)."""
+    stats = torch.empty(2, total, heads_q, dtype=torch.float32, device=device)
+    return stats[0], stats[1]
+
+
 @dataclass
 class FwdLaunch:
     """The launches of :func:`attn_fwd_launch`: ``launch(q=...)`` allocates ``O`` ``[T, Hq,
@@ -286,8 +293,7 @@ class FwdLaunch:
             (out, m_rows, lse_rows, ticket), self.first = self.first, None
         else:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-            m_rows = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device)
-            lse_rows = torch.empty_like(m_rows)
+            m_rows, lse_rows = row_stats(*self.out_shape[:2], self.device)
             ticket = zero_counter(self.workspace, self.device) if self.ticketed else None
         if self.windows is not None:
             self.windows(out=out, m=m_rows, lse=lse_rows)
@@ -386,8 +392,7 @@ def attn_fwd_launch(
             window_limit=limit,
         )  # fmt: skip
     out = torch.empty(total, heads_q, d, dtype=out_dtype, device=dev)
-    m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=dev)
-    lse_rows = torch.empty_like(m_rows)
+    m_rows, lse_rows = row_stats(total, heads_q, dev)
     cute = cfg.kernel == "cute"
     # the persistent grid's item counter (never read otherwise)
     ticket = zero_counter(workspace, dev) if total and (cute or cfg.persistent) else None
