@@ -21,12 +21,13 @@ drifts by tens of percent between runs, so variants are compared inside one run)
   fullgraph=True)`` (the custom ops, replayed from CUDA graphs): what a training loop that
   needs the host out of the way runs.
 
-Usage: ``python benchmarks/host_time.py [--layers 8,32] [--breakdown] [--profile]`` (writes
+Usage: ``python benchmarks/host_time.py [--layers 8,32] [--breakdown] [--profile] [--impls A,B]`` (writes
 ``results/host_time.json``; ``--layers``: calls per step, default ``LAYERS``; with two
 counts also the ``marginal`` host time one more call adds, which leaves out what a step
 costs once whatever its depth, e.g. a CUDA graph's launch and torch.compile's guards;
 ``--breakdown`` prints the host time of each piece of one call alone, ``--profile`` writes
-cProfile's top functions of the eager steps to ``host_time_profile_<pass>.txt``).
+cProfile's top functions of the eager steps to ``host_time_profile_<pass>.txt``; ``--impls``:
+only those variants, e.g. ``eager,eager-batched``).
 
 A floor of the eager path, measured on a CPU (2026-12-05, launches stubbed): an
 ``autograd.Function.apply`` with this call's inputs and saved tensors alone takes ~21 µs
@@ -189,6 +190,8 @@ def main() -> int:
     parser.add_argument("--layers", default=str(LAYERS),
                         help="attention calls per step, e.g. 8,32 (two counts: also what one "
                         "more call adds, the fixed per-step cost taken out)")
+    parser.add_argument("--impls", default="",
+                        help="only these variants, e.g. eager,eager-batched (default: all)")
     args = parser.parse_args()
     q, k, v, cu, ms = make_pack((64, 64), 32, 8, 128, seed=0, device="cuda")
     plan = plan_varlen(cu, 128, ms)
@@ -245,7 +248,9 @@ def main() -> int:
                 lambda: compiled_loss(*leaves).backward(), ""),
         }
 
-    variants = {(*key, n): value for n in counts for key, value in steps(n).items()}
+    chosen = set(filter(None, args.impls.split(",")))
+    variants = {(*key, n): value for n in counts for key, value in steps(n).items()
+                if not chosen or key[0] in chosen}  # fmt: skip
     samples: dict[tuple[str, str, int], list[float]] = {key: [] for key in variants}
     for key, (step, mode) in list(variants.items()):
         try:

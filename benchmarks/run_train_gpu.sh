@@ -424,14 +424,15 @@ if [[ $steps == *,s25,* ]]; then  # 2026-12-06: the three GPU-only failures of t
   # the kept CuTe calls, M/lse in one allocation, no zero gradients materialised for M/lse,
   # Function.apply's C entry) under the prepared-launch tests; host time; then the rest of
   # the adversarial file and the CuTe forward suite (in order of importance)
-  RUN_TAIL="-n 60" run pytest_gpu_adversarial_three 200 python -m pytest -v -rf --tb=short \
+  RUN_TAIL="-n 60" run pytest_gpu_adversarial_three 150 python -m pytest -v -rf --tb=short \
     -W ignore::DeprecationWarning -p no:cacheprovider tests/kernels/test_entry_adversarial.py \
     -k "huge_logits or batched_tiny"
-  RUN_TAIL="-n 30" run pytest_gpu_s25_host 200 python -m pytest -q -rf --tb=short \
+  RUN_TAIL="-n 30" run pytest_gpu_s25_host 150 python -m pytest -q -rf --tb=short \
     -W ignore::DeprecationWarning -p no:cacheprovider tests/kernels/test_workspace.py \
     tests/kernels/test_attn_bwd.py -k "not test_attn_bwd or zero_gradients or functorch or autograd_as"
-  RUN_TAIL="-n 45" run host_time_s25 200 python benchmarks/host_time.py --breakdown --layers 8,32
-  RUN_TAIL="-n 40" run pytest_gpu_adversarial "${FLAMIA_TEST_SECS:-300}" python -m pytest -q -rf \
+  RUN_TAIL="-n 45" run host_time_s25 150 python benchmarks/host_time.py --breakdown --layers 8,32 \
+    --impls eager,eager-batched,eager-unprepared
+  RUN_TAIL="-n 40" run pytest_gpu_adversarial "${FLAMIA_TEST_SECS:-100}" python -m pytest -q -rf \
     --tb=short -W ignore::DeprecationWarning -p no:cacheprovider \
     tests/kernels/test_entry_adversarial.py tests/kernels/test_gpu_cute.py \
     -k "not huge_logits and not batched_tiny"
