@@ -21,13 +21,13 @@ drifts by tens of percent between runs, so variants are compared inside one run)
   fullgraph=True)`` (the custom ops, replayed from CUDA graphs): what a training loop that
   needs the host out of the way runs.
 
-Usage: ``python benchmarks/host_time.py [--layers 8,32] [--breakdown] [--profile] [--impls A,B]`` (writes
-``results/host_time.json``; ``--layers``: calls per step, default ``LAYERS``; with two
-counts also the ``marginal`` host time one more call adds, which leaves out what a step
-costs once whatever its depth, e.g. a CUDA graph's launch and torch.compile's guards;
+Usage: ``python benchmarks/host_time.py [--layers 8,32] [--breakdown] [--profile] [--impls
+A,B]`` (writes ``results/host_time.json``; ``--layers``: calls per step, default ``LAYERS``;
+with two counts also the ``marginal`` host time one more call adds, which leaves out what a
+step costs once whatever its depth, e.g. a CUDA graph's launch and torch.compile's guards;
 ``--breakdown`` prints the host time of each piece of one call alone, ``--profile`` writes
-cProfile's top functions of the eager steps to ``host_time_profile_<pass>.txt``; ``--impls``:
-only those variants, e.g. ``eager,eager-batched``).
+cProfile's top functions of the eager steps to ``host_time_profile_<pass>.txt``;
+``--impls``: only those variants, e.g. ``eager,eager-batched``).
 
 A floor of the eager path, measured on a CPU (2026-12-05, launches stubbed): an
 ``autograd.Function.apply`` with this call's inputs and saved tensors alone takes ~21 µs
