@@ -257,10 +257,11 @@ def attn_fwd(
 
 
 def row_stats(total: int, heads_q: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``M`` and ``lse``, float32 ``[T, Hq]`` each (contiguous), the two halves of one
-    allocation (one allocator call per forward less)."""
-    stats = torch.empty(2, total, heads_q, dtype=torch.float32, device=device)
-    return stats[0], stats[1]
+    """``M`` and ``lse``, float32 ``[T, Hq]`` each. Two allocations, not halves of one: the
+    custom op ``flamia::attn_varlen_fwd`` returns both, and a custom op's outputs must not
+    alias each other."""
+    m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=device)
+    return m_rows, torch.empty_like(m_rows)
 
 
 @dataclass
