@@ -437,7 +437,7 @@ if [[ $steps == *,s25,* ]]; then  # 2026-12-06: the three GPU-only failures of t
     $w::test_gpu_misaligned_inputs_and_other_streams $b::test_torch_compile_fullgraph
   RUN_TAIL="-n 45" run host_time_s25 110 python benchmarks/host_time.py --breakdown --layers 8,32 \
     --impls eager,eager-batched,eager-unprepared
-  RUN_TAIL="-n 40" run pytest_gpu_adversarial "${FLAMIA_TEST_SECS:-60}" python -m pytest -q -rf \
+  RUN_TAIL="-n 40" run pytest_gpu_adversarial "${FLAMIA_TEST_SECS:-120}" python -m pytest -q -rf \
     --tb=short -W ignore::DeprecationWarning -p no:cacheprovider \
     tests/kernels/test_entry_adversarial.py tests/kernels/test_gpu_cute.py \
     -k "not huge_logits and not batched_tiny"

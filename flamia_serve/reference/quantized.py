@@ -55,6 +55,7 @@ from flamia_serve.numerics import (
     Granularity,
     Recipe,
     document_slices,
+    e4m3_encode,
     exp2i,
     grad_operand,
     hadamard_transform,
@@ -122,6 +123,14 @@ class _DocProbs:
     ev: torch.Tensor  # [Hq, L] V exponents per key (float)
 
 
+def p_hat_values(y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """P̂ as float32: ``E4M3(2^(y − (m − P_HAT_EXP)))`` for base-2 logits ``y`` and their row
+    reference ``m`` (broadcast), the kernels' operations. The cast saturates at 448, as the
+    kernels' conversion does: past 448 only where ``m − P_HAT_EXP`` is not a float32
+    (|logits| ≳ 2^27 round it to a multiple of 16; 2^16 would cast to NaN)."""
+    return e4m3_encode(torch.exp2(y - (m - P_HAT_EXP))).float()
+
+
 def _doc_probs(
     qkv: QuantizedQKV,
     operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -149,7 +158,7 @@ def _doc_probs(
     evf = ev.float().t()  # [Hq, L]
     y = x + evf[:, None, :]
     m = torch.ceil(y.amax(dim=-1))
-    p_hat = torch.exp2(y - (m[..., None] - P_HAT_EXP)).to(torch.float8_e4m3fn).float()
+    p_hat = p_hat_values(y, m[..., None])
     return _DocProbs(mask, x, p_hat, m, evf)
 
 

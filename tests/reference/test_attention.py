@@ -267,3 +267,17 @@ def test_double_backward_is_refused() -> None:
     (gq,) = torch.autograd.grad((out.float() * 2).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         torch.autograd.grad((gq.float() ** 2).sum(), q)
+
+
+def test_p_hat_saturates_where_the_row_reference_loses_its_low_bits(device) -> None:
+    """P̂ of the row maximum is 2^8 while ``m − 8`` is a float32; at |logits| ~ 2^27 it is
+    not (rounded to a multiple of 16, here down: 2^(y − m + 16)), and the cast saturates at
+    448 as the kernels' does. torch's own cast gives NaN there on CUDA (the twin's O had a
+    NaN row on an H100, 2026-12-06) and 448 on the CPU."""
+    from flamia_serve.reference.quantized import p_hat_values
+
+    m = torch.tensor([3.0, 2.0**27 + 16], device=device)
+    assert float(m[1] - 8) == 2.0**27  # ties to even: the low bits are gone
+    y = torch.stack([m, m - 1, torch.full_like(m, float("-inf"))], dim=-1)
+    p_hat = p_hat_values(y, m[:, None])
+    assert p_hat.tolist() == [[256.0, 128.0, 0.0], [448.0, 448.0, 0.0]]
