@@ -212,7 +212,7 @@ def flamia_attn_varlen(
             and type(max_seqlen) is int:  # fmt: skip
         plan = _plan_of_last_pack(q, k, v, cu_seqlens, max_seqlen)
     if plan is not None:
-        plan.check_call(q.shape[0] if q.dim() else -1, cu_seqlens, max_seqlen)
+        plan.check_call(q.shape[0] if q.dim() else -1, cu_seqlens, max_seqlen, compiling)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     options = (causal, recipe, exact_causal, softmax_scale, config, bwd_config)
     stream = _reuse_stream(q, plan, compiling)
