@@ -26,6 +26,7 @@ from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
 from flamia_serve.numerics import RECIPES, Recipe, resolve_recipe
 from flamia_serve.numerics.checks import (
     check_batched_inputs,
+    check_flag,
     check_softmax_scale,
     check_varlen_inputs,
 )
@@ -116,7 +117,8 @@ def _attn_call(
         shape.head_dim, q.device, qk_nvfp4=nvfp4, mean_doc_len=mean_doc_len,
         grad_input=rec.grad_input,
     )
-    causal = bool(causal)
+    causal = check_flag(causal, "causal")
+    exact_causal = check_flag(exact_causal, "exact_causal")
     bwd_work = None
     # the backward quantizes into its own layout unless the forward's has its alignment
     own_layout = needs_grad and cfg.column_align % bcfg.column_align != 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -175,6 +176,18 @@ def check_varlen_inputs(
         return VarlenShape(total, cu_seqlens.numel() - 1, hq, k.shape[1], d)
     check_max_seqlen(max_seqlen, check_cu_seqlens(cu_seqlens, total, q.device))
     return VarlenShape(total, cu_seqlens.numel() - 1, hq, hkv, d)
+
+
+def check_flag(value: object, name: str) -> bool:
+    """A boolean option (``causal``, ``exact_causal``): a bool, NumPy's bool or an integer 0
+    or 1; anything else (a string such as ``"false"`` is truthy) is a ``TypeError``."""
+    kind = type(value)
+    numpy_bool = kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+    if isinstance(value, bool) or numpy_bool:
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def check_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:

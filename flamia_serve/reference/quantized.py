@@ -64,7 +64,7 @@ from flamia_serve.numerics import (
     quantize_nvfp4,
     resolve_recipe,
 )
-from flamia_serve.numerics.checks import check_softmax_scale, check_varlen_inputs
+from flamia_serve.numerics.checks import check_flag, check_softmax_scale, check_varlen_inputs
 from flamia_serve.numerics.operands import QuantizedDO, QuantizedQKV
 
 LOG2E = math.log2(math.e)
@@ -415,5 +415,6 @@ def attention(
     rec = resolve_recipe(recipe)
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
     return _ReferenceAttention.apply(
-        q, k, v, cu_seqlens, bool(causal), rec, bool(exact_causal), scale
+        q, k, v, cu_seqlens, check_flag(causal, "causal"), rec,
+        check_flag(exact_causal, "exact_causal"), scale,
     )

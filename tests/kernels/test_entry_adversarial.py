@@ -199,6 +199,25 @@ def test_strided_head_dim_is_refused_by_name(device) -> None:
 # ---- gradients ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["causal", "exact_causal"])
+def test_flags_must_be_booleans(name, device) -> None:
+    """``causal``/``exact_causal`` take a bool (NumPy's too) or 0/1; a string (``"false"``
+    is truthy) or another number is refused by name, by the kernel path and the twin, and
+    ``flamia_attn``; 0 / NumPy False give the bool's result."""
+    import numpy as np
+
+    q, k, v, cu, ms = make_pack((9, 4), 2, 1, 64, seed=6, device=device)
+    for fn in (flamia_attn_varlen, attention):
+        for bad in ("false", 2, 0.5, None):
+            with pytest.raises(TypeError, match=f"{name} must be a bool"):
+                fn(q, k, v, cu, ms, **{name: bad})
+        want = fn(q, k, v, cu, ms, **{name: False})
+        for ok in (0, np.bool_(False)):
+            torch.testing.assert_close(fn(q, k, v, cu, ms, **{name: ok}), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        flamia_attn(q[None], k[None], v[None], **{name: "yes"})
+
+
 def test_gradients_for_some_inputs_and_strided_incoming_gradients(device) -> None:
     """requires_grad on only some of q/k/v: the others get no gradient, the rest exactly the
     full call's; an incoming gradient that is a transposed view and a second backward
