@@ -296,7 +296,7 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out, _d_m, _d_lse):
-        if d_out is None:  # O reached no loss (only the statistics were used)
+        if d_out is None:  # not materialised: only if autograd ever calls it without O's
             return None, None, None, None, None
         dq, dk, dv = attention_backward(d_out, *ctx.saved_tensors, ctx.call)
         return dq, dk, dv, None, None

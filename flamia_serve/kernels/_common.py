@@ -134,7 +134,7 @@ def compiled_runner(compiled: CompiledKernel, grid: tuple[int, int, int]) -> Cal
     """``compiled[grid]`` (its runner: ``runner(*launch_values)``, tensors or addresses)
     without that runner's per-launch Python while no launch hook is set: it asks Triton's
     driver proxy for the device and stream and builds the hooks' launch metadata at every
-    launch (~5 µs of host time on the GPU hosts); this one hands the launcher the current
+    launch (several µs of host time on the GPU hosts); this one hands the launcher the current
     stream and no hooks. With a hook set (profilers such as Proton add them) every launch
     goes through Triton's runner, so the hooks see it."""
     standard = compiled[grid]  # loads the kernel (CompiledKernel._init_handles)
