@@ -51,20 +51,14 @@ class VarlenPlan:
     calls: dict[tuple, object] = field(default_factory=dict, repr=False)
 
     def check_call(
-        self,
-        total_tokens: int,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: object,
-        compiling: bool | None = None,
+        self, total_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: object, compiling: bool
     ) -> None:
         """A call with this plan must pass the same ``cu_seqlens`` tensor, unchanged since
         planning, ``max_seqlen`` and q/k/v of ``total_tokens`` tokens (``ValueError`` names
         what differs): the kernels trust the plan's schedules, sized for its pack.
-        ``compiling``: ``torch.compiler.is_compiling()`` when the caller has it."""
+        ``compiling``: ``torch.compiler.is_compiling()`` (traced calls skip the version)."""
         if self.cu_seqlens is not cu_seqlens:
             raise ValueError("plan was built for another cu_seqlens tensor")
-        if compiling is None:
-            compiling = torch.compiler.is_compiling()
         if self.cu_version >= 0 and not compiling and cu_seqlens._version != self.cu_version:
             raise ValueError(
                 "cu_seqlens was modified in place after plan_varlen built the plan: build a new "

@@ -183,9 +183,7 @@ def check_flag(value: object, name: str) -> bool:
     or 1; anything else (a string such as ``"false"`` is truthy) is a ``TypeError``."""
     kind = type(value)
     numpy_bool = kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
-    if isinstance(value, bool) or numpy_bool:
-        return bool(value)
-    if isinstance(value, numbers.Integral) and value in (0, 1):
+    if numpy_bool or (isinstance(value, numbers.Integral) and value in (0, 1)):  # bool too
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {value!r}")
 
