@@ -197,9 +197,6 @@ def main() -> int:
     plan = plan_varlen(cu, 128, ms)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     d_out = torch.randn_like(q)
-    if args.breakdown:
-        _breakdown(q, k, v, cu, ms, plan, d_out)
-
     fresh = plan_varlen(cu, 128, ms, reuse=False)
     counts = sorted({int(n) for n in args.layers.split(",")})
 
@@ -249,8 +246,13 @@ def main() -> int:
         }
 
     chosen = set(filter(None, args.impls.split(",")))
+    known = {impl for impl, _pass in steps(counts[0])}
+    if chosen - known:
+        parser.error(f"--impls: unknown {sorted(chosen - known)}; known: {sorted(known)}")
     variants = {(*key, n): value for n in counts for key, value in steps(n).items()
                 if not chosen or key[0] in chosen}  # fmt: skip
+    if args.breakdown:
+        _breakdown(q, k, v, cu, ms, plan, d_out)
     samples: dict[tuple[str, str, int], list[float]] = {key: [] for key in variants}
     for key, (step, mode) in list(variants.items()):
         try:
