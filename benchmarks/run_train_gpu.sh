@@ -10,8 +10,8 @@
 #                                                   # p2, d256-tune, own-layout, s18, d256-numerics,
 #                                                   # mixed-short, s19, s19-bench, dv-step,
 #                                                   # d128-passes, s19-w, grad-input,
-#                                                   # nvfp4-search, s22, s22-checks,
-#                                                   # host-marginal, s23, s25, s25-grad64
+#                                                   # nvfp4-search, s22-checks,
+#                                                   # host-marginal, s23, s25
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -372,28 +372,6 @@ if [[ $steps == *,grad-input,* ]]; then  # the mxfp8_grad_input recipe (DESIGN N
   RUN_TAIL="-n 17" run bwd_numerics_grad_input_d256 90 python benchmarks/bwd_numerics.py \
     --d 256 --accuracy-only --name bwd_numerics_grad_input_d256
 fi
-if [[ $steps == *,s22,* ]]; then  # grad_input's BF16 dQ form at 64-query steps (d = 128):
-  # fwd+bwd at W1/W3/W7/P2 with today's 32-query steps beside mxfp8 and FA4 (full timing:
-  # --quick times W3 once or twice; no --check: it now checks dQ/dK/dV on every timed
-  # workload, W3 too, and the GPU tests and bwd_numerics check these kernels); then
-  # STEP_BF16_DQ_D128 = 64 in this machine's copy: its GPU tests, the same timings, accuracy
-  # against float64
-  RUN_TAIL="-n 14" run train_attention_grad_input32 200 python benchmarks/train_attention.py \
-    --workloads W1,W3,W7,P2 --passes fwd+bwd \
-    --impls flamia-mxfp8,flamia-mxfp8_grad_input,fa4 --name train_attention_grad_input32
-  cp flamia_serve/kernels/attn_bwd/cute_sm90.py /tmp/cute_sm90_s22.py
-  sed -i 's/^STEP_BF16_DQ_D128 = HALF$/STEP_BF16_DQ_D128 = 64/' \
-    flamia_serve/kernels/attn_bwd/cute_sm90.py
-  grep -n "^STEP_BF16_DQ_D128 = 64$" flamia_serve/kernels/attn_bwd/cute_sm90.py || exit 1
-  run pytest_gpu_grad_input64 220 python -m pytest -q -W ignore::DeprecationWarning \
-    tests/kernels/test_attn_bwd.py tests/kernels/test_gpu_cute_bwd.py -k "grad_input or autograd"
-  RUN_TAIL="-n 10" run train_attention_grad_input64 150 python benchmarks/train_attention.py \
-    --workloads W1,W3,W7,P2 --passes fwd+bwd \
-    --impls flamia-mxfp8,flamia-mxfp8_grad_input --name train_attention_grad_input64
-  RUN_TAIL="-n 17" run bwd_numerics_grad_input64 100 python benchmarks/bwd_numerics.py \
-    --accuracy-only --name bwd_numerics_grad_input64
-  cp /tmp/cute_sm90_s22.py flamia_serve/kernels/attn_bwd/cute_sm90.py
-fi
 if [[ $steps == *,s22-checks,* ]]; then  # the twenty-second session's CPU-only changes on
   # the GPU: signed zeros in every quantizer and cache writer (E4M3 and E2M1 codes bit for bit
   # against the twin), the numerics and cache entry points' argument checks, the paged kernels
@@ -441,25 +419,5 @@ if [[ $steps == *,s25,* ]]; then  # 2026-12-06: the three GPU-only failures of t
     --tb=short -W ignore::DeprecationWarning -p no:cacheprovider \
     tests/kernels/test_entry_adversarial.py tests/kernels/test_gpu_cute.py \
     -k "not huge_logits and not batched_tiny"
-fi
-if [[ $steps == *,s25-grad64,* ]]; then  # the short form of s22: grad_input's BF16 dQ product
-  # at 64-query steps (d = 128) against today's 32, same call: fwd+bwd at W3/W7 (no FA4:
-  # its compile costs the time), its GPU autograd/accuracy tests, accuracy against float64
-  RUN_TAIL="-n 8" run train_attention_grad_input32 120 python benchmarks/train_attention.py \
-    --quick --workloads W3,W7 --passes fwd+bwd,bwd --impls flamia-mxfp8,flamia-mxfp8_grad_input \
-    --name train_attention_grad_input32
-  cp flamia_serve/kernels/attn_bwd/cute_sm90.py /tmp/cute_sm90_s25.py
-  sed -i 's/^STEP_BF16_DQ_D128 = HALF$/STEP_BF16_DQ_D128 = 64/' \
-    flamia_serve/kernels/attn_bwd/cute_sm90.py
-  grep -n "^STEP_BF16_DQ_D128 = 64$" flamia_serve/kernels/attn_bwd/cute_sm90.py || exit 1
-  RUN_TAIL="-n 8" run train_attention_grad_input64 120 python benchmarks/train_attention.py \
-    --quick --workloads W3,W7 --passes fwd+bwd,bwd --impls flamia-mxfp8,flamia-mxfp8_grad_input \
-    --name train_attention_grad_input64
-  RUN_TAIL="-n 12" run pytest_gpu_grad_input64 150 python -m pytest -q -rf --tb=short \
-    -W ignore::DeprecationWarning -p no:cacheprovider tests/kernels/test_attn_bwd.py \
-    tests/kernels/test_gpu_cute_bwd.py -k "grad_input and (autograd or 128)"
-  RUN_TAIL="-n 17" run bwd_numerics_grad_input64 100 python benchmarks/bwd_numerics.py \
-    --accuracy-only --name bwd_numerics_grad_input64
-  cp /tmp/cute_sm90_s25.py flamia_serve/kernels/attn_bwd/cute_sm90.py
 fi
 ls -la "$OUT"

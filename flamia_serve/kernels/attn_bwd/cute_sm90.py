@@ -65,8 +65,8 @@ exponents as factors; dK and dQ contract the E4M3 codes as in ``mxfp8`` (their K
 Kᵀ·dŜᵀ is a BF16 ``wgmma`` of K·2^-eK's rows (``KernelQKV.k_rows``, keys in order, read
 MN-major) and dŜ's E4M3 values staged as BF16 (keys x queries, two queries a word, read
 MN-major), with the same dŜ codes and factors. Its tiles take 32 KB more shared memory than
-the E4M3 ones at d = 128: 32-query steps there (``STEP_BF16_DQ_D128``; two fit with the
-statistics stored compactly, not yet run on a GPU), and the one-kernel "parts" form at
+the E4M3 ones at d = 128: its 64-query steps fit with the statistics stored compactly
+(``STEP_BF16_DQ_D128``), and the one-kernel "parts" form at
 d = 256. The recipe's default backward on sm_90 (H200, 2026-12-05: GPU tests passed; W3
 backward 65.1 ms against the Triton kernel's 310 and ``mxfp8``'s 59.2, single samples of
 ``--quick``: rerun with ``time_ms``'s five calls before relying on the 10%).
@@ -144,11 +144,12 @@ STEP_DV_PASS = 64
 #: the mixed recipes' BF16 Q/K tiles at d = 128 take one half per step: two would need 250 KB
 #: of shared memory (a CTA can have 227 KB)
 STEP_WIDE_D128 = HALF
-#: queries per step of the BF16 dQ product (``bf16_dq``, grad_qk="input") at d = 128: one
-#: half, the form run on the H200. Two halves fit 227 KB exactly with the statistics stored
-#: compactly (232,448 B; sm_90a compile: 168 registers, 112 B stack) but have not run on a
-#: GPU yet: ``bash benchmarks/run_train_gpu.sh s22`` tests and times them
-STEP_BF16_DQ_D128 = HALF
+#: queries per step of the BF16 dQ product (``bf16_dq``, grad_qk="input") at d = 128: two
+#: halves, which fit 227 KB exactly with the statistics stored compactly (232,448 B; sm_90a
+#: compile: 168 registers, 112 B stack). H100, 2026-12-06, same call against one half
+#: (``results/train_attention_grad_input{32,64}_s26_2026-12-06.json``): backward W3 64.6 →
+#: 55.8 ms, W7 1.596 → 1.575; GPU tests passed, accuracy unchanged (dQ/dK cos 0.99809)
+STEP_BF16_DQ_D128 = 2 * HALF
 
 
 def step_queries(head_dim: int, qk_wide: bool, bf16_dq: bool = False) -> int:
