@@ -11,7 +11,7 @@
 #                                                   # mixed-short, s19, s19-bench, dv-step,
 #                                                   # d128-passes, s19-w, grad-input,
 #                                                   # nvfp4-search, s22-checks,
-#                                                   # host-marginal, s23, s25
+#                                                   # host-marginal, s23, s25, s26-h200
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -419,5 +419,25 @@ if [[ $steps == *,s25,* ]]; then  # 2026-12-06: the three GPU-only failures of t
     --tb=short -W ignore::DeprecationWarning -p no:cacheprovider \
     tests/kernels/test_entry_adversarial.py tests/kernels/test_gpu_cute.py \
     -k "not huge_logits and not batched_tiny"
+fi
+if [[ $steps == *,s26-h200,* ]]; then  # the twenty-sixth session's H100 numbers on an H200
+  # (~300 s): grad_input's 64-query backward against 32 (W3/W7, same call), host time, the W
+  # table with both recipes beside FA4
+  RUN_TAIL="-n 8" run train_attention_grad_input64 120 python benchmarks/train_attention.py \
+    --quick --workloads W3,W7 --passes fwd+bwd,bwd --impls flamia-mxfp8,flamia-mxfp8_grad_input \
+    --name train_attention_grad_input64
+  cp flamia_serve/kernels/attn_bwd/cute_sm90.py /tmp/cute_sm90_s26.py
+  sed -i 's/^STEP_BF16_DQ_D128 = 2 \* HALF$/STEP_BF16_DQ_D128 = HALF/' \
+    flamia_serve/kernels/attn_bwd/cute_sm90.py
+  grep -n "^STEP_BF16_DQ_D128 = HALF$" flamia_serve/kernels/attn_bwd/cute_sm90.py || exit 1
+  RUN_TAIL="-n 8" run train_attention_grad_input32 120 python benchmarks/train_attention.py \
+    --quick --workloads W3,W7 --passes fwd+bwd,bwd --impls flamia-mxfp8,flamia-mxfp8_grad_input \
+    --name train_attention_grad_input32
+  cp /tmp/cute_sm90_s26.py flamia_serve/kernels/attn_bwd/cute_sm90.py
+  RUN_TAIL="-n 20" run host_time_s26 110 python benchmarks/host_time.py --layers 8,32 \
+    --impls eager,eager-batched
+  RUN_TAIL="-n 45" run train_attention_s26_w 300 python benchmarks/train_attention.py \
+    --quick --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd+bwd,bwd \
+    --impls flamia-mxfp8,flamia-mxfp8_grad_input,fa4 --name train_attention_s26_w
 fi
 ls -la "$OUT"
