@@ -189,10 +189,16 @@ def check_flag(value: object, name: str) -> bool:
 
 
 def check_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
-    """Default ``1/sqrt(d)``; a given scale must be a positive finite number."""
+    """Default ``1/sqrt(d)``; a given scale must be a positive finite real number (a Python
+    or NumPy number, or a one-element tensor; not a bool or a string)."""
     if softmax_scale is None:
         return head_dim**-0.5
-    scale = float(softmax_scale)
+    if isinstance(softmax_scale, bool | str | bytes):
+        raise TypeError(f"softmax_scale must be a number, got {softmax_scale!r}")
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"softmax_scale must be a number, got {softmax_scale!r}") from exc
     if not scale > 0 or scale == float("inf"):
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
     return scale

@@ -215,6 +215,9 @@ def _bad_cases() -> list[tuple[str, dict, type[Exception], str]]:
         ("tokens", {"k": "fewer"}, ValueError, "k must have 60 tokens"),
         ("recipe", {"recipe": "mxfp4"}, ValueError, "recipe must be one of"),
         ("scale", {"scale": -1.0}, ValueError, "softmax_scale"),
+        ("scale str", {"scale": "0.1"}, TypeError, "softmax_scale must be a number"),
+        ("scale bool", {"scale": True}, TypeError, "softmax_scale must be a number"),
+        ("scale list", {"scale": [0.1, 0.2]}, TypeError, "softmax_scale must be a number"),
         ("not tensor", {"q": "list"}, TypeError, "q must be a torch.Tensor"),
     ]
 
