@@ -11,7 +11,8 @@
 #                                                   # mixed-short, s19, s19-bench, dv-step,
 #                                                   # d128-passes, s19-w, grad-input,
 #                                                   # nvfp4-search, s22-checks,
-#                                                   # host-marginal, s23, s25, s26-h200
+#                                                   # host-marginal, s23, s25, s26-h200,
+#                                                   # bwd-items
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -419,6 +420,18 @@ if [[ $steps == *,s25,* ]]; then  # 2026-12-06: the three GPU-only failures of t
     --tb=short -W ignore::DeprecationWarning -p no:cacheprovider \
     tests/kernels/test_entry_adversarial.py tests/kernels/test_gpu_cute.py \
     -k "not huge_logits and not batched_tiny"
+fi
+if [[ $steps == *,bwd-items,* ]]; then  # why packs of uniform lengths lose most in the backward
+  # (H100 2026-12-06: bwd W3 0.74x FA4, W5 0.60, W6 0.52, P3 0.53): the backward beside FA4
+  # on T = 16k cut into 1..128 equal documents, then W3/W5/W6/P3; ncu of one W6 launch
+  RUN_TAIL="-n 30" run train_attention_bwd_items 300 python benchmarks/train_attention.py \
+    --quick --workloads E1,E4,E16,E64,E128,W3,W5,W6,P3 --passes bwd \
+    --impls flamia-mxfp8,fa4 --name train_attention_bwd_items
+  run ncu_bwd_w6 240 ncu --set full --import-source yes -k regex:FlamiaBwd --launch-skip 1 \
+    --launch-count 1 -o /tmp/ncu_bwd_w6 python benchmarks/profile_bwd.py --kernel cute --once \
+    --workload "${FLAMIA_PROFILE_WORKLOAD:-W6}"
+  ncu -i /tmp/ncu_bwd_w6.ncu-rep --page details > "$OUT/ncu_cute_bwd_w6_details.txt" 2>&1
+  run ncu_bwd_w6_source 90 python benchmarks/ncu_source_top.py /tmp/ncu_bwd_w6.ncu-rep
 fi
 if [[ $steps == *,s26-h200,* ]]; then  # the twenty-sixth session's H100 numbers on an H200
   # (~300 s): grad_input's 64-query backward against 32 (W3/W7, same call), host time, the W
