@@ -135,7 +135,7 @@ def _attn_call(
     return AttnCall(
         plan.token_blocks(cfg.column_align), cfg.column_align,
         plan.work_list(cfg.block_m, cfg.block_n, causal, window_limit(cfg)), bwd_work, causal, rec,
-        bool(exact_causal), scale, cfg, bcfg, columns, workspace, bwd_blocks, bwd_columns,
+        exact_causal, scale, cfg, bcfg, columns, workspace, bwd_blocks, bwd_columns,
     )  # fmt: skip
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flamia_serve.numerics import E4M3_MAX, document_slices
-from flamia_serve.numerics.checks import check_softmax_scale, check_varlen_inputs
+from flamia_serve.numerics.checks import check_flag, check_softmax_scale, check_varlen_inputs
 
 
 def _doc_probs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -57,6 +57,7 @@ def attention_float64(
     """
     shape = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
+    causal = check_flag(causal, "causal")
     return _varlen(q.double(), k.double(), v.double(), cu_seqlens, causal, scale)
 
 
@@ -82,6 +83,7 @@ def per_tensor_fp8_attention(
     """
     shape = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen)
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
+    causal = check_flag(causal, "causal")
     qd, kd, vd = (_per_tensor_fp8(t) for t in (q, k, v))
     group = shape.heads_q // shape.heads_kv
     outs = []

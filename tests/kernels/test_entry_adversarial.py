@@ -24,7 +24,7 @@ import torch
 from flamia_serve import flamia_attn, flamia_attn_varlen, plan_varlen
 from flamia_serve.kernels.attn_fwd.ops import default_config
 from flamia_serve.probes import make_pack
-from flamia_serve.reference import attention, attention_float64
+from flamia_serve.reference import attention, attention_float64, per_tensor_fp8_attention
 
 NAMES = ("O", "dQ", "dK", "dV")
 
@@ -216,6 +216,10 @@ def test_flags_must_be_booleans(name, device) -> None:
             torch.testing.assert_close(fn(q, k, v, cu, ms, **{name: ok}), want, rtol=0, atol=0)
     with pytest.raises(TypeError, match=f"{name} must be a bool"):
         flamia_attn(q[None], k[None], v[None], **{name: "yes"})
+    if name == "causal":  # the float64 twin and the leaky per-tensor comparison too
+        for fn in (attention_float64, per_tensor_fp8_attention):
+            with pytest.raises(TypeError, match="causal must be a bool"):
+                fn(q, k, v, cu, ms, causal="false")
 
 
 def test_gradients_for_some_inputs_and_strided_incoming_gradients(device) -> None:
