@@ -8,3 +8,15 @@ run() {
   # shellcheck disable=SC2086  # RUN_TAIL holds tail's options
   echo "=== $name exit $? ($(date +%T))"; tail ${RUN_TAIL:--n 40} "$OUT/$name.log"
 }
+
+# The device hands back at most 8 files from $OUT: past that, pack them all into one
+# results.tgz (unpack it here with tar xzf) and list what it holds.
+pack_out() {
+  ls -la "$OUT"
+  local n
+  n=$(find "$OUT" -type f | wc -l)
+  if (( n > 8 )); then
+    tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/"
+    echo "packed $n files into \$OUT/results.tgz"
+  fi
+}

@@ -66,4 +66,4 @@ tp-trained)
   ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
-ls -la "$OUT"
+pack_out

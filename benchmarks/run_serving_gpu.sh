@@ -140,4 +140,4 @@ fi
 if [[ $steps == *,prefill,* ]]; then
   run prefill 420 python benchmarks/prefill.py --quick
 fi
-ls -la "$OUT"
+pack_out

@@ -12,7 +12,7 @@
 #                                                   # d128-passes, s19-w, grad-input,
 #                                                   # nvfp4-search, s22-checks,
 #                                                   # host-marginal, s23, s25, s26-h200,
-#                                                   # bwd-items
+#                                                   # bwd-items, work-order
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -453,4 +453,34 @@ if [[ $steps == *,s26-h200,* ]]; then  # the twenty-sixth session's H100 numbers
     --quick --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd+bwd,bwd \
     --impls flamia-mxfp8,flamia-mxfp8_grad_input,fa4 --name train_attention_s26_w
 fi
-ls -la "$OUT"
+if [[ $steps == *,work-order,* ]]; then  # the CTAs' work-list order (work_order.py): on packs
+  # of many documents the longest-first list runs CTAs of different documents at once (H200
+  # 2026-12-06: W6's backward 59% DRAM busy, L2 hit 35%); by document the backward gained
+  # 20-33% there (H100, this step's first form). Same bits in every order, then forward
+  # times by cost and by document, then the W table beside FA4 with both by document
+  run order_check 200 python - <<'PY'
+import torch
+from flamia_serve import flamia_attn_varlen
+from flamia_serve.kernels import schedule
+from flamia_serve.probes import make_pack
+q, k, v, cu, ms = make_pack((700, 1, 300, 129, 2000, 64), 8, 2, 128, seed=3, device="cuda")
+do = torch.randn_like(q)
+res = {}
+for order in ("cost", "document"):
+    schedule.QUERY_WORK_ORDER = schedule.KEY_WORK_ORDER = order
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o = flamia_attn_varlen(*leaves, cu, ms)
+    o.backward(do)
+    res[order] = [o.detach(), *(x.grad for x in leaves)]
+same = [bool(torch.equal(a, b)) for a, b in zip(res["cost"], res["document"])]
+print("O/dQ/dK/dV bit-equal by cost and by document:", same)
+assert all(same[:1] + same[2:])
+PY
+  W=W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5,E16
+  RUN_TAIL="-n 16" run work_order_fwd_cost 150 python benchmarks/work_order.py --fwd cost \
+    -- --quick --workloads $W --passes fwd --impls flamia-mxfp8 --name work_order_fwd_cost
+  RUN_TAIL="-n 45" run work_order_document 300 python benchmarks/work_order.py --fwd document \
+    --bwd document -- --quick --workloads $W --passes fwd,fwd+bwd,bwd --impls flamia-mxfp8,fa4 \
+    --name work_order_document
+fi
+pack_out

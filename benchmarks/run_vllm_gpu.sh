@@ -40,4 +40,4 @@ if [[ $steps == *,throughput-b-bf16,* ]]; then
     --configs flamia-auto,flash_attn-auto --name vllm_throughput_b_bf16 --budget-s 560 \
     --per-run-s 280
 fi
-ls -la "$OUT"
+pack_out

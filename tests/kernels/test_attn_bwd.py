@@ -20,6 +20,7 @@ import torch
 
 from flamia_serve import flamia_attn, flamia_attn_varlen, plan_varlen
 from flamia_serve.attention import debug_p_hat
+from flamia_serve.kernels import schedule
 from flamia_serve.kernels.attn_bwd.ops import (
     BwdConfig,
     attn_bwd,
@@ -291,7 +292,21 @@ def test_p_hat_forward_backward_bit_identical(two_pass, exact, device) -> None:
         assert float((fwd - bwd).abs().max()) <= 2**-9
 
 
-def test_key_work_list_sorted_and_complete() -> None:
+def test_key_work_list_by_document_and_complete() -> None:
+    """Default order: documents longest first (equal ones by index), each one's key tiles
+    side by side, most query steps first; every tile once; empty slots last."""
+    cu = torch.tensor([0, 300, 300, 301, 1000, 1300], dtype=torch.int32)
+    work = build_key_work_list(cu, 1300, block_n=64, block_m=32, causal=True)
+    n = int(work.count)
+    items = list(zip(work.doc[:n].tolist(), work.tile[:n].tolist(), strict=True))
+    expected = [(3, t) for t in range(11)] + [(0, t) for t in range(5)]
+    assert items == expected + [(4, t) for t in range(5)] + [(2, 0)]
+    assert n < work.num_slots  # padding slots exist and are not counted
+
+
+@pytest.mark.parametrize("by", ["cost", "document"])
+def test_key_work_list_orders_are_permutations(by: str, monkeypatch) -> None:
+    monkeypatch.setattr(schedule, "KEY_WORK_ORDER", by)
     cu = torch.tensor([0, 300, 300, 301, 1000], dtype=torch.int32)
     work = build_key_work_list(cu, 1000, block_n=64, block_m=32, causal=True)
     n = int(work.count)
@@ -299,7 +314,20 @@ def test_key_work_list_sorted_and_complete() -> None:
     assert items == [(0, t) for t in range(5)] + [(2, 0)] + [(3, t) for t in range(11)]
     lengths = (cu[1:] - cu[:-1]).long()[work.doc[:n].long()]
     cost = (lengths - work.tile[:n].long() * 64 + 31) // 32
-    assert bool((cost[:-1] >= cost[1:]).all())
+    if by == "cost":
+        assert bool((cost[:-1] >= cost[1:]).all())
+    else:  # within each document most steps first, documents never interleaved
+        docs = work.doc[:n]
+        assert int((docs[1:] != docs[:-1]).sum()) == 2
+        same = docs[1:] == docs[:-1]
+        assert bool((cost[:-1][same] >= cost[1:][same]).all())
+
+
+def test_work_order_refuses_unknown_order(monkeypatch) -> None:
+    monkeypatch.setattr(schedule, "KEY_WORK_ORDER", "random")
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    with pytest.raises(ValueError, match="work order 'random'"):
+        build_key_work_list(cu, 300, block_n=64, block_m=32, causal=True)
 
 
 def _grads(fn, q, k, v, d_out):
@@ -307,6 +335,24 @@ def _grads(fn, q, k, v, d_out):
     out = fn(*leaves)
     out.backward(d_out.to(out.dtype))
     return [out.detach(), *(x.grad for x in leaves)]
+
+
+def test_work_order_does_not_change_results(device, monkeypatch) -> None:
+    """The order CTAs take work-list items in is a schedule only: O, dK and dV come out bit
+    for bit the same (dQ too here; on a GPU its FP32 adds may land in another order)."""
+    q, k, v, cu, ms = make_pack((70, 1, 130, 33), 4, 2, 64, seed=5, device=device)
+    d_out = torch.randn_like(q)
+    results = []
+    for by in ("cost", "document"):
+        monkeypatch.setattr(schedule, "QUERY_WORK_ORDER", by)
+        monkeypatch.setattr(schedule, "KEY_WORK_ORDER", by)
+        results.append(_grads(lambda *x: flamia_attn_varlen(*x, cu, ms), q, k, v, d_out))
+    (o, dq, dk, dv), (o2, dq2, dk2, dv2) = results
+    assert torch.equal(o, o2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)
+    if q.is_cuda:
+        torch.testing.assert_close(dq, dq2, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(dq, dq2)
 
 
 @pytest.mark.parametrize("zero_v", [False, True])

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from flamia_serve import flamia_attn, flamia_attn_varlen, plan_varlen
+from flamia_serve.kernels import schedule
 from flamia_serve.kernels.attn_fwd import ops as fwd_ops
 from flamia_serve.kernels.attn_fwd.ops import (
     CUTE_CONFIG,
@@ -178,16 +179,21 @@ def test_kernel_default_recipe_cross_doc_exact(device) -> None:
         assert cross_document_leakage(_kernel_fn(False), q, k, v, cu, ms, doc) == 0.0
 
 
-def test_work_list_sorted_and_complete() -> None:
+@pytest.mark.parametrize("by", ["cost", "document"])
+def test_work_list_ordered_and_complete(by: str, monkeypatch) -> None:
+    monkeypatch.setattr(schedule, "QUERY_WORK_ORDER", by)
     cu = torch.tensor([0, 300, 300, 301, 1000], dtype=torch.int32)
     work = build_work_list(cu, 1000, block_m=128, block_n=64, causal=True)
     n = int(work.count)
-    items = sorted(zip(work.doc[:n].tolist(), work.tile[:n].tolist(), strict=True))
+    items = list(zip(work.doc[:n].tolist(), work.tile[:n].tolist(), strict=True))
     expected = [(0, t) for t in range(3)] + [(2, 0)] + [(3, t) for t in range(6)]
-    assert items == expected
+    assert sorted(items) == expected
     lengths = (cu[1:] - cu[:-1]).long()[work.doc[:n].long()]
     cost = (torch.minimum((work.tile[:n].long() + 1) * 128, lengths) + 63) // 64
-    assert bool((cost[:-1] >= cost[1:]).all())
+    if by == "cost":
+        assert bool((cost[:-1] >= cost[1:]).all())
+    else:  # the longest document's tiles first (last tile first), then the next one's
+        assert items == [(3, t) for t in range(5, -1, -1)] + [(0, 2), (0, 1), (0, 0), (2, 0)]
 
 
 def test_batched_api_matches_varlen(device) -> None:

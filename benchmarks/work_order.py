@@ -1,0 +1,42 @@
+"""``train_attention.py`` with the CuTe kernels' CTAs taking their work lists in another order.
+
+    python benchmarks/work_order.py --fwd document --bwd cost -- --quick \\
+        --workloads W5,W6 --passes fwd,bwd --impls flamia-mxfp8 --name work_order_doc_cost
+
+``--fwd`` / ``--bwd`` set ``schedule.QUERY_WORK_ORDER`` / ``KEY_WORK_ORDER`` (``cost``: every
+tile by its work, longest first; ``document``: documents by their longest tile, each one's
+tiles together); the arguments after ``--`` go to ``train_attention.py``. The question it
+answers: do CTAs that run at the same time on different documents (the longest-first order
+on packs of many documents) lose to L2 what FA4's order (tiles of one head and document
+side by side) keeps. The backward's answer (H100, 2026-12-06) made ``document`` its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv \
+        else (argv, [])  # fmt: skip
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fwd", choices=["cost", "document"], default=None)
+    ap.add_argument("--bwd", choices=["cost", "document"], default=None)
+    args = ap.parse_args(ours)
+    from benchmarks import train_attention  # after --help: it needs the GPU's packages
+    from flamia_serve.kernels import schedule
+
+    schedule.QUERY_WORK_ORDER = args.fwd or schedule.QUERY_WORK_ORDER
+    schedule.KEY_WORK_ORDER = args.bwd or schedule.KEY_WORK_ORDER
+    print(f"work order: forward {schedule.QUERY_WORK_ORDER}, backward {schedule.KEY_WORK_ORDER}")
+    return train_attention.main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
