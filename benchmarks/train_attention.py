@@ -764,6 +764,13 @@ def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return names
 
 
+def _work_order() -> dict[str, str]:
+    """The order the CuTe kernels' CTAs take their work lists in (``work_order.py`` sets it)."""
+    from flamia_serve.kernels import schedule
+
+    return {"forward": schedule.QUERY_WORK_ORDER, "backward": schedule.KEY_WORK_ORDER}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -801,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         "rep_ms": rep_ms,
         "flamia_fwd_default": _default_fwd_config(device),
         "flamia_bwd_default": _default_bwd_config(device),
+        "flamia_work_order": _work_order(),
         "passes": passes,
         "workload_seed": SEED,
         "workloads": {name: training_workload(name).definition() for name in workloads},
