@@ -12,7 +12,7 @@
 #                                                   # d128-passes, s19-w, grad-input,
 #                                                   # nvfp4-search, s22-checks,
 #                                                   # host-marginal, s23, s25, s26-h200,
-#                                                   # bwd-items, work-order
+#                                                   # bwd-items, work-order, work-rounds
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -482,5 +482,23 @@ PY
   RUN_TAIL="-n 45" run work_order_document 300 python benchmarks/work_order.py --fwd document \
     --bwd document -- --quick --workloads $W --passes fwd,fwd+bwd,bwd --impls flamia-mxfp8,fa4 \
     --name work_order_document
+fi
+if [[ $steps == *,work-rounds,* ]]; then  # by document in rounds (work_order.py --*-chunk):
+  # keep the longest items of every document early (the forward by whole documents lost W4:
+  # three documents, the second one's long tiles late) while CTAs running at once still
+  # share documents; forward rounds of 4 / 8 items (~132 CTAs over 32 heads = 4 items at
+  # once), backward rounds of 16 / 32 (~132 CTAs over 8 K/V heads)
+  W=W4,W5,W6,W7,E16,P3,P4
+  RUN_TAIL="-n 12" run work_rounds_base 200 python benchmarks/work_order.py -- --quick \
+    --workloads $W,W1 --passes fwd,bwd --impls flamia-mxfp8,fa4 --name work_rounds_base
+  for c in 4 8; do
+    RUN_TAIL="-n 12" run "work_rounds_fwd$c" 120 python benchmarks/work_order.py --fwd document \
+      --fwd-chunk $c -- --quick --workloads $W --passes fwd --impls flamia-mxfp8 \
+      --name "work_rounds_fwd$c"
+  done
+  for c in 16 32; do
+    RUN_TAIL="-n 12" run "work_rounds_bwd$c" 150 python benchmarks/work_order.py --bwd-chunk $c \
+      -- --quick --workloads $W,W1 --passes bwd --impls flamia-mxfp8 --name "work_rounds_bwd$c"
+  done
 fi
 pack_out

@@ -768,7 +768,10 @@ def _work_order() -> dict[str, str]:
     """The order the CuTe kernels' CTAs take their work lists in (``work_order.py`` sets it)."""
     from flamia_serve.kernels import schedule
 
-    return {"forward": schedule.QUERY_WORK_ORDER, "backward": schedule.KEY_WORK_ORDER}
+    return {
+        "forward": schedule.QUERY_WORK_ORDER, "forward_chunk": schedule.QUERY_ORDER_CHUNK,
+        "backward": schedule.KEY_WORK_ORDER, "backward_chunk": schedule.KEY_ORDER_CHUNK,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

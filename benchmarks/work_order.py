@@ -5,7 +5,8 @@
 
 ``--fwd`` / ``--bwd`` set ``schedule.QUERY_WORK_ORDER`` / ``KEY_WORK_ORDER`` (``cost``: every
 tile by its work, longest first; ``document``: documents by their longest tile, each one's
-tiles together); the arguments after ``--`` go to ``train_attention.py``. The question it
+tiles together; ``--fwd-chunk`` / ``--bwd-chunk`` C: in rounds of C items per document);
+the arguments after ``--`` go to ``train_attention.py``. The question it
 answers: do CTAs that run at the same time on different documents (the longest-first order
 on packs of many documents) lose to L2 what FA4's order (tiles of one head and document
 side by side) keeps. The backward's answer (H100, 2026-12-06) made ``document`` its default.
@@ -28,13 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fwd", choices=["cost", "document"], default=None)
     ap.add_argument("--bwd", choices=["cost", "document"], default=None)
+    ap.add_argument("--fwd-chunk", type=int, default=None,
+                    help="by document in rounds of this many items per document (0: whole)")
+    ap.add_argument("--bwd-chunk", type=int, default=None, help="the same for the backward")
     args = ap.parse_args(ours)
     from benchmarks import train_attention  # after --help: it needs the GPU's packages
     from flamia_serve.kernels import schedule
 
     schedule.QUERY_WORK_ORDER = args.fwd or schedule.QUERY_WORK_ORDER
     schedule.KEY_WORK_ORDER = args.bwd or schedule.KEY_WORK_ORDER
-    print(f"work order: forward {schedule.QUERY_WORK_ORDER}, backward {schedule.KEY_WORK_ORDER}")
+    if args.fwd_chunk is not None:
+        schedule.QUERY_ORDER_CHUNK = args.fwd_chunk
+    if args.bwd_chunk is not None:
+        schedule.KEY_ORDER_CHUNK = args.bwd_chunk
+    print(f"work order: forward {schedule.QUERY_WORK_ORDER} ({schedule.QUERY_ORDER_CHUNK}), "
+          f"backward {schedule.KEY_WORK_ORDER} ({schedule.KEY_ORDER_CHUNK})")
     return train_attention.main(rest)
 
 

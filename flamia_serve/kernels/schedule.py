@@ -162,21 +162,39 @@ class WorkList:
 #: W6 8.86 → 5.94 ms, W5 3.53 → 2.81, P3 1.82 → 1.46, one document unchanged)
 QUERY_WORK_ORDER = "cost"
 KEY_WORK_ORDER = "document"
+#: "document" in rounds (an experiment, ``work_order.py --chunk``): 0 takes each document
+#: whole; C > 0 takes the C longest items of every document in document order, then their
+#: next C, ..., so the longest items of every document still come early
+QUERY_ORDER_CHUNK = 0
+KEY_ORDER_CHUNK = 0
 
 
-def _order_items(cost: torch.Tensor, doc: torch.Tensor, num_docs: int, by: str) -> torch.Tensor:
+def _order_items(
+    cost: torch.Tensor, doc: torch.Tensor, num_docs: int, by: str, chunk: int = 0
+) -> torch.Tensor:
     """Permutation of a work list's items (``cost`` -1: empty slot, last): every item by its
     cost, longest first (``by="cost"``), or documents by their longest item, longest first,
     each document's items side by side, longest first (``"document"``; ties: lower index
-    first)."""
+    first; ``chunk`` > 0: in rounds of ``chunk`` items per document)."""
     if by not in ("cost", "document"):
         raise ValueError(f"work order {by!r}: 'cost' or 'document'")
+    if chunk < 0:
+        raise ValueError(f"work order chunk {chunk}: 0 (whole documents) or more")
     order = torch.argsort(cost, descending=True, stable=True)
     if by == "document" and num_docs:
         longest = torch.full((num_docs,), -1, dtype=cost.dtype, device=cost.device)
         longest = longest.scatter_reduce(0, doc, cost, "amax")
         key = torch.where(cost >= 0, longest[doc] * (num_docs + 1) + num_docs - doc, -1)
         order = order[torch.argsort(key[order], descending=True, stable=True)]
+        if chunk:  # an item's rank in its document (its run in ``order``) picks its round
+            n = order.numel()
+            at = torch.arange(n, device=cost.device)
+            docs = doc[order]
+            starts = torch.ones_like(docs, dtype=torch.bool)
+            starts[1:] = docs[1:] != docs[:-1]
+            rank = at - torch.cummax(torch.where(starts, at, 0), 0).values
+            rounds = torch.where(cost[order] >= 0, rank // chunk, n)
+            order = order[torch.argsort(rounds * n + at)]
     return order
 
 
@@ -211,7 +229,7 @@ def build_work_list(
     key_end = torch.minimum(offset + (tile + 1) * block_m, offset + length) if causal \
         else offset + length  # fmt: skip
     cost = torch.where(valid, (key_end + block_n - 1) // block_n, -1)
-    order = _order_items(cost, doc, cu.numel() - 1, QUERY_WORK_ORDER)
+    order = _order_items(cost, doc, cu.numel() - 1, QUERY_WORK_ORDER, QUERY_ORDER_CHUNK)
     count = valid.sum().to(torch.int32).reshape(1)
     return WorkList(
         doc[order].to(torch.int32),
@@ -235,7 +253,7 @@ def build_key_work_list(
     length = cu[doc + 1] - cu[doc]
     queries = length - tile * block_n if causal else length
     cost = torch.where(valid, (queries + block_m - 1) // block_m, -1)
-    order = _order_items(cost, doc, cu.numel() - 1, KEY_WORK_ORDER)
+    order = _order_items(cost, doc, cu.numel() - 1, KEY_WORK_ORDER, KEY_ORDER_CHUNK)
     count = valid.sum().to(torch.int32).reshape(1)
     return WorkList(
         doc[order].to(torch.int32), tile[order].to(torch.int32), count, block_m, block_n, causal,

@@ -323,6 +323,23 @@ def test_key_work_list_orders_are_permutations(by: str, monkeypatch) -> None:
         assert bool((cost[:-1][same] >= cost[1:][same]).all())
 
 
+def test_key_work_list_by_document_in_rounds(monkeypatch) -> None:
+    """``KEY_ORDER_CHUNK`` = 2: the two longest tiles of every document (documents longest
+    first), then the next two of each, and so on; every tile once."""
+    monkeypatch.setattr(schedule, "KEY_ORDER_CHUNK", 2)
+    cu = torch.tensor([0, 300, 600, 601, 1000], dtype=torch.int32)
+    work = build_key_work_list(cu, 1000, block_n=64, block_m=32, causal=True)
+    n = int(work.count)
+    items = list(zip(work.doc[:n].tolist(), work.tile[:n].tolist(), strict=True))
+    assert items == [
+        (3, 0), (3, 1), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (3, 2), (3, 3), (0, 2),
+        (0, 3), (1, 2), (1, 3), (3, 4), (3, 5), (0, 4), (1, 4), (3, 6),
+    ]  # fmt: skip
+    monkeypatch.setattr(schedule, "KEY_ORDER_CHUNK", -1)
+    with pytest.raises(ValueError, match="chunk -1"):
+        build_key_work_list(cu, 1000, block_n=64, block_m=32, causal=True)
+
+
 def test_work_order_refuses_unknown_order(monkeypatch) -> None:
     monkeypatch.setattr(schedule, "KEY_WORK_ORDER", "random")
     cu = torch.tensor([0, 300], dtype=torch.int32)
