@@ -500,5 +500,11 @@ if [[ $steps == *,work-rounds,* ]]; then  # by document in rounds (work_order.py
     RUN_TAIL="-n 12" run "work_rounds_bwd$c" 150 python benchmarks/work_order.py --bwd-chunk $c \
       -- --quick --workloads $W,W1 --passes bwd --impls flamia-mxfp8 --name "work_rounds_bwd$c"
   done
+  for v in "cost" "document" "document --fwd-chunk 4"; do  # the paged prefill's list
+    tag=${v// --fwd-chunk /}
+    # shellcheck disable=SC2086  # v holds the script's options
+    RUN_TAIL="-n 12" run "work_rounds_prefill_$tag" 150 python benchmarks/work_order.py \
+      --script prefill --fwd $v -- --quick --name "work_rounds_prefill_$tag"
+  done
 fi
 pack_out

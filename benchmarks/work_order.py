@@ -1,4 +1,4 @@
-"""``train_attention.py`` with the CuTe kernels' CTAs taking their work lists in another order.
+"""``train_attention.py`` (or ``prefill.py``) with the kernels' work lists in another order.
 
     python benchmarks/work_order.py --fwd document --bwd cost -- --quick \\
         --workloads W5,W6 --passes fwd,bwd --impls flamia-mxfp8 --name work_order_doc_cost
@@ -6,7 +6,8 @@
 ``--fwd`` / ``--bwd`` set ``schedule.QUERY_WORK_ORDER`` / ``KEY_WORK_ORDER`` (``cost``: every
 tile by its work, longest first; ``document``: documents by their longest tile, each one's
 tiles together; ``--fwd-chunk`` / ``--bwd-chunk`` C: in rounds of C items per document);
-the arguments after ``--`` go to ``train_attention.py``. The question it
+the arguments after ``--`` go to ``train_attention.py`` (``--script prefill``: to
+``prefill.py``, whose paged prefill takes the query-tile list). The question it
 answers: do CTAs that run at the same time on different documents (the longest-first order
 on packs of many documents) lose to L2 what FA4's order (tiles of one head and document
 side by side) keeps. The backward's answer (H100, 2026-12-06) made ``document`` its default.
@@ -32,9 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fwd-chunk", type=int, default=None,
                     help="by document in rounds of this many items per document (0: whole)")
     ap.add_argument("--bwd-chunk", type=int, default=None, help="the same for the backward")
+    ap.add_argument("--script", choices=["train_attention", "prefill"], default="train_attention",
+                    help="the benchmark to run (prefill: the paged prefill's query-tile list)")
     args = ap.parse_args(ours)
-    from benchmarks import train_attention  # after --help: it needs the GPU's packages
+    import importlib  # after --help: the benchmarks need the GPU's packages
+
     from flamia_serve.kernels import schedule
+
+    bench = importlib.import_module(f"benchmarks.{args.script}")
 
     schedule.QUERY_WORK_ORDER = args.fwd or schedule.QUERY_WORK_ORDER
     schedule.KEY_WORK_ORDER = args.bwd or schedule.KEY_WORK_ORDER
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule.KEY_ORDER_CHUNK = args.bwd_chunk
     print(f"work order: forward {schedule.QUERY_WORK_ORDER} ({schedule.QUERY_ORDER_CHUNK}), "
           f"backward {schedule.KEY_WORK_ORDER} ({schedule.KEY_ORDER_CHUNK})")
-    return train_attention.main(rest)
+    return bench.main(rest)
 
 
 if __name__ == "__main__":
