@@ -162,9 +162,9 @@ class WorkList:
 #: W6 8.86 → 5.94 ms, W5 3.53 → 2.81, P3 1.82 → 1.46, one document unchanged)
 QUERY_WORK_ORDER = "cost"
 KEY_WORK_ORDER = "document"
-#: "document" in rounds (an experiment, ``work_order.py --chunk``): 0 takes each document
-#: whole; C > 0 takes the C longest items of every document in document order, then their
-#: next C, ..., so the longest items of every document still come early
+#: "document" in rounds (an experiment, ``work_order.py --fwd-chunk/--bwd-chunk``): 0 takes
+#: each document whole; C > 0 the C longest items of every document in document order, then
+#: their next C, ..., so the longest items of every document still come early
 QUERY_ORDER_CHUNK = 0
 KEY_ORDER_CHUNK = 0
 
