@@ -487,7 +487,8 @@ if [[ $steps == *,work-rounds,* ]]; then  # by document in rounds (work_order.py
   # keep the longest items of every document early (the forward by whole documents lost W4:
   # three documents, the second one's long tiles late) while CTAs running at once still
   # share documents; forward rounds of 4 / 8 items (~132 CTAs over 32 heads = 4 items at
-  # once), backward rounds of 16 / 32 (~132 CTAs over 8 K/V heads)
+  # once), backward rounds of 16 / 32 (~132 CTAs over 8 K/V heads). Partly run (H100
+  # 2026-12-06, work_rounds_*_s27: forward 4/8 and backward 16 within noise of the defaults)
   W=W4,W5,W6,W7,E16,P3,P4
   RUN_TAIL="-n 12" run work_rounds_base 200 python benchmarks/work_order.py -- --quick \
     --workloads $W,W1 --passes fwd,bwd --impls flamia-mxfp8,fa4 --name work_rounds_base

@@ -164,7 +164,8 @@ QUERY_WORK_ORDER = "cost"
 KEY_WORK_ORDER = "document"
 #: "document" in rounds (an experiment, ``work_order.py --fwd-chunk/--bwd-chunk``): 0 takes
 #: each document whole; C > 0 the C longest items of every document in document order, then
-#: their next C, ..., so the longest items of every document still come early
+#: their next C, ..., so the longest items of every document still come early (H100,
+#: 2026-12-06, ``results/work_rounds_*_s27_2026-12-06.json``: within noise of the defaults)
 QUERY_ORDER_CHUNK = 0
 KEY_ORDER_CHUNK = 0
 
