@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import cos64, rel64, write_results
+from benchmarks.common import cos64, output_and_grads, rel64, write_results
 from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG, attn_bwd
 from flamia_serve.kernels.attn_fwd.ops import attn_fwd
 from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
@@ -36,13 +36,6 @@ MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
 HQ, HKV = 4, 1
 #: (documents, head dim)
 CASES = [((16384,), 128), ((16384,), 64), ((4096, 2048, 700, 300, 24), 128)]
-
-
-def _grads(fn, q, k, v, d_out) -> list[torch.Tensor]:
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = fn(*leaves)
-    out.backward(d_out.to(out.dtype))
-    return [x.grad for x in leaves]
 
 
 def _kernel_grads(q, k, v, d_out, cu, d) -> list[torch.Tensor]:
@@ -78,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(lens)
         q, k, v, cu, ms = make_pack(lens, HQ, HKV, d, seed=31, device="cuda")
         d_out = make_pack(lens, HQ, HKV, d, seed=32, device="cuda")[0]
-        exact = _grads(lambda *a, c=cu, m=ms: attention_float64(*a, c, m), q, k, v, d_out)
-        twin = _grads(lambda *a, c=cu, m=ms: attention(*a, c, m), q, k, v, d_out)
+        exact = output_and_grads(
+            lambda *a, c=cu, m=ms: attention_float64(*a, c, m), q, k, v, d_out
+        )[1:]  # dQ, dK, dV
+        twin = output_and_grads(lambda *a, c=cu, m=ms: attention(*a, c, m), q, k, v, d_out)[1:]
         case = f"{'+'.join(map(str, lens))} tokens, d={d}"
         for name, module in versions.items():
             sys.modules[MODULE] = module  # ops.attn_bwd imports it at each call

@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import cos64, rel64, write_results
+from benchmarks.common import cos64, output_and_grads, rel64, write_results
 from flamia_serve import flamia_attn_varlen
 from flamia_serve.attention import debug_p_hat
 from flamia_serve.numerics import RECIPES, exp2i, quantize_blocks_2d
@@ -46,13 +46,6 @@ CANDIDATES = {  # name: (ds_block for dK, dq_ds_block for dQ)
 }
 
 
-def _grads(fn, q, k, v, d_out) -> list[torch.Tensor]:
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = fn(*leaves)
-    out.backward(d_out.to(out.dtype))
-    return [out.detach(), *(x.grad for x in leaves)]
-
-
 def accuracy(q, k, v, cu, ms, d_out, exact) -> list[dict]:
     """Per recipe (the library's default kernels), and ``mxfp8_grad_input`` also on the CuTe
     backward (``backward: "cute"``) where it runs."""
@@ -65,7 +58,7 @@ def accuracy(q, k, v, cu, ms, d_out, exact) -> list[dict]:
         runs.insert(2, ("mxfp8_grad_input", CUTE_BWD_CONFIG))
     rows = []
     for recipe, bcfg in runs:
-        got = _grads(
+        got = output_and_grads(
             lambda *a, r=recipe, b=bcfg: flamia_attn_varlen(*a, cu, ms, recipe=r, bwd_config=b),
             q, k, v, d_out,
         )  # fmt: skip
@@ -102,7 +95,7 @@ def ds_blocks(q, k, v, cu, ms, d_out, exact) -> list[dict]:
                 codes = quantize_blocks_2d(x, block).codes.float()
                 zero[which] += int((live & (codes == 0)).sum())
         rec = dataclasses.replace(rec0, ds_block=dk_block, dq_ds_block=dq_block)
-        got = _grads(lambda *a, r=rec: attention(*a, cu, ms, recipe=r), q, k, v, d_out)
+        got = output_and_grads(lambda *a, r=rec: attention(*a, cu, ms, recipe=r), q, k, v, d_out)
         row = {
             "candidate": name, "dk_block": list(dk_block), "dq_block": list(dq_block),
             "zero_frac_dk": zero["dK"] / nonzero, "zero_frac_dq": zero["dQ"] / nonzero,
@@ -134,8 +127,8 @@ def p_hat_mismatch() -> list[dict]:
 
 
 def repeatability(q, k, v, cu, ms, d_out) -> dict:
-    a = _grads(lambda *x: flamia_attn_varlen(*x, cu, ms), q, k, v, d_out)
-    b = _grads(lambda *x: flamia_attn_varlen(*x, cu, ms), q, k, v, d_out)
+    a = output_and_grads(lambda *x: flamia_attn_varlen(*x, cu, ms), q, k, v, d_out)
+    b = output_and_grads(lambda *x: flamia_attn_varlen(*x, cu, ms), q, k, v, d_out)
     res = {name: float((x.float() - y.float()).abs().max() / y.float().abs().max())
            for name, x, y in zip(("O", "dQ", "dK", "dV"), a, b, strict=True)}  # fmt: skip
     print(f"  repeat: {res}")
@@ -152,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bwd_numerics needs a CUDA GPU")
     q, k, v, cu, ms = make_pack(LENS, HQ, HKV, args.d, seed=20, device="cuda")
     d_out = make_pack(LENS, HQ, HKV, args.d, seed=22, device="cuda")[0]
-    exact = _grads(lambda *a: attention_float64(*a, cu, ms), q, k, v, d_out)
+    exact = output_and_grads(lambda *a: attention_float64(*a, cu, ms), q, k, v, d_out)
     print(f"accuracy vs float64 (kernel path, d = {args.d}):")
     acc = accuracy(q, k, v, cu, ms, d_out, exact)
     extra = {"lens": list(LENS), "heads": {"hq": HQ, "hkv": HKV, "d": args.d}, "accuracy": acc}

@@ -276,6 +276,15 @@ def rel64(a: Any, b: Any) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def output_and_grads(fn: Callable[..., Any], q: Any, k: Any, v: Any, d_out: Any) -> list:
+    """``[O, dQ, dK, dV]`` of ``O = fn(q, k, v)`` with ``d_out`` as O's gradient, run on fresh
+    leaf copies of q, k, v (the inputs are left as they are); O detached."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(d_out.to(out.dtype))
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes held by the tensors in ``obj`` (tensors, sequences, dicts, dataclasses)."""
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):

@@ -20,6 +20,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flamia_serve.reference.quantized as rq
+from benchmarks.common import output_and_grads
 from flamia_serve.numerics.scales import Granularity, quantize_fp8
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import attention, attention_float64
@@ -42,10 +43,7 @@ def main() -> None:
     d_out = make_pack(LENS, 8, 2, 128, seed=4)[0]
 
     def grads(fn):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        o = fn(*leaves)
-        o.backward(d_out)
-        return [o.detach().double(), *(x.grad.double() for x in leaves)]
+        return [x.double() for x in output_and_grads(fn, q, k, v, d_out)]
 
     ref = grads(lambda a, b, c: attention_float64(a, b, c, cu, ms, causal=True))
 

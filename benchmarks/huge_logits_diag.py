@@ -16,16 +16,15 @@ if __package__ in (None, ""):
 
 import torch
 
+from benchmarks.common import output_and_grads
 from flamia_serve import flamia_attn_varlen
 from flamia_serve.probes import make_pack
 from flamia_serve.reference import attention, attention_float64
 
 
 def _run(fn, q, k, v, d_out, cu, ms) -> list[torch.Tensor]:
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = fn(*leaves, cu, ms)
-    out.backward(d_out.to(out.dtype))
-    return [x.detach().double().cpu() for x in (out, *(leaf.grad for leaf in leaves))]
+    got = output_and_grads(lambda *x: fn(*x, cu, ms), q, k, v, d_out)
+    return [x.double().cpu() for x in got]
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import parse_settings, time_ms, write_results
+from benchmarks.common import output_and_grads, parse_settings, time_ms, write_results
 from benchmarks.decode import parse
 from benchmarks.decode_overhead import fit_line
 from benchmarks.exp_bound import parse_pack
@@ -91,3 +91,21 @@ def test_per_launch_splits_a_kernel_launched_twice_per_call() -> None:
     assert per_launch(launches, 2) == {"q": 1.0, "bwd #1": 10.0, "bwd #2": 4.0, "rb": 2.0}
     # a name whose count does not divide by the calls is summed as one
     assert per_launch([("a", 1.0), ("a", 3.0), ("a", 2.0)], 2) == {"a": 3.0}
+
+
+def test_output_and_grads_runs_on_copies_and_matches_autograd() -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (torch.randn(5, 3, generator=gen) for _ in range(4))
+
+    def fn(a, b, c):
+        return (a * b).softmax(-1) * c
+
+    o, dq, dk, dv = output_and_grads(fn, q, k, v, d_out)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = torch.autograd.grad(fn(*leaves), leaves, d_out)
+    assert torch.equal(o, fn(q, k, v)) and not o.requires_grad
+    for got, want in zip((dq, dk, dv), expected, strict=True):
+        assert torch.allclose(got, want)
+    assert not any(x.requires_grad or x.grad is not None for x in (q, k, v))
