@@ -160,6 +160,7 @@ class WorkList:
 #: key tiles go by document: CTAs that run at the same time then read the same documents'
 #: Q̂/dÔ from L2 (H100, 2026-12-06, ``results/bwd_order_*_s27_2026-12-06.json``: backward
 #: W6 8.86 → 5.94 ms, W5 3.53 → 2.81, P3 1.82 → 1.46, one document unchanged)
+#: Set them before plans are built: a plan keeps its lists (and its cached calls them).
 QUERY_WORK_ORDER = "cost"
 KEY_WORK_ORDER = "document"
 #: "document" in rounds (an experiment, ``work_order.py --fwd-chunk/--bwd-chunk``): 0 takes

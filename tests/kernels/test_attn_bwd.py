@@ -356,14 +356,20 @@ def _grads(fn, q, k, v, d_out):
 
 def test_work_order_does_not_change_results(device, monkeypatch) -> None:
     """The order CTAs take work-list items in is a schedule only: O, dK and dV come out bit
-    for bit the same (dQ too here; on a GPU its FP32 adds may land in another order)."""
-    q, k, v, cu, ms = make_pack((70, 1, 130, 33), 4, 2, 64, seed=5, device=device)
+    for bit the same (dQ too here; on a GPU its FP32 adds may land in another order). Each
+    order gets its own plan (a plan keeps the lists it built), and the lists do differ."""
+    q, k, v, cu, ms = make_pack((70, 1, 130, 33, 200), 4, 2, 64, seed=5, device=device)
     d_out = torch.randn_like(q)
-    results = []
+    results, lists = [], []
     for by in ("cost", "document"):
         monkeypatch.setattr(schedule, "QUERY_WORK_ORDER", by)
         monkeypatch.setattr(schedule, "KEY_WORK_ORDER", by)
-        results.append(_grads(lambda *x: flamia_attn_varlen(*x, cu, ms), q, k, v, d_out))
+        plan = plan_varlen(cu, q.shape[0], ms)
+        results.append(_grads(lambda *x, p=plan: flamia_attn_varlen(*x, cu, ms, plan=p), q, k,
+                              v, d_out))  # fmt: skip
+        (work,) = {id(c.bwd_work): c.bwd_work for c in plan.calls.values() if c.bwd_work}.values()
+        lists.append(list(zip(work.doc.tolist(), work.tile.tolist(), strict=True)))
+    assert lists[0] != lists[1] and sorted(lists[0]) == sorted(lists[1])
     (o, dq, dk, dv), (o2, dq2, dk2, dv2) = results
     assert torch.equal(o, o2) and torch.equal(dk, dk2) and torch.equal(dv, dv2)
     if q.is_cuda:
