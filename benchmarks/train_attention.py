@@ -764,7 +764,7 @@ def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return names
 
 
-def _work_order() -> dict[str, str]:
+def _work_order() -> dict[str, str | int]:
     """The order the CuTe kernels' CTAs take their work lists in (``work_order.py`` sets it)."""
     from flamia_serve.kernels import schedule
 

@@ -16,6 +16,7 @@ side by side) keeps. The backward's answer (H100, 2026-12-06) made ``document`` 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -36,10 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--script", choices=["train_attention", "prefill"], default="train_attention",
                     help="the benchmark to run (prefill: the paged prefill's query-tile list)")
     args = ap.parse_args(ours)
-    import importlib  # after --help: the benchmarks need the GPU's packages
-
     from flamia_serve.kernels import schedule
 
+    # after --help: the benchmarks import the GPU's packages
     bench = importlib.import_module(f"benchmarks.{args.script}")
 
     schedule.QUERY_WORK_ORDER = args.fwd or schedule.QUERY_WORK_ORDER
