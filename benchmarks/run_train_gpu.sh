@@ -12,7 +12,8 @@
 #                                                   # d128-passes, s19-w, grad-input,
 #                                                   # nvfp4-search, s22-checks,
 #                                                   # host-marginal, s23, s25, s26-h200,
-#                                                   # bwd-items, work-order, work-rounds
+#                                                   # bwd-items, work-order, work-rounds, s28,
+#                                                   # s28-w, s28-tests
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -493,5 +494,22 @@ if [[ $steps == *,work-rounds,* ]]; then  # by document in rounds (work_order.py
     RUN_TAIL="-n 12" run "work_rounds_prefill_$tag" 150 python benchmarks/work_order.py \
       --script prefill --fwd $v -- --quick --name "work_rounds_prefill_$tag"
   done
+fi
+if [[ $steps == *,s28,* ]]; then  # the backward step's instructions cut (sm_90a SASS of the
+  # unmasked d = 128 step: 1134 -> 1019 per consumer thread): the kernel against the previous
+  # one (FLAMIA_BWD_VARIANT: a copy of its cute_sm90.py) in one process, dK/dV bit for bit on
+  # the GPU tests' kinds of pack and the workloads
+  RUN_TAIL="-n 20" run bwd_step_ab 400 python benchmarks/bwd_variant_ab.py \
+    --variant "${FLAMIA_BWD_VARIANT:?a copy of the previous cute_sm90.py}" \
+    --workloads W3,W5,W6,P3,E16,W1 --name bwd_step_ab
+fi
+if [[ $steps == *,s28-w,* ]]; then  # the W table beside FA4 after the step's cut
+  RUN_TAIL="-n 45" run bwd_step_w 300 python benchmarks/train_attention.py --quick \
+    --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd,bwd,fwd+bwd \
+    --impls flamia-mxfp8,fa4 --name train_attention_s28
+fi
+if [[ $steps == *,s28-tests,* ]]; then  # the CuTe backward's GPU tests after the step's cut
+  run pytest_gpu_cute_bwd_s28 "${FLAMIA_TEST_SECS:-420}" python -m pytest -q \
+    -W ignore::DeprecationWarning tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py
 fi
 pack_out

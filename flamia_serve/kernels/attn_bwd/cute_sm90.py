@@ -51,7 +51,16 @@ H200, P2's shape (``results/bwd_variants_pass_split_2026-12-04.json``): 6.8 ms i
 against 8.9 in parts (T = 8192), 25.4 against 33.9 (T = 16384).
 
 Per-query statistics (Q/dÔ/Ĝ exponents, M, lse, D) are staged in shared memory per step by
-the producer warp's lanes and read by the consumers column by column. Interior steps (all
+the producer warp's lanes and read by the consumers column by column, two columns' per
+16-byte load (``stats_pair``). With block exponents (one 2^eQ per half, one 2^eK per warp's
+keys) the scores' factor is one product per half and dS's two block maxima come from one
+warp reduction per half; dŜ's stores to shared memory apply the swizzle once per thread
+(``ds_word0``). sm_90a SASS of the unmasked d = 128 step: 1019 instructions per consumer
+thread, 1134 before these (``benchmarks/sass_loops.py``); H100, both kernels in one process
+(``results/bwd_step_ab_w_s28_2026-12-06.json``): the backward 0-3% faster on W1-W9 and P3
+(median 1%), dK and dV the same bits. Tried and dropped: keeping dS
+times 2^eV in registers and folding 2^-eV into dŜ's factors (32 multiplies fewer) — the
+factors overflow where a block's dS is tiny and V's exponent negative. Interior steps (all
 keys and queries inside the document; causal: every query at or after every key) run a
 copy of the step without the per-element masks.
 
@@ -65,11 +74,11 @@ exponents as factors; dK and dQ contract the E4M3 codes as in ``mxfp8`` (their K
 Kᵀ·dŜᵀ is a BF16 ``wgmma`` of K·2^-eK's rows (``KernelQKV.k_rows``, keys in order, read
 MN-major) and dŜ's E4M3 values staged as BF16 (keys x queries, two queries a word, read
 MN-major), with the same dŜ codes and factors. Its tiles take 32 KB more shared memory than
-the E4M3 ones at d = 128: its 64-query steps fit with the statistics stored compactly
-(``STEP_BF16_DQ_D128``), and the one-kernel "parts" form at
-d = 256. The recipe's default backward on sm_90 (H200, 2026-12-05: GPU tests passed; W3
-backward 65.1 ms against the Triton kernel's 310 and ``mxfp8``'s 59.2, single samples of
-``--quick``: rerun with ``time_ms``'s five calls before relying on the 10%).
+the E4M3 ones at d = 128: its 64-query steps fit (``STEP_BF16_DQ_D128``), and the
+one-kernel "parts" form at d = 256. The recipe's default backward on sm_90 (H200,
+2026-12-05: GPU tests passed; W3 backward 65.1 ms against the Triton kernel's 310 and
+``mxfp8``'s 59.2, single samples of ``--quick``: rerun with ``time_ms``'s five calls before
+relying on the 10%).
 
 Validity: rows past the document are masked by selects (the token-major tiles may hold the
 next document's codes, which a select, unlike a zero weight, keeps out even when they are
@@ -145,8 +154,8 @@ STEP_DV_PASS = 64
 #: of shared memory (a CTA can have 227 KB)
 STEP_WIDE_D128 = HALF
 #: queries per step of the BF16 dQ product (``bf16_dq``, grad_qk="input") at d = 128: two
-#: halves, which fit 227 KB exactly with the statistics stored compactly (232,448 B; sm_90a
-#: compile: 168 registers, 112 B stack). H100, 2026-12-06, same call against one half
+#: halves, which fit 227 KB exactly (232,448 B; sm_90a compile: 168 registers, 112 B
+#: stack; 120 B with the statistics in column pairs). H100, 2026-12-06, same call against one half
 #: (``results/train_attention_grad_input{32,64}_s26_2026-12-06.json``): backward W3 64.6 →
 #: 55.8 ms, W7 1.596 → 1.575; GPU tests passed, accuracy unchanged (dQ/dK cos 0.99809)
 STEP_BF16_DQ_D128 = 2 * HALF
@@ -169,8 +178,11 @@ NUM_WG = 2
 TILE_N = WG_KEYS * NUM_WG
 #: FP32 values per dQ staging store (16 bytes)
 DQ_VEC = 4
-#: entries of the statistics' row 5 (per-half exponent factors: dÔ's at 0..1, Ĝ's at 2..3)
-STATS_ROW5 = 4
+#: per-half exponent factors of a step (``sHalfFac``: dÔ's at 0..1, Ĝ's at 2..3)
+HALF_FACTORS = 4
+#: the per-query statistics in column pairs (``sStats[0]``; ``stats_pair`` reads a group):
+#: group 0 P̂'s (qk_scale·2^eQ, M − 8), group 1 dS's (f = 2^(M − 8 − lse), D)
+STAT_QK, STAT_REF, STAT_F, STAT_D = 0, 1, 2, 3
 # named barriers (0 is __syncthreads), one of each per consumer warpgroup
 _BAR_AMAX = 1
 _BAR_DS = 3
@@ -339,19 +351,18 @@ class FlamiaBwdSm90:
         dq_layout = cute.make_layout((64 * self.step_q, self.dq_pieces, NUM_WG))
         # (dK block | dQ block, half, warp, warpgroup)
         amax_layout = cute.make_layout((2, 2, 4, NUM_WG))
-        # per step and query: qk_scale·2^eQ, 2^eQ, M − 8, f, D; row 5 per half h: 2^e_dÔ at
-        # h, 2^e_Ĝ at 2 + h. ``bf16_dq`` at two halves per step: rows of all stages one after
-        # the other, queries contiguous, and row 5 keeps only the first ``STATS_ROW5`` words
-        # of its last stage (what lets it fit 227 KB at d = 128; the other kernels keep the
-        # query-major layout: the compact one costs them 8-12 B more spills, sm_90a compile)
+        # per step and query, in column pairs so that one 16-byte load gives a thread two
+        # adjacent columns' pair of statistics (``stats_pair``): group 0 qk_scale·2^eQ and
+        # M − 8 (P̂), group 1 f and D (dS); index (stat, column, stage) with stat = STAT_*.
+        # Apart: 2^eQ per query (``sQfac``) and the halves' 2^e_dÔ at h, 2^e_Ĝ at 2 + h
+        # (``sHalfFac``)
         step_q, stages = self.step_q, self.num_stages
-        stats_layout = cute.make_layout((6, step_q, stages))
-        stats_words = cute.cosize(stats_layout)
-        if const_expr(self.bf16_dq and step_q > HALF):
-            stats_layout = cute.make_layout(
-                (6, step_q, stages), stride=(step_q * stages, 1, step_q)
-            )
-            stats_words = 5 * step_q * stages + (stages - 1) * step_q + STATS_ROW5
+        stats_layout = cute.make_layout(
+            ((2, 2), (2, step_q // 2), stages),
+            stride=((2, 2 * step_q), (1, 4), 4 * step_q),
+        )
+        qfac_layout = cute.make_layout((step_q, stages))
+        half_layout = cute.make_layout((HALF_FACTORS, stages))
         mma_kw = dict(atom_layout_mnk=(1, 1, 1))
         # Sᵀ (in the score operands' type) and dPᵀ: keys x queries, contraction over d (A
         # and B from shared memory; the two accumulators share one layout)
@@ -409,7 +420,11 @@ class FlamiaBwdSm90:
             "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
             "mbar_step": cute.struct.MemRange[cutlass.Int64, 2 * stages],
             "mbar_stats": cute.struct.MemRange[cutlass.Int64, 2 * stages],
-            "sStats": cute.struct.MemRange[Float32, stats_words],
+            "sStats": cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(stats_layout)], 16
+            ],
+            "sQfac": cute.struct.MemRange[Float32, cute.cosize(qfac_layout)],
+            "sHalfFac": cute.struct.MemRange[Float32, cute.cosize(half_layout)],
             "sAmax": cute.struct.MemRange[Float32, cute.cosize(amax_layout)],
             "sDqFac": cute.struct.MemRange[Float32, 2 * NUM_WG * 2],
             "sK": tile(qk, k_rows_layout),
@@ -436,7 +451,8 @@ class FlamiaBwdSm90:
             (mQexp, mQsexp, mKexp), mFactors, mDOexp, mGexp, mDelta, mM, mLSE, mCu, mVtStart,
             mItemDoc, mItemTile, mCount, mDQ, mDK, mDV, mDbg, qk_scale, softmax_scale,
             (rows_layout, kt_layout, step_layout, step_t_layout, ds_layout, dq_layout,
-             amax_layout, stats_layout, k_rows_layout, q_step_layout),
+             amax_layout, (stats_layout, qfac_layout, half_layout), k_rows_layout,
+             q_step_layout),
             (tiled_mma_s, tiled_mma_kv, tiled_mma_dq, tiled_mma_qk), Storage,
         ).launch(
             grid=[n_ctas * self.parts, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
@@ -472,7 +488,7 @@ class FlamiaBwdSm90:
         Storage: cutlass.Constexpr,
     ):
         (rows_layout, kt_layout, step_layout, step_t_layout, ds_layout, dq_layout, amax_layout,
-         stats_layout, k_rows_layout, q_step_layout) = layouts  # fmt: skip
+         stats_layouts, k_rows_layout, q_step_layout) = layouts  # fmt: skip
         mQexp, mQsexp, mKexp = exps
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -524,6 +540,17 @@ class FlamiaBwdSm90:
                     ds_words_layout.outer, swizzle=ds_words_layout.inner, dtype=Int32
                 )
             )
+            # the same words unswizzled: the E4M3 codes' stores apply the 64-byte swizzle once
+            # per thread (``ds_word0``), not once per store
+            if const_expr(not self.bf16_dq and (
+                ds_words_layout.inner != cute.make_swizzle(2, 4, 3) or self.step_q * 64 % 1024
+            )):  # fmt: skip
+                raise ValueError(f"dŜ's tile: {ds_words_layout.inner}, expected S<2,4,3> and "
+                                 "whole KB buffers")  # fmt: skip
+            ds_flat = cute.make_tensor(
+                cute.recast_ptr(storage.sDS.data_ptr(), dtype=Int32),
+                cute.make_layout(cute.size(ds_words_layout)),
+            )
             sDQ = storage.sDQ.get_tensor(dq_layout)
             sAmax = storage.sAmax.get_tensor(amax_layout)
             # joint dQ: each warpgroup's dQ factors 2^eb·softmax_scale per (half, warpgroup,
@@ -531,8 +558,13 @@ class FlamiaBwdSm90:
             sDqFac = storage.sDqFac.get_tensor(cute.make_layout((2, NUM_WG, 2)))
         else:
             smem_tensors.append(None)
-        sStats = storage.sStats.get_tensor(stats_layout)
-        smem_tensors.append(sDqFac)
+            ds_flat = None
+        # (column pairs of statistics, 2^eQ per query, the halves' factors)
+        sStats = tuple(
+            getattr(storage, name).get_tensor(layout)
+            for name, layout in zip(("sStats", "sQfac", "sHalfFac"), stats_layouts, strict=True)
+        )
+        smem_tensors += [sDqFac, ds_flat]
         pipes = (pipe_kv, pipe_step, pipe_stats)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -583,7 +615,7 @@ class FlamiaBwdSm90:
         pipe_kv, pipe_step, pipe_stats = pipes
         tma_k, tma_v, tma_kt, tma_q, tma_do, tma_qt, tma_gt = tmas
         atom_k, atom_v, atom_kt, atom_q, atom_do, atom_qt, atom_gt = atoms
-        sK, sV, sKt, sQ, sDO, sQt, sGt, _, _, _ = smem
+        sK, sV, sKt, sQ, sDO, sQt, sGt, _, _, _, _ = smem
         doc_start, vt_start, hk, key0 = w["doc_start"], w["vt_start"], w["hk"], w["key0"]
         halves = self.halves
 
@@ -663,6 +695,7 @@ class FlamiaBwdSm90:
         seqlen = w["seqlen"]
         n_halves = self.step_q // HALF
         mQexp, mQsexp = q_exps
+        s_pairs, s_qfac, s_half = sStats
         for hb in cutlass.range_constexpr(n_halves):
             c = hb * HALF + lane
             q = i0 + c
@@ -679,13 +712,13 @@ class FlamiaBwdSm90:
                 if const_expr(self.do_ds):
                     lse = mLSE[tok, h]
                     dl = mDelta[h, tok]
-            # rows 0 and 2 (P̂'s) the same in every mode
-            sStats[0, c, idx] = pow2(eqs) * qk_scale
-            sStats[2, c, idx] = m - P_HAT_EXP
+            # P̂'s statistics the same in every mode
+            s_pairs[STAT_QK, c, idx] = pow2(eqs) * qk_scale
+            s_pairs[STAT_REF, c, idx] = m - P_HAT_EXP
             if const_expr(self.do_ds):
-                sStats[1, c, idx] = pow2(eq)
-                sStats[3, c, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
-                sStats[4, c, idx] = dl
+                s_qfac[c, idx] = pow2(eq)
+                s_pairs[STAT_F, c, idx] = cute.math.exp2(m - P_HAT_EXP - lse, fastmath=True)
+                s_pairs[STAT_D, c, idx] = dl
         if const_expr(self.do_ds):  # (pass A reads no row 5)
             if lane < self.exp_lanes and lane % 2 < n_halves:  # (one half: lanes 0, 2)
                 hb = lane % 2
@@ -696,7 +729,7 @@ class FlamiaBwdSm90:
                         e = Int32(mDOexp[h, doc_start + q])
                     else:
                         e = Int32(mGexp[h, w["vt_start"] + q])
-                sStats[5, lane, idx] = pow2(e)
+                s_half[lane, idx] = pow2(e)
 
     @cute.jit
     def consume(
@@ -705,7 +738,7 @@ class FlamiaBwdSm90:
     ):  # fmt: skip
         """The two key warpgroups: every step of every head of the group, then dK/dV."""
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq, tiled_mma_qk = mmas
-        sK, sV, sKt, sQ, sDO, sQt, sGt, sDS, sDSw, sDqFac = smem
+        sK, sV, sKt, sQ, sDO, sQt, sGt, sDS, sDSw, sDqFac, sDSflat = smem
         pipe_kv, pipe_step, pipe_stats = pipes
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -811,13 +844,23 @@ class FlamiaBwdSm90:
         # a warpgroup whose keys all lie past the document, or (causal) whose first key
         # follows every query of a step, only keeps the stages in step
         wg_live = key0 < seqlen
+        # E4M3 dŜ: this thread's first word in buffer 0 (``step``: its word n holds the codes
+        # of query col0 + odd + 8·n at keys k0 - odd, + 1, + 8, + 9 in the column layout's
+        # order). The words of a buffer are 64-byte rows (swizzle S<2,4,3>: byte bits 4-5 XOR
+        # bits 7-8, the row's low three bits); 8 rows further and other buffers (whole KBs)
+        # leave those bits alone, so the swizzle is applied here once.
+        ds_word0 = Int32(0)
+        if const_expr(self.do_ds and not self.bf16_dq):
+            odd = Int32(tScS[0, 0][0]) & 1
+            ds_byte = (col0 + odd) * 64 + v_t_position(tScS[0, 0][0] - odd) // 4 * 4
+            ds_word0 = (ds_byte ^ ((ds_byte >> 3) & 0x30)) >> 2
         ctx = dict(
             w=w, wg=wg, t=t, warp=warp, col0=col0, key=key, kfac=kfac, kdq=kdq, ev=ev, vinv=vinv,
             vfac=vfac, tScS=tScS, tCcS=tCcS, n_rows=n_rows, n_cols=n_cols, tSrK=tSrK, tSrQ=tSrQ,
             tPrV=tPrV, tPrDO=tPrDO, frag_p=frag_p, frag_ds=frag_ds, tVrG=tVrG, tKrQ=tKrQ,
             tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS, sDSw=sDSw,
             sDQ=sDQ, tDQs=tDQs, sAmax=sAmax, mmas=mmas, seqlen=seqlen, key0=key0,
-            sDqFac=sDqFac,
+            sDqFac=sDqFac, sDSflat=sDSflat, ds_word0=ds_word0,
         )  # fmt: skip
         other_key0 = w["key0"] + (1 - wg) * WG_KEYS  # the other warpgroup's first key
         for g in cutlass.range(self.group, unroll=1):
@@ -892,14 +935,19 @@ class FlamiaBwdSm90:
             warpgroup.wait_group(0)
         s_mn = layout_utils.reshape_acc_to_mn(acc_s)
         # column by column: the query's statistics (staged in shared memory by the producer
-        # warp) are read where they are used, so only one column's stay in registers
+        # warp) are read where they are used, so only two columns' stay in registers
+        cols_per_half = n_cols // (self.step_q // HALF)
         for j in cutlass.range_constexpr(n_cols):
             c = ctx["col0"] + column_offset(j)
             q = i0 + c
-            qfac = sStats[0, c, stage]  # qk_scale · 2^eQ
-            ref = sStats[2, c, stage]  # M − 8
-            if const_expr(self.uniform_kfac):  # the same product for every row
-                qk = qfac * ctx["kfac"][0]
+            if const_expr(j % 2 == 0):
+                pair = stats_pair(sStats[0], ctx["col0"], j, 0, stage)
+            qfac = pair[j % 2]  # qk_scale · 2^eQ
+            ref = pair[2 + j % 2]  # M − 8
+            if const_expr(self.uniform_kfac and j % cols_per_half == 0):
+                # one 2^eQ per half and 2^eK per warp: one product for the half (a query
+                # past the document, whose factor differs, is masked)
+                qk = sStats[0][STAT_QK, j // cols_per_half * HALF, stage] * ctx["kfac"][0]
             for r in cutlass.range_constexpr(n_rows):
                 key = ctx["key"][r]
                 if const_expr(not self.uniform_kfac):
@@ -970,7 +1018,7 @@ class FlamiaBwdSm90:
         def promote_dv(n):
             hb, hf = dv_order[n]
             warpgroup.wait_group(0)
-            self.promote(ctx["acc_dv"][hf], acc_v[n], sStats[5, 2 + hb, stage])
+            self.promote(ctx["acc_dv"][hf], acc_v[n], sStats[2][2 + hb, stage])
             if const_expr(n + 1 < len(dv_order)):
                 issue_dv(n + 1)
 
@@ -984,22 +1032,25 @@ class FlamiaBwdSm90:
         # exponents both to one maximum). Where P̂ is 0, dS is 0: a select, so that a masked
         # key's or query's non-finite dP stays out; interior steps (one document, nothing
         # masked) leave that to the product, as the contract allows inside a document.
+        s_pairs, s_qfac, s_half = sStats
+        amax = [Float32(0.0)] * n_halves  # block exponents: max |dS| of the half (this thread)
         amax_k = [Float32(0.0)] * n_halves
         amax_q = [Float32(0.0)] * n_halves
         q_exp_fac = [Float32(1.0)] * n_halves  # block exponents: the half's 2^eQ
         for hb in cutlass.range_constexpr(n_halves):
             dp_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eV · 2^e_dÔ per key row
             row_amax = cute.make_rmem_tensor(n_rows, Float32)
-            do_fac = sStats[5, hb, stage]
+            do_fac = s_half[hb, stage]
             for r in cutlass.range_constexpr(n_rows):
                 dp_fac[r] = ctx["vfac"][r] * do_fac
                 row_amax[r] = Float32(0.0)
-            block_amax = Float32(0.0)
             for jj in cutlass.range_constexpr(cols_per_half):
                 j = hb * cols_per_half + jj
                 c = ctx["col0"] + column_offset(j)
-                f = sStats[3, c, stage]  # 2^(M − 8 − lse)
-                delta = sStats[4, c, stage]
+                if const_expr(j % 2 == 0):
+                    pair = stats_pair(s_pairs, ctx["col0"], j, 1, stage)
+                f = pair[j % 2]  # 2^(M − 8 − lse)
+                delta = pair[2 + j % 2]
                 col_amax = Float32(0.0)
                 for r in cutlass.range_constexpr(n_rows):
                     pv = s_mn[r, j]
@@ -1008,18 +1059,16 @@ class FlamiaBwdSm90:
                         ds = Float32(0.0) if pv == Float32(0.0) else ds
                     dp_mn[r, j] = ds
                     if const_expr(self.block_exponents):
-                        block_amax = fa_utils.fmax(block_amax, abs(ds))
+                        amax[hb] = fa_utils.fmax(amax[hb], abs(ds))
                     else:
                         col_amax = fa_utils.fmax(col_amax, abs(ds))
                         row_amax[r] = fa_utils.fmax(row_amax[r], abs(ds))
                 if const_expr(not self.block_exponents):
-                    amax_k[hb] = fa_utils.fmax(amax_k[hb], col_amax * sStats[1, c, stage])
+                    amax_k[hb] = fa_utils.fmax(amax_k[hb], col_amax * s_qfac[c, stage])
             if const_expr(self.block_exponents):
                 # a query past the document stages 2^0, its dS is 0: the half's first
                 # query is inside the document whenever any of its dS is not 0
-                q_exp_fac[hb] = sStats[1, hb * HALF, stage]
-                amax_k[hb] = block_amax * q_exp_fac[hb]
-                amax_q[hb] = block_amax * ctx["kdq"][0]  # (row 0 is inside if any row is)
+                q_exp_fac[hb] = s_qfac[hb * HALF, stage]
             else:
                 for r in cutlass.range_constexpr(n_rows):
                     amax_q[hb] = fa_utils.fmax(amax_q[hb], row_amax[r] * ctx["kdq"][r])
@@ -1027,12 +1076,18 @@ class FlamiaBwdSm90:
         # would hold its accumulator beside P̂ and dS and spill)
         if const_expr(len(dv_order) > 0):
             issue_dv(0)
-        # block exponents: dK per (dk_keys keys x half), dQ per (64 keys x half)
+        # block exponents: dK per (dk_keys keys x half), dQ per (64 keys x half); with block
+        # exponents one maximum per half is reduced and both factors applied after (exact)
         sAmax = ctx["sAmax"]
         warp = ctx["warp"]
         for hb in cutlass.range_constexpr(n_halves):
-            amax_k[hb] = cute.arch.warp_reduction_max(amax_k[hb], threads_in_group=32)
-            amax_q[hb] = cute.arch.warp_reduction_max(amax_q[hb], threads_in_group=32)
+            if const_expr(self.block_exponents):
+                amax[hb] = cute.arch.warp_reduction_max(amax[hb], threads_in_group=32)
+                amax_k[hb] = amax[hb] * q_exp_fac[hb]
+                amax_q[hb] = amax[hb] * ctx["kdq"][0]  # (row 0 is inside if any row is)
+            else:
+                amax_k[hb] = cute.arch.warp_reduction_max(amax_k[hb], threads_in_group=32)
+                amax_q[hb] = cute.arch.warp_reduction_max(amax_q[hb], threads_in_group=32)
         if ctx["t"] % 32 == 0:
             for hb in cutlass.range_constexpr(n_halves):
                 sAmax[0, hb, warp, wg] = amax_k[hb]
@@ -1045,6 +1100,8 @@ class FlamiaBwdSm90:
         first = warp // per_block * per_block if const_expr(per_block > 1) else warp
         ek = [None] * n_halves
         eb = [None] * n_halves
+        k_inv = [None] * n_halves
+        b_inv = [None] * n_halves
         for hb in cutlass.range_constexpr(n_halves):
             block_amax = sAmax[0, hb, first, wg]
             for k in cutlass.range_constexpr(1, max(per_block, 1)):
@@ -1055,22 +1112,25 @@ class FlamiaBwdSm90:
             )
             ek[hb] = e4m3_exponent(block_amax)
             eb[hb] = e4m3_exponent(tile_amax)
+            # dŜ's scalings 2^-ek and 2^-eb, 0 for a block whose dS is all 0: its exponent is
+            # -127, and 2^127 times the other factors can overflow (0 · inf is NaN)
+            k_inv[hb] = Float32(0.0) if block_amax == Float32(0.0) else pow2(-ek[hb])
+            b_inv[hb] = Float32(0.0) if tile_amax == Float32(0.0) else pow2(-eb[hb])
         # the rest of dV before dŜ is built (a product in flight beside P̂, dS and dŜ spills)
         for n in cutlass.range_constexpr(1, len(dv_order)):
             promote_dv(n)
         # dŜ for dK (registers, A fragment, in place of P̂) and dŜ for dQ (in place of dS,
         # then shared memory, transposed); products of powers of two: one multiply each
         for hb in cutlass.range_constexpr(n_halves):
-            k_inv = pow2(-ek[hb])
             row_fac = cute.make_rmem_tensor(n_rows, Float32)  # 2^eK · 2^-eb
             for r in cutlass.range_constexpr(n_rows):
-                row_fac[r] = ctx["kdq"][r] * pow2(-eb[hb])
-            half_fac = q_exp_fac[hb] * k_inv  # block exponents: 2^eQ·2^-ek
+                row_fac[r] = ctx["kdq"][r] * b_inv[hb]
+            half_fac = q_exp_fac[hb] * k_inv[hb]  # block exponents: 2^eQ · 2^-ek
             for jj in cutlass.range_constexpr(cols_per_half):
                 j = hb * cols_per_half + jj
                 col_fac = half_fac
                 if const_expr(not self.block_exponents):
-                    col_fac = sStats[1, ctx["col0"] + column_offset(j), stage] * k_inv
+                    col_fac = s_qfac[ctx["col0"] + column_offset(j), stage] * k_inv[hb]
                 for r in cutlass.range_constexpr(n_rows):
                     ds = dp_mn[r, j]
                     s_mn[r, j] = ds * col_fac
@@ -1120,12 +1180,14 @@ class FlamiaBwdSm90:
             ds_words = cute.recast_tensor(ds8, Int32)
             odd = Int32(tScS[0, 0][0]) & 1
             sel = Int32(0x6240) if odd == 0 else Int32(0x3715)
+            rows, per_row = self.ds_words_shape
+            at = ctx["ds_word0"] + ds_buf * (rows * per_row)
             for n in cutlass.range_constexpr(n_cols // 2):
                 mine = ds_words[n]
                 other = cute.arch.shuffle_sync_bfly(mine, offset=4)
                 word = Int32(cute.arch.prmt(mine, other, sel))
-                q = tScS[0, 2 * n][1] + odd
-                sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, ds_buf] = word
+                # (query col0 + odd + 8·n: tScS[0, 2·n] is column col0 + 8·n)
+                ctx["sDSflat"][at + n * 8 * per_row] = word
         if ctx["t"] == 0:  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(self.joint_dq):
@@ -1347,6 +1409,22 @@ class FlamiaBwdSm90:
                             dv_pairs[tok, w["hk"], at] = fa_utils.cvt_f16x2_f32(
                                 dv_mn[r, c] * vinv, dv_mn[r, c + 1] * vinv, mDV.element_type
                             )
+
+
+@cute.jit
+def stats_pair(
+    s_pairs: cute.Tensor, col0: Int32, j: cutlass.Constexpr, group: cutlass.Constexpr, stage
+) -> cute.Tensor:
+    """Statistics ``a = 2·group`` and ``b = 2·group + 1`` of a thread's columns ``c`` and
+    ``c + 1`` (``c = col0 + column_offset(j)``, ``j`` and ``col0`` even) from one 16-byte
+    load: ``(a_c, a_c+1, b_c, b_c+1)`` in registers."""
+    step_q = cute.size(s_pairs, mode=[1])
+    stages = cute.size(s_pairs, mode=[2])
+    quads = cute.make_tensor(
+        s_pairs.iterator,
+        cute.make_layout((4, step_q // 2, 2, stages), stride=(1, 4, 2 * step_q, 4 * step_q)),
+    )
+    return copy_utils.load_s2r(quads[None, col0 // 2 + 4 * (j // 2), group, stage])
 
 
 @cute.jit

@@ -1,0 +1,163 @@
+"""The CuTe backward of this tree against another copy of its kernel module, in one process.
+
+    python benchmarks/bwd_variant_ab.py --variant OLD/cute_sm90.py \\
+        --workloads W3,W5,W6,P3,E16 --name bwd_step_ab
+
+``--variant``: a copy of ``flamia_serve/kernels/attn_bwd/cute_sm90.py`` (e.g. ``git show
+REV:flamia_serve/kernels/attn_bwd/cute_sm90.py``) that works with this tree's launcher; it is
+imported under another name and put in the kernel module's place while it runs.
+
+1. Same results: on small packs of the GPU tests' kinds (1-token and empty documents, odd
+   lengths, GQA and MHA, d 64 / 128 / 256, causal or not, ``exact_causal``) and on each
+   workload, both kernels on one quantization: dK and dV must be the same bits when both
+   compute the same P̂ and dŜ codes and factors (a CTA adds its own dK/dV in a fixed order);
+   dQ (bulk adds in no fixed order) by relative difference. ``--no-check`` skips it.
+2. Times: the kernel alone (``attn_bwd`` on prequantized operands, as ``profile_bwd.py``),
+   this tree and the variant interleaved over ``--rounds`` rounds, each round's median; the
+   rows keep every round. JSON ``<name>.json`` (GPU, versions, date) under the results dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import itertools
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.common import rel64, time_ms, write_results
+from benchmarks.workloads import training_workload
+from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG, attn_bwd
+from flamia_serve.kernels.attn_fwd.ops import attn_fwd
+from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
+
+KERNEL_MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
+#: (seqlens, hq, hkv, d, causal, exact_causal): the GPU tests' kinds of pack, with the
+#: workloads' heads where they can share their compiled kernels (32/8 GQA, 16/16 MHA)
+CHECK_PACKS = [
+    ((1, 300, 1000, 129, 0, 31), 32, 8, 128, True, False),
+    ((257, 64, 700), 16, 16, 128, True, False),
+    ((2048, 1, 130), 32, 8, 128, True, True),
+    ((100, 230, 1), 32, 8, 128, False, False),
+    ((1, 300, 1000, 129, 0, 31), 32, 8, 64, True, False),
+    ((257, 64, 700, 1), 32, 8, 256, True, False),
+]
+
+
+def load_variant(path: Path) -> ModuleType:
+    """The module at ``path``, imported as ``<kernel module>_variant``."""
+    spec = importlib.util.spec_from_file_location(f"{KERNEL_MODULE}_variant", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--variant {path}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def kernel_module(module: ModuleType | None) -> Iterator[None]:
+    """``attn_bwd`` imports its launcher from ``sys.modules[KERNEL_MODULE]`` at each call:
+    ``module`` takes that place inside the block (None: this tree's)."""
+    if module is None:
+        yield
+        return
+    own = sys.modules.get(KERNEL_MODULE)
+    sys.modules[KERNEL_MODULE] = module
+    try:
+        yield
+    finally:
+        if own is None:
+            del sys.modules[KERNEL_MODULE]
+        else:
+            sys.modules[KERNEL_MODULE] = own
+
+
+def operands(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool, seed: int = 0):
+    """Prequantized backward operands of one pack (random BF16 inputs) and the call."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    t = sum(seqlens)
+    cu = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32, device="cuda")
+
+    def randn(h: int) -> torch.Tensor:
+        return torch.randn(t, h, d, device="cuda", generator=gen).to(torch.bfloat16)
+
+    q, k, v, d_out = randn(hq), randn(hkv), randn(hkv), randn(hq)
+    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True,
+                       column_align=128, q_rows=True)  # fmt: skip
+    out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
+    qdo = quantize_do(d_out, out, m, lse, cu, column_align=128, g_rows=True)
+
+    def run():
+        return attn_bwd(qkv, qdo, m, lse, cu, heads_q=hq, causal=causal,
+                        softmax_scale=d**-0.5, config=CUTE_BWD_CONFIG)  # fmt: skip
+
+    return run
+
+
+def compare(run, variant: ModuleType) -> dict:
+    """Both kernels' gradients on one quantization: dK / dV bit-equal, dQ's difference."""
+    ours = [g.clone() for g in run()]
+    with kernel_module(variant):
+        theirs = [g.clone() for g in run()]
+    return {
+        "dk_equal": bool(torch.equal(ours[1], theirs[1])),
+        "dv_equal": bool(torch.equal(ours[2], theirs[2])),
+        "dq_rel": rel64(ours[0], theirs[0]),
+        "finite": all(bool(torch.isfinite(g).all()) for g in ours),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", type=Path, required=True, help="a copy of cute_sm90.py")
+    ap.add_argument("--workloads", default="W3,W5,W6,P3,E16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--name", default="bwd_variant_ab")
+    args = ap.parse_args(argv)
+    variant = load_variant(args.variant)
+    rows: list[dict] = []
+    failed = 0
+    if not args.no_check:
+        for seqlens, hq, hkv, d, causal, exact in CHECK_PACKS:
+            row = {"check": "pack", "seqlens": list(seqlens), "hq": hq, "hkv": hkv, "d": d,
+                   "causal": causal, "exact_causal": exact}  # fmt: skip
+            row |= compare(operands(seqlens, hq, hkv, d, causal, exact), variant)
+            failed += not (row["dk_equal"] and row["dv_equal"] and row["finite"])
+            print(row, flush=True)
+            rows.append(row)
+    for name in args.workloads.split(","):
+        w = training_workload(name)
+        run = operands(list(w.seqlens), w.hq, w.hkv, w.head_dim, True, False)
+        row = {"workload": name, "pass": "bwd", "total_tokens": w.total_tokens,
+               "hq": w.hq, "hkv": w.hkv, "d": w.head_dim}  # fmt: skip
+        if not args.no_check:
+            row |= compare(run, variant)
+            failed += not (row["dk_equal"] and row["dv_equal"] and row["finite"])
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(time_ms(run)["ms"])
+            with kernel_module(variant):
+                theirs.append(time_ms(run)["ms"])
+        row |= {"ms": statistics.median(ours), "variant_ms": statistics.median(theirs),
+                "ms_rounds": ours, "variant_ms_rounds": theirs}  # fmt: skip
+        row["speedup"] = row["variant_ms"] / row["ms"]
+        print({k: row[k] for k in ("workload", "ms", "variant_ms", "speedup")}, flush=True)
+        rows.append(row)
+    write_results(args.name, rows, {"variant": str(args.variant), "kernel": "cute backward"})
+    if failed:
+        print(f"{failed} comparisons differ", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
