@@ -17,6 +17,7 @@
 # The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
 #   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
 #   bash benchmarks/run_serving_gpu.sh prefill-layouts   # the layout kernel's program shapes
+#   bash benchmarks/run_serving_gpu.sh flashinfer-warm,s28-prefill   # extend lists' order
 #     bit-equal to 16 keys x 1 head on the GPU, then their times (needs only triton)
 set -uo pipefail
 export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
@@ -115,6 +116,17 @@ if [[ $steps == *,cute-prefill,* ]]; then
     --impls flamia-fp8,flamia-bf16-exact,flamia-nvfp4-exact
   run prefill_flashinfer 300 python benchmarks/prefill.py --quick --impls flashinfer \
     --name prefill_flashinfer
+fi
+if [[ $steps == *,s28-prefill,* ]]; then  # the extend lists by document (the default since
+  # 2026-12-06) against by cost, then FlashInfer (after flashinfer-warm): S1-S4 and MIX
+  [ -n "${warm_pid:-}" ] && { wait "$warm_pid"; tail -n 5 /tmp/flashinfer_warm.log; }
+  for v in document cost; do
+    PYTHONPATH=$CUTE_SITE RUN_TAIL="-n 8" run "prefill_order_$v" 150 python \
+      benchmarks/work_order.py --script prefill --fwd $v -- --quick --impls flamia-fp8-exact \
+      --name "prefill_order_$v"
+  done
+  RUN_TAIL="-n 8" run prefill_flashinfer 300 python benchmarks/prefill.py --quick \
+    --impls flashinfer --name prefill_flashinfer
 fi
 if [[ $steps == *,cute-decode,* ]]; then  # four workloads; FlashInfer's JIT takes ~2 min
   W=B16-L8192,B64-L8192,B16-L32768,B64-L32768

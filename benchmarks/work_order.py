@@ -43,12 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     bench = importlib.import_module(f"benchmarks.{args.script}")
 
     schedule.QUERY_WORK_ORDER = args.fwd or schedule.QUERY_WORK_ORDER
+    if args.script == "prefill":  # (the paged prefill's lists are extend lists)
+        schedule.EXTEND_WORK_ORDER = args.fwd or schedule.EXTEND_WORK_ORDER
     schedule.KEY_WORK_ORDER = args.bwd or schedule.KEY_WORK_ORDER
     if args.fwd_chunk is not None:
         schedule.QUERY_ORDER_CHUNK = args.fwd_chunk
     if args.bwd_chunk is not None:
         schedule.KEY_ORDER_CHUNK = args.bwd_chunk
     print(f"work order: forward {schedule.QUERY_WORK_ORDER} ({schedule.QUERY_ORDER_CHUNK}), "
+          f"extend {schedule.EXTEND_WORK_ORDER}, "
           f"backward {schedule.KEY_WORK_ORDER} ({schedule.KEY_ORDER_CHUNK})")
     return bench.main(rest)
 

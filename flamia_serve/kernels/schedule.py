@@ -163,6 +163,13 @@ class WorkList:
 #: Set them before plans are built: a plan keeps its lists (and its cached calls them).
 QUERY_WORK_ORDER = "cost"
 KEY_WORK_ORDER = "document"
+#: The extend lists' order (``cu_seqlens_k``: the paged prefill's queries after their
+#: cached keys): by document, so that CTAs running at once read one sequence's K̂/V̂ pages
+#: (H100, 2026-12-06, one call, ``results/prefill_order_{cost,document}_s28_2026-12-06.json``,
+#: FP8 cache, ms by cost → by document: S1 0.834 → 0.834, S2 1.258 → 1.218, S3 2.012 →
+#: 1.833, S4 0.978 → 0.957; FlashInfer's BF16 prefill in that call 1.019 / 1.674 / 2.309 /
+#: 1.084)
+EXTEND_WORK_ORDER = "document"
 #: "document" in rounds (an experiment, ``work_order.py --fwd-chunk/--bwd-chunk``): 0 takes
 #: each document whole; C > 0 the C longest items of every document in document order, then
 #: their next C, ..., so the longest items of every document still come early (H100,
@@ -211,7 +218,7 @@ def build_work_list(
     window_limit: int = 0,
 ) -> WorkList:
     """Work list of query tiles, ordered by the number of key tiles each one visits
-    (``QUERY_WORK_ORDER``).
+    (``QUERY_WORK_ORDER``; with ``cu_seqlens_k`` ``EXTEND_WORK_ORDER``).
     ``cu_seqlens_k`` (extend): each document's keys, its queries being the last of them.
     ``window_limit`` (no extend): documents of at most that many tokens go to
     :class:`ShortWindows` instead (0: none do)."""
@@ -231,7 +238,8 @@ def build_work_list(
     key_end = torch.minimum(offset + (tile + 1) * block_m, offset + length) if causal \
         else offset + length  # fmt: skip
     cost = torch.where(valid, (key_end + block_n - 1) // block_n, -1)
-    order = _order_items(cost, doc, cu.numel() - 1, QUERY_WORK_ORDER, QUERY_ORDER_CHUNK)
+    by = QUERY_WORK_ORDER if cu_seqlens_k is None else EXTEND_WORK_ORDER
+    order = _order_items(cost, doc, cu.numel() - 1, by, QUERY_ORDER_CHUNK)
     count = valid.sum().to(torch.int32).reshape(1)
     return WorkList(
         doc[order].to(torch.int32),

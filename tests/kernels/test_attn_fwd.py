@@ -196,6 +196,24 @@ def test_work_list_ordered_and_complete(by: str, monkeypatch) -> None:
         assert items == [(3, t) for t in range(5, -1, -1)] + [(0, 2), (0, 1), (0, 0), (2, 0)]
 
 
+def test_extend_lists_take_their_own_order(monkeypatch) -> None:
+    """With ``cu_seqlens_k`` (the paged prefill's extend lists) ``EXTEND_WORK_ORDER`` orders
+    the items, not ``QUERY_WORK_ORDER``: by document, one sequence's tiles side by side."""
+    monkeypatch.setattr(schedule, "QUERY_WORK_ORDER", "cost")
+    cu_q = torch.tensor([0, 256, 512], dtype=torch.int32)  # two sequences' new tokens
+    cu_k = torch.tensor([0, 256 + 4096, 2 * (256 + 4096)], dtype=torch.int32)
+    orders = {}
+    for by in ("cost", "document"):
+        monkeypatch.setattr(schedule, "EXTEND_WORK_ORDER", by)
+        work = build_work_list(cu_q, 512, block_m=128, block_n=64, causal=True,
+                               cu_seqlens_k=cu_k)  # fmt: skip
+        n = int(work.count)
+        orders[by] = list(zip(work.doc[:n].tolist(), work.tile[:n].tolist(), strict=True))
+    assert orders["cost"] == [(0, 1), (1, 1), (0, 0), (1, 0)]
+    assert orders["document"] == [(0, 1), (0, 0), (1, 1), (1, 0)]
+    assert schedule.QUERY_WORK_ORDER == "cost"  # (the no-extend lists' order, untouched)
+
+
 def test_batched_api_matches_varlen(device) -> None:
     q, k, v, cu, ms = make_pack((40, 40), 2, 1, 64, seed=9, device=device)
     out = flamia_attn(q.view(2, 40, 2, 64), k.view(2, 40, 1, 64), v.view(2, 40, 1, 64))

@@ -125,3 +125,25 @@ def test_cute_prefill_never_reads_unwritten_slots() -> None:
             for c in (clean, poisoned)]  # fmt: skip
     assert torch.isfinite(outs[1].float()).all()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_cute_prefill_same_bits_in_either_order(monkeypatch) -> None:
+    """The extend lists by document (the default) and by cost: each query tile is computed
+    alone, so the output is the same bits; the two lists are checked to differ."""
+    from flamia_serve.kernels import schedule
+
+    b = make_batch([300, 1, 77, 129, 513], [0, 50, 1000, 128, 2000], heads_q=32, heads_kv=8,
+                   head_dim=128, dtype="fp8", device="cuda", seed=3)  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    outs, lists = [], []
+    for by in ("document", "cost"):
+        monkeypatch.setattr(schedule, "EXTEND_WORK_ORDER", by)
+        plan = kernels.plan_paged(b.fmt, 32, 8, b.query_start_loc.cpu(), int(b.seq_lens.max()),
+                                  seq_lens_host=b.seq_lens.cpu())  # fmt: skip
+        work = ops.plan_prefill_schedule(plan, b.seq_lens, b.query_start_loc).work
+        lists.append(work.doc[: int(work.count)].tolist())
+        outs.append(kernels.paged_attention(*args))
+    assert lists[0] != lists[1] and sorted(lists[0]) == sorted(lists[1])
+    assert torch.equal(outs[0], outs[1])
