@@ -6,6 +6,9 @@
 ``--variant``: a copy of ``flamia_serve/kernels/attn_bwd/cute_sm90.py`` (e.g. ``git show
 REV:flamia_serve/kernels/attn_bwd/cute_sm90.py``) that works with this tree's launcher; it is
 imported under another name and put in the kernel module's place while it runs.
+(``bwd_variants.py`` times several copies, each in its own process, on single documents
+against the Triton kernel's accuracy; this script compares one copy with this tree bit for
+bit and times both on the workloads' packs, interleaved.)
 
 1. Same results: on small packs of the GPU tests' kinds (1-token and empty documents, odd
    lengths, GQA and MHA, d 64 / 128 / 256, causal or not, ``exact_causal``) and on each

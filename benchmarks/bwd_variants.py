@@ -63,7 +63,7 @@ _JOINT_CALL = "self.dq_joint(ctx, h, i0, mDQ, parity)\n"
 _JOINT_IN_STEP = f"            {_CTA_BARRIER}            {_JOINT_CALL}"
 _JOINT_IN_DQ_ONLY = f"        {_CTA_BARRIER}        {_JOINT_CALL}"
 _DS_WORD_STORE = """\
-                sDS_w[q, v_t_position(tScS[0, 2 * n][0] - odd) // 4, ds_buf] = word
+                ctx["sDSflat"][at + n * 8 * per_row] = word
 """
 
 
