@@ -15,7 +15,8 @@ bit and times both on the workloads' packs, interleaved.)
    workload, both kernels on one quantization: dK and dV must be the same bits when both
    compute the same P̂ and dŜ codes and factors (a CTA adds its own dK/dV in a fixed order);
    dQ (bulk adds in no fixed order) by relative difference. ``--no-check`` skips it.
-2. Times: the kernel alone (``attn_bwd`` on prequantized operands, as ``profile_bwd.py``),
+2. Times: the kernel alone (``attn_bwd`` on ``check_bwd_kernels.operands``' prequantized
+   operands),
    this tree and the variant interleaved over ``--rounds`` rounds, each round's median; the
    rows keep every round. JSON ``<name>.json`` (GPU, versions, date) under the results dir.
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import itertools
 import statistics
 import sys
 from collections.abc import Iterator
@@ -37,11 +37,10 @@ if __package__ in (None, ""):
 
 import torch
 
+from benchmarks.check_bwd_kernels import backward, operands
 from benchmarks.common import rel64, time_ms, write_results
 from benchmarks.workloads import training_workload
-from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG, attn_bwd
-from flamia_serve.kernels.attn_fwd.ops import attn_fwd
-from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
+from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG
 
 KERNEL_MODULE = "flamia_serve.kernels.attn_bwd.cute_sm90"
 #: (seqlens, hq, hkv, d, causal, exact_causal): the GPU tests' kinds of pack, with the
@@ -84,26 +83,10 @@ def kernel_module(module: ModuleType | None) -> Iterator[None]:
             sys.modules[KERNEL_MODULE] = own
 
 
-def operands(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool, seed: int = 0):
-    """Prequantized backward operands of one pack (random BF16 inputs) and the call."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    t = sum(seqlens)
-    cu = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32, device="cuda")
-
-    def randn(h: int) -> torch.Tensor:
-        return torch.randn(t, h, d, device="cuda", generator=gen).to(torch.bfloat16)
-
-    q, k, v, d_out = randn(hq), randn(hkv), randn(hkv), randn(hq)
-    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, with_transposed=True,
-                       column_align=128, q_rows=True)  # fmt: skip
-    out, m, lse = attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5)
-    qdo = quantize_do(d_out, out, m, lse, cu, column_align=128, g_rows=True)
-
-    def run():
-        return attn_bwd(qkv, qdo, m, lse, cu, heads_q=hq, causal=causal,
-                        softmax_scale=d**-0.5, config=CUTE_BWD_CONFIG)  # fmt: skip
-
-    return run
+def cute_call(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool):
+    """The CuTe backward of one pack's prequantized operands, as a call."""
+    ops = operands(seqlens, hq, hkv, d, causal, exact)
+    return lambda: backward(ops, CUTE_BWD_CONFIG)
 
 
 def compare(run, variant: ModuleType) -> dict:
@@ -134,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         for seqlens, hq, hkv, d, causal, exact in CHECK_PACKS:
             row = {"check": "pack", "seqlens": list(seqlens), "hq": hq, "hkv": hkv, "d": d,
                    "causal": causal, "exact_causal": exact}  # fmt: skip
-            row |= compare(operands(seqlens, hq, hkv, d, causal, exact), variant)
+            row |= compare(cute_call(seqlens, hq, hkv, d, causal, exact), variant)
             failed += not (row["dk_equal"] and row["dv_equal"] and row["finite"])
             print(row, flush=True)
             rows.append(row)
     for name in args.workloads.split(","):
         w = training_workload(name)
-        run = operands(list(w.seqlens), w.hq, w.hkv, w.head_dim, True, False)
+        run = cute_call(list(w.seqlens), w.hq, w.hkv, w.head_dim, True, False)
         row = {"workload": name, "pass": "bwd", "total_tokens": w.total_tokens,
                "hq": w.hq, "hkv": w.hkv, "d": w.head_dim}  # fmt: skip
         if not args.no_check:

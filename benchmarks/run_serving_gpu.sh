@@ -17,8 +17,8 @@
 # The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
 #   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
 #   bash benchmarks/run_serving_gpu.sh prefill-layouts   # the layout kernel's program shapes
-#   bash benchmarks/run_serving_gpu.sh flashinfer-warm,s28-prefill   # extend lists' order
 #     bit-equal to 16 keys x 1 head on the GPU, then their times (needs only triton)
+#   bash benchmarks/run_serving_gpu.sh flashinfer-warm,s28-prefill   # extend lists' order
 set -uo pipefail
 export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 steps=",${1:-tests,tune},"

@@ -3,7 +3,8 @@
     python benchmarks/work_order.py --fwd document --bwd cost -- --quick \\
         --workloads W5,W6 --passes fwd,bwd --impls flamia-mxfp8 --name work_order_doc_cost
 
-``--fwd`` / ``--bwd`` set ``schedule.QUERY_WORK_ORDER`` / ``KEY_WORK_ORDER`` (``cost``: every
+``--fwd`` / ``--bwd`` set ``schedule.QUERY_WORK_ORDER`` (with ``--script prefill`` also
+``EXTEND_WORK_ORDER``) / ``KEY_WORK_ORDER`` (``cost``: every
 tile by its work, longest first; ``document``: documents by their longest tile, each one's
 tiles together; ``--fwd-chunk`` / ``--bwd-chunk`` C: in rounds of C items per document);
 the arguments after ``--`` go to ``train_attention.py`` (``--script prefill``: to

@@ -846,12 +846,15 @@ class FlamiaBwdSm90:
         wg_live = key0 < seqlen
         # E4M3 dŜ: this thread's first word in buffer 0 (``step``: its word n holds the codes
         # of query col0 + odd + 8·n at keys k0 - odd, + 1, + 8, + 9 in the column layout's
-        # order). The words of a buffer are 64-byte rows (swizzle S<2,4,3>: byte bits 4-5 XOR
-        # bits 7-8, the row's low three bits); 8 rows further and other buffers (whole KBs)
-        # leave those bits alone, so the swizzle is applied here once.
+        # order) and the byte permutation that builds its words. The words of a buffer are
+        # 64-byte rows (swizzle S<2,4,3>: byte bits 4-5 XOR bits 7-8, the row's low three
+        # bits); 8 rows further and other buffers (whole KBs) leave those bits alone, so the
+        # swizzle is applied here once.
         ds_word0 = Int32(0)
+        ds_sel = Int32(0)
         if const_expr(self.do_ds and not self.bf16_dq):
             odd = Int32(tScS[0, 0][0]) & 1
+            ds_sel = Int32(0x6240) if odd == 0 else Int32(0x3715)
             ds_byte = (col0 + odd) * 64 + v_t_position(tScS[0, 0][0] - odd) // 4 * 4
             ds_word0 = (ds_byte ^ ((ds_byte >> 3) & 0x30)) >> 2
         ctx = dict(
@@ -860,7 +863,7 @@ class FlamiaBwdSm90:
             tPrV=tPrV, tPrDO=tPrDO, frag_p=frag_p, frag_ds=frag_ds, tVrG=tVrG, tKrQ=tKrQ,
             tQrK=tQrK, tQrS=tQrS, acc_dk=acc_dk, acc_dv=acc_dv, sDS=sDS, sDSw=sDSw,
             sDQ=sDQ, tDQs=tDQs, sAmax=sAmax, mmas=mmas, seqlen=seqlen, key0=key0,
-            sDqFac=sDqFac, sDSflat=sDSflat, ds_word0=ds_word0,
+            sDqFac=sDqFac, sDSflat=sDSflat, ds_word0=ds_word0, ds_sel=ds_sel,
         )  # fmt: skip
         other_key0 = w["key0"] + (1 - wg) * WG_KEYS  # the other warpgroup's first key
         for g in cutlass.range(self.group, unroll=1):
@@ -1154,7 +1157,6 @@ class FlamiaBwdSm90:
             accumulator_to_a(acc_s, frag_ds)  # dŜ's E4M3 codes (the 2^ek after the product)
         ds8 = cute.make_rmem_tensor(cute.size(acc_dp), FP8)
         ds8.store(acc_dp.load().to(FP8))
-        tScS = ctx["tScS"]
         # dŜ to shared memory as 32-bit words (at d = 128 byte stores were used while the FP8
         # dK/dV's promotion made the words spill; with BF16 dK/dV the words cut its stack from
         # 104 to 24 B and run ~10% faster, H200 2026-12-03): K̂ᵀ holds the keys in the column
@@ -1178,15 +1180,13 @@ class FlamiaBwdSm90:
                 sDS_w[at[0], at[1] // 2, ds_buf] = word
         else:
             ds_words = cute.recast_tensor(ds8, Int32)
-            odd = Int32(tScS[0, 0][0]) & 1
-            sel = Int32(0x6240) if odd == 0 else Int32(0x3715)
             rows, per_row = self.ds_words_shape
             at = ctx["ds_word0"] + ds_buf * (rows * per_row)
             for n in cutlass.range_constexpr(n_cols // 2):
                 mine = ds_words[n]
                 other = cute.arch.shuffle_sync_bfly(mine, offset=4)
-                word = Int32(cute.arch.prmt(mine, other, sel))
-                # (query col0 + odd + 8·n: tScS[0, 2·n] is column col0 + 8·n)
+                word = Int32(cute.arch.prmt(mine, other, ctx["ds_sel"]))
+                # (query col0 + odd + 8·n: register column 2·n is col0 + 8·n)
                 ctx["sDSflat"][at + n * 8 * per_row] = word
         if ctx["t"] == 0:  # the previous dQ tile has left shared memory
             cute.arch.cp_async_bulk_wait_group(0, read=True)
