@@ -212,6 +212,9 @@ def test_extend_lists_take_their_own_order(monkeypatch) -> None:
     assert orders["cost"] == [(0, 1), (1, 1), (0, 0), (1, 0)]
     assert orders["document"] == [(0, 1), (0, 0), (1, 1), (1, 0)]
     assert schedule.QUERY_WORK_ORDER == "cost"  # (the no-extend lists' order, untouched)
+    monkeypatch.setattr(schedule, "EXTEND_WORK_ORDER", "random")
+    with pytest.raises(ValueError, match="work order 'random'"):
+        build_work_list(cu_q, 512, block_m=128, block_n=64, causal=True, cu_seqlens_k=cu_k)
 
 
 def test_batched_api_matches_varlen(device) -> None:
