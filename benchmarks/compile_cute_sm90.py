@@ -165,26 +165,31 @@ def main() -> None:
             print(f"cute forward d={d} causal={causal} 128x{tile_n} overlap={overlap} "
                   f"promote_pv={promote} extend={extend} {exp_mode} wide={wide}")  # fmt: skip
         # Q quantized in the kernel from its BF16/FP16 input (one exponent per 32 rows of a
-        # document, or per row), on the default configs and the warpgroup counts
-        for d, tile_m, tile_n, overlap, promote, q_block, dtype in (
-            (128, 128, 128, False, False, 32, torch.bfloat16),
-            (128, 128, 128, False, False, 1, torch.float16),
-            (64, 128, 128, False, False, 32, torch.bfloat16),
-            (128, 128, 64, True, True, 32, torch.bfloat16),
-            (128, 64, 64, False, True, 1, torch.bfloat16),
-            (64, 192, 64, False, True, 32, torch.float16),
+        # document, or per row), on the default configs and the warpgroup counts; the last
+        # two: the FP8-cache prefill's (extend, per-token Q)
+        for d, tile_m, tile_n, overlap, promote, q_block, dtype, extend, exp_mode in (
+            (128, 128, 128, False, False, 32, torch.bfloat16, False, "exact"),
+            (128, 128, 128, False, False, 1, torch.float16, False, "exact"),
+            (64, 128, 128, False, False, 32, torch.bfloat16, False, "exact"),
+            (128, 128, 64, True, True, 32, torch.bfloat16, False, "exact"),
+            (128, 64, 64, False, True, 1, torch.bfloat16, False, "exact"),
+            (64, 192, 64, False, True, 32, torch.float16, False, "exact"),
+            (128, 128, 128, False, False, 1, torch.bfloat16, True, "exact"),
+            (128, 128, 128, False, False, 1, torch.float16, True, "mitchell"),
         ):  # fmt: skip
             kernel = FlamiaFwdSm90(
-                d, 8, 2, True, q_block, tile_m, tile_n, 2, overlap, True, promote_pv=promote,
-                q_block=q_block,
+                d, 8, 2, True, q_block, tile_m, tile_n, 2, overlap, True, extend, exp_mode,
+                promote_pv=promote, q_block=q_block,
             )  # fmt: skip
             args = _fake_args(1024, 8, 2, d)
             args[0] = (torch.empty(1024, 8, d, dtype=dtype), 16)  # Q as given
             name = f"fwd_d{d}_{tile_m}x{tile_n}_overlap{int(overlap)}_promote{int(promote)}"
+            name += f"_extend_{exp_mode}" if extend else ""
             name += f"_qblock{q_block}_{str(dtype)[6:]}.cubin"
             compile_and_keep(kernel, args, Float32(0.1), Int32(1), keep=keep, name=name)
             print(f"cute forward d={d} {tile_m}x{tile_n} overlap={overlap} promote_pv={promote} "
-                  f"Q quantized in the kernel: q_block={q_block} {dtype}")  # fmt: skip
+                  f"extend={extend} {exp_mode} Q quantized in the kernel: q_block={q_block} "
+                  f"{dtype}")  # fmt: skip
         # three consumer warpgroups (192 rows) at d = 64, training and prefill (extend): more
         # warps per scheduler for a forward that ncu finds latency-bound there
         for tile_n, extend, k_exp_block in ((128, False, 32), (128, True, 1), (64, True, 1)):

@@ -19,6 +19,7 @@
 #   bash benchmarks/run_serving_gpu.sh prefill-layouts   # the layout kernel's program shapes
 #     bit-equal to 16 keys x 1 head on the GPU, then their times (needs only triton)
 #   bash benchmarks/run_serving_gpu.sh flashinfer-warm,s28-prefill   # extend lists' order
+#   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,s29-prefill  # Q in the forward
 set -uo pipefail
 export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESULTS_DIR=$OUT
 steps=",${1:-tests,tune},"
@@ -127,6 +128,20 @@ if [[ $steps == *,s28-prefill,* ]]; then  # the extend lists by document (the de
   done
   RUN_TAIL="-n 8" run prefill_flashinfer 300 python benchmarks/prefill.py --quick \
     --impls flashinfer --name prefill_flashinfer
+fi
+if [[ $steps == *,s29-prefill,* ]]; then  # Q quantized in the forward (the default since
+  # 2026-12-06) against Q's own launch, two rounds; then FlashInfer where it is installed
+  # (after flashinfer-warm): S1-S5 and MIX
+  [ -n "${warm_pid:-}" ] && { wait "$warm_pid"; tail -n 5 /tmp/flashinfer_warm.log; }
+  for r in 1 2; do
+    PYTHONPATH=$CUTE_SITE RUN_TAIL="-n 14" run "prefill_defer_q_r$r" 200 python \
+      benchmarks/prefill.py --quick --impls flamia-fp8-exact,flamia-fp8-q-launch \
+      --name "prefill_defer_q_s29_r$r"
+  done
+  if python -c "import flashinfer" 2> /dev/null; then
+    RUN_TAIL="-n 8" run prefill_flashinfer 300 python benchmarks/prefill.py --quick \
+      --impls flashinfer --name prefill_flashinfer_s29
+  fi
 fi
 if [[ $steps == *,cute-decode,* ]]; then  # four workloads; FlashInfer's JIT takes ~2 min
   W=B16-L8192,B64-L8192,B16-L32768,B64-L32768

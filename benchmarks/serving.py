@@ -24,6 +24,7 @@ from flamia_serve.kernels.paged import (
     triton_decode_config,
     write_kv_cache,
 )
+from flamia_serve.kernels.paged import ops as paged_ops
 from flamia_serve.kernels.paged.ops import cute_decode_runs, cute_prefill_runs
 from flamia_serve.numerics.exp2 import EXP_MODES
 from flamia_serve.numerics.kv_pages import KVPageFormat, region_view
@@ -149,7 +150,8 @@ def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
                  ) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:  # fmt: skip
     """``flamia-<cache>-<exp mode>`` -> (cache dtype, call) with no host synchronisation
     (:func:`planned_call`), and the Triton kernels beside the CuTe ones where those are the
-    default (``flamia-<cache>-triton-decode`` / ``flamia-fp8-triton-prefill``)."""
+    default (``flamia-<cache>-triton-decode`` / ``flamia-fp8-triton-prefill``), and the CuTe
+    prefill with Q quantized by its own launch (``flamia-fp8-q-launch``)."""
     num_decodes = leading_decodes(batch.query_start_loc)
     prefill_keys = sum(batch.seq_lens_list[num_decodes:])
     impls = {}
@@ -167,7 +169,25 @@ def flamia_impls(batch: ServingBatch, modes: tuple[str, ...] = EXP_MODES
         impls[f"flamia-{dtype}-triton-decode"] = (dtype, call)
     if prefill_keys and cute_prefill_runs(KVPageFormat("fp8", HEAD_DIM), batch.q.device):
         impls["flamia-fp8-triton-prefill"] = ("fp8", planned_call(batch, "fp8"))
+        call = planned_call(batch, "fp8", prefill_keys=prefill_keys)
+        impls["flamia-fp8-q-launch"] = ("fp8", _with_q_launch(call))
     return impls
+
+
+def _with_q_launch(call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``call`` with the CuTe prefill's Q quantized by a launch of its own (as before the
+    forward quantized it, ``paged.ops.CUTE_PREFILL_DEFERS_Q``): the same codes, timed beside
+    the default."""
+
+    def run() -> torch.Tensor:
+        saved = paged_ops.CUTE_PREFILL_DEFERS_Q
+        paged_ops.CUTE_PREFILL_DEFERS_Q = False
+        try:
+            return call()
+        finally:
+            paged_ops.CUTE_PREFILL_DEFERS_Q = saved
+
+    return run
 
 
 def flashinfer_nvfp4_cache(batch: ServingBatch) -> tuple[torch.Tensor, torch.Tensor]:

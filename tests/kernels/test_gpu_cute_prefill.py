@@ -147,3 +147,67 @@ def test_cute_prefill_same_bits_in_either_order(monkeypatch) -> None:
         outs.append(kernels.paged_attention(*args))
     assert lists[0] != lists[1] and sorted(lists[0]) == sorted(lists[1])
     assert torch.equal(outs[0], outs[1])
+
+
+def test_cute_prefill_quantizing_q_itself_gives_the_launchs_bits(monkeypatch) -> None:
+    """Q quantized per token inside the forward (``q_quantized_in_kernel``: BF16/FP16 rows by
+    TMA) gives the bits of the Q launch's codes: decodes before the prefills (the rows start
+    past them), FP16, Q as strided views of wider buffers; a Q whose rows are not 16-byte
+    aligned, and d = 256, take the launch (no CuTe failure); NaN in one token's Q (the kernel
+    loads 128-row tiles across sequence ends) changes no other row's bits."""
+    new, cached = [1, 1, 200, 64, 300], [100, 7, 33, 0, 900]
+    b = make_batch(new, cached, heads_q=32, heads_kv=8, head_dim=128, dtype="fp8",
+                   device="cuda", seed=11)  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    rest = (cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    deferred: list[bool] = []
+    operands = ops.prefill_operands
+
+    def recording(*args, **kwargs):
+        deferred.append(kwargs.get("defer_q", False))
+        return operands(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "prefill_operands", recording)
+    rows = b.q.shape[0]
+    fused = torch.empty(rows, 48, 128, dtype=torch.bfloat16, device="cuda")  # Q, K, V heads
+    fused[:, :32] = b.q
+    wide = torch.empty(rows, 32, 136, dtype=torch.bfloat16, device="cuda")
+    wide[:, :, 8:] = b.q
+    shifted = torch.empty(b.q.numel() + 1, dtype=torch.bfloat16, device="cuda")
+    shifted[1:] = b.q.flatten()
+    bad = b.q.clone()
+    bad[2 + 150] = float("nan")  # the third sequence's 151st token
+    bad[2 + 151, 5, :7] = float("inf")
+    outs = {}
+    for name, q, in_kernel in (
+        ("bf16", b.q, True), ("fp16", b.q.half(), True), ("fused", fused[:, :32], True),
+        ("wide", wide[:, :, 8:], True), ("misaligned", shifted[1:].view(b.q.shape), False),
+        ("nan", bad, True),
+    ):  # fmt: skip
+        q_before = q.clone()
+        pair = []
+        for defers in (False, True):
+            monkeypatch.setattr(ops, "CUTE_PREFILL_DEFERS_Q", defers)
+            deferred.clear()
+            pair.append(kernels.paged_attention(q, *rest))
+            assert deferred == [defers and in_kernel], name
+        assert torch.equal(pair[0].view(torch.int16), pair[1].view(torch.int16)), name
+        assert torch.equal(q.view(torch.int16), q_before.view(torch.int16)), name
+        outs[name] = pair[1]
+    assert torch.equal(outs["bf16"], outs["fused"]) and torch.equal(outs["bf16"], outs["wide"])
+    assert torch.equal(outs["bf16"], outs["misaligned"])
+    hit = torch.zeros(rows, dtype=torch.bool)
+    hit[[152, 153]] = True
+    assert not torch.isfinite(outs["nan"][152].float()).any()
+    assert torch.equal(outs["nan"][~hit], outs["bf16"][~hit])
+    # d = 256: Q quantized by the launch (the in-kernel path holds d <= 128)
+    b = make_batch([130, 17], [70, 0], heads_q=16, heads_kv=2, head_dim=256, dtype="fp8",
+                   device="cuda", seed=5)  # fmt: skip
+    cache = b.cache.clone()
+    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
+    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
+    deferred.clear()
+    out = kernels.paged_attention(*args)
+    assert deferred == [False]
+    _assert_close(out, ref.paged_attention(*args, softmax_scale=256**-0.5), b.fmt)

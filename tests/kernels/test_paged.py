@@ -651,6 +651,45 @@ def test_prefill_operands_layout(page_size: int, align: int) -> None:
                              **bad)  # fmt: skip
 
 
+def test_prefill_operands_leave_q_to_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``defer_q``: one launch (the K/V layout, the same bytes), Q's prefill rows handed over
+    as given (a view, not a copy) for the CuTe forward to quantize; every other reader
+    refuses the Q codes. ``q_quantized_in_kernel`` takes the rows the kernel's TMA can load
+    (BF16/FP16, d <= 128, 16-byte strides and first row) and nothing else."""
+    from flamia_serve.kernels.paged import ops
+    from flamia_serve.kernels.paged.ops import prefill_offsets, prefill_operands
+
+    b = make_batch([1, 9, 40], [30, 21, 100], dtype="fp8", seed=4)
+    cache = _written(b)
+    plan = kernels.plan_paged(b.fmt, 4, 2, b.query_start_loc, int(b.seq_lens.max()),
+                              device="cpu", seq_lens_host=b.seq_lens)  # fmt: skip
+    offsets = prefill_offsets(plan, b.seq_lens, b.query_start_loc, 16)
+    args = (cache, b.block_table, b.seq_lens, plan, offsets, 16)
+    full = prefill_operands(b.q, *args)
+    part = prefill_operands(b.q, *args, defer_q=True)
+    assert full.q_input is None and part.q_input.shape == (49, 4, 64)
+    assert part.q_input.data_ptr() == b.q[1].data_ptr()  # rows from the first prefill on
+    keys = plan.prefill_keys
+    u8 = torch.uint8
+    assert torch.equal(part.k_codes[:keys].view(u8), full.k_codes[:keys].view(u8))
+    used = torch.cat([start + torch.arange(-(-n // 16) * 16) for start, n in
+                      zip(full.doc_v_t_start.tolist(), b.seq_lens[1:].tolist(), strict=True)])
+    assert torch.equal(part.v_t[:, :, used].view(u8), full.v_t[:, :, used].view(u8))
+    assert torch.equal(part.kv_factors[:, :, used], full.kv_factors[:, :, used])
+    with pytest.raises(ValueError, match="defer_q"):
+        part.score_operands("the Triton prefill")
+    q = b.q
+    fused = torch.zeros(q.shape[0], 8, 64, dtype=torch.bfloat16)[:, :4]  # a QKV buffer's Q
+    shifted = torch.zeros(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape)
+    odd_rows = torch.zeros(q.shape[0], 4 * 64 + 4, dtype=torch.bfloat16)[:, :256].view(-1, 4, 64)
+    wide = torch.zeros(q.shape[0], 2, 256, dtype=torch.bfloat16)
+    for x, expected in ((q, True), (q.half(), True), (fused, True), (q.float(), False),
+                        (shifted, False), (odd_rows, False), (wide, False)):  # fmt: skip
+        assert ops.q_quantized_in_kernel(x, 1) is expected, (x.dtype, x.shape, x.stride())
+    monkeypatch.setattr(ops, "CUTE_PREFILL_DEFERS_Q", False)
+    assert not ops.q_quantized_in_kernel(q, 1)
+
+
 def test_cute_prefill_plan_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp8 cache's prefills go to the training forward's CuTe kernel where it runs (and
     the host knows the prefill key count); its launch gets the operands of the prefill rows

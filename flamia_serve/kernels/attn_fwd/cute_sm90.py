@@ -142,14 +142,15 @@ class FlamiaFwdSm90:
             raise ValueError(f"exp_mode must be 'exact' or 'mitchell' (serving), got {exp_mode!r}")
         self.exp_mode = exp_mode
         # q_block > 0: Q arrives in BF16/FP16 and each consumer warpgroup quantizes its 64 rows
-        # as the quantizer would (E4M3, one exponent per q_block rows of the document: 32, or
-        # 1 for per-token exponents), so Q needs no quantization launch
+        # as the quantizer would (E4M3, one exponent per q_block query rows of the document:
+        # 32, or 1 for per-token exponents, the serving rule of the extend path), so Q needs
+        # no quantization launch
         if q_block not in (0, 1, 32):
             raise ValueError(f"q_block must be 0 (Q quantized beforehand), 1 or 32, got {q_block}")
-        if q_block and (qk_wide or extend or head_dim > 128):
+        if q_block and (qk_wide or head_dim > 128):
             raise ValueError(
-                "q_block (Q quantized in the kernel) needs E4M3 Q/K, no extend and head_dim <= "
-                "128 (shared memory)"
+                "q_block (Q quantized in the kernel) needs E4M3 Q/K and head_dim <= 128 (shared "
+                "memory)"
             )
         self.q_block = q_block
         self.num_wg = self.tile_m // 64
@@ -704,7 +705,8 @@ class FlamiaFwdSm90:
         the quantization kernel computes it): ``e = ceil(log2(amax / 448))`` over ``q_block``
         rows of the document (NaN-ignoring max, as the quantizer's), codes ``RNE(x·2^−e)``.
         Thread ``t`` takes half of row ``t // 2``: a 32-row block is two warps (their maxima
-        meet in ``sAmax``). Rows past the document quantize as zeros (they are masked)."""
+        meet in ``sAmax``). Rows past the document's queries quantize as zeros (they are
+        masked)."""
         half_d = self.d // 2
         s_amax, s_qe = ctx.sAmax, ctx.sQe  # (stores inside a dynamic if: not through ctx)
         row = ctx.tid_wg // 2
@@ -714,7 +716,8 @@ class FlamiaFwdSm90:
         cute.autovec_copy(src, x_in)
         x = cute.make_rmem_tensor((1, half_d), Float32)
         x.store(x_in.load().to(Float32))
-        if w.tile * self.tile_m + tile_row >= w.seqlen:
+        # (w.seqlen counts keys: with extend, q_offset of them are cached ones)
+        if w.tile * self.tile_m + tile_row >= w.seqlen - w.q_offset:
             x.fill(0.0)
         amax = Float32(0.0)
         for i in cutlass.range_constexpr(half_d):

@@ -587,6 +587,7 @@ def prefill_operands(
     column_align: int,
     chunk: int = 32,
     heads: int = 1,
+    defer_q: bool = False,
 ) -> KernelQKV:
     """The training forward's operands for ``plan``'s prefill sequences (query rows
     ``num_decode_tokens..num_tokens``) from an fp8 cache, with ``offsets`` from
@@ -597,7 +598,10 @@ def prefill_operands(
     the fastest of 16/32/64/128 keys on S2–S4, ``profile_cute_prefill_layouts_2026-12-03.json``).
     Q̂ per token ``[Tq, Hq, d]``; K̂ ``[keys, Hkv, d]`` token-major in key order; V̂ᵀ and the
     factors ``2^eK``, ``eV``, ``2^−eV`` in the column layout; ``cu_seqlens`` counts keys;
-    ``k_exp`` and ``v_exp`` are empty (the CuTe forward reads the factors)."""
+    ``k_exp`` and ``v_exp`` are empty (the CuTe forward reads the factors). ``defer_q``
+    (:func:`q_quantized_in_kernel` of ``q``): one launch, Q's rows as given in ``q_input``
+    for the CuTe forward to quantize per token as it loads them (same rule, same codes);
+    ``q_codes`` and ``q_exp`` then hold no values."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk % 16:
         raise ValueError(f"chunk must be a positive multiple of 16 keys, got {chunk!r}")
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 \
@@ -618,18 +622,41 @@ def prefill_operands(
         offsets[1], offsets[2], k_codes, v_t, factors, t_pad, HKV=plan.heads_kv, D=d,
         ALIGN=column_align, CHUNK=chunk, HEADS=heads, **layout.kernel_args(),
     )  # fmt: skip
+    q_rows = q[plan.num_decode_tokens : plan.num_tokens]
     q_codes = torch.empty(rows, plan.heads_q, d, dtype=torch.float8_e4m3fn, device=dev)
     q_exp = torch.empty(plan.heads_q, rows, dtype=EXPONENT_DTYPE, device=dev)
-    block = 16 if interpreted() else 64
-    quantize_q_tokens_kernel[(cdiv(rows, block), plan.heads_q)](
-        q[plan.num_decode_tokens :], q.stride(0), q.stride(1), rows, q_codes, q_exp,
-        HQ=plan.heads_q, D=d, BLOCK=block, INTERPRET=interpreted(),
-    )  # fmt: skip
+    if not defer_q:
+        block = 16 if interpreted() else 64
+        quantize_q_tokens_kernel[(cdiv(rows, block), plan.heads_q)](
+            q_rows, q.stride(0), q.stride(1), rows, q_codes, q_exp,
+            HQ=plan.heads_q, D=d, BLOCK=block, INTERPRET=interpreted(),
+        )  # fmt: skip
     no_exponents = torch.empty(plan.heads_kv, 0, dtype=EXPONENT_DTYPE, device=dev)
     return KernelQKV(
         q_codes, q_exp.t(), k_codes.view(torch.float8_e4m3fn), no_exponents,
         v_t.view(torch.float8_e4m3fn), offsets[2, :count], offsets[1], no_exponents, factors,
         None, None, 1.0, k_exp_block=1, column_align=column_align,
+        q_input=q_rows if defer_q else None,
+    )  # fmt: skip
+
+
+#: whether the CuTe prefill quantizes Q in the forward kernel where it can
+#: (:func:`q_quantized_in_kernel`), instead of a launch before it
+CUTE_PREFILL_DEFERS_Q = True
+
+
+def q_quantized_in_kernel(q: torch.Tensor, num_decode_tokens: int) -> bool:
+    """Whether the CuTe prefill's forward can load the prefill rows of ``q`` (from row
+    ``num_decode_tokens`` on) by TMA and quantize them itself (``CUTE_PREFILL_DEFERS_Q``):
+    BF16/FP16, head dim at most 128 (the kernel's shared memory), the head dim contiguous,
+    the other strides and the first row's address multiples of 16 bytes. Otherwise the Q
+    launch quantizes them (same codes)."""
+    size = q.element_size()
+    return (
+        CUTE_PREFILL_DEFERS_Q and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[2] <= 128 and q.stride(2) == 1 and (q.stride(0) * size) % 16 == 0
+        and (q.stride(1) * size) % 16 == 0
+        and (q.data_ptr() + num_decode_tokens * q.stride(0) * size) % 16 == 0
     )  # fmt: skip
 
 
@@ -653,7 +680,8 @@ def _cute_prefill(
     schedule = schedule or plan_prefill_schedule(plan, seq_lens, query_start_loc)
     assert schedule is not None
     cfg, offsets = schedule.config, schedule.offsets
-    qkv = prefill_operands(q, cache, block_table, seq_lens, plan, offsets, cfg.block_n)
+    qkv = prefill_operands(q, cache, block_table, seq_lens, plan, offsets, cfg.block_n,
+                           defer_q=q_quantized_in_kernel(q, plan.num_decode_tokens))  # fmt: skip
     stats = torch.empty(2, plan.num_prefill_tokens, plan.heads_q, dtype=torch.float32,
                         device=q.device)  # fmt: skip
     attn_fwd_sm90(
