@@ -55,9 +55,9 @@ CHECK_PACKS = [
 ]
 
 
-def load_variant(path: Path) -> ModuleType:
-    """The module at ``path``, imported as ``<kernel module>_variant``."""
-    spec = importlib.util.spec_from_file_location(f"{KERNEL_MODULE}_variant", path)
+def load_variant(path: Path, module: str = KERNEL_MODULE) -> ModuleType:
+    """The module at ``path``, imported as ``<module>_variant``."""
+    spec = importlib.util.spec_from_file_location(f"{module}_variant", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"--variant {path}: not a Python module")
     module = importlib.util.module_from_spec(spec)
@@ -66,21 +66,22 @@ def load_variant(path: Path) -> ModuleType:
 
 
 @contextlib.contextmanager
-def kernel_module(module: ModuleType | None) -> Iterator[None]:
-    """``attn_bwd`` imports its launcher from ``sys.modules[KERNEL_MODULE]`` at each call:
-    ``module`` takes that place inside the block (None: this tree's)."""
+def kernel_module(module: ModuleType | None, name: str = KERNEL_MODULE) -> Iterator[None]:
+    """``attn_bwd`` (and the forward's callers, ``fwd_variant_ab.py``) import the launcher
+    from ``sys.modules[name]`` at each call: ``module`` takes that place inside the block
+    (None: this tree's)."""
     if module is None:
         yield
         return
-    own = sys.modules.get(KERNEL_MODULE)
-    sys.modules[KERNEL_MODULE] = module
+    own = sys.modules.get(name)
+    sys.modules[name] = module
     try:
         yield
     finally:
         if own is None:
-            del sys.modules[KERNEL_MODULE]
+            del sys.modules[name]
         else:
-            sys.modules[KERNEL_MODULE] = own
+            sys.modules[name] = own
 
 
 def cute_call(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool):

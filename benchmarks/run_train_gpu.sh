@@ -13,7 +13,8 @@
 #                                                   # nvfp4-search, s22-checks,
 #                                                   # host-marginal, s23, s25, s26-h200,
 #                                                   # bwd-items, work-order, work-rounds, s28,
-#                                                   # s28-w, s28-tests
+#                                                   # s28-w, s28-tests, s29-fwd-ab,
+#                                                   # s29-fwd-tests
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -511,5 +512,18 @@ fi
 if [[ $steps == *,s28-tests,* ]]; then  # the CuTe backward's GPU tests after the step's cut
   run pytest_gpu_cute_bwd_s28 "${FLAMIA_TEST_SECS:-420}" python -m pytest -q \
     -W ignore::DeprecationWarning tests/kernels/test_gpu_cute_bwd.py tests/kernels/test_gpu_bwd.py
+fi
+if [[ $steps == *,s29-fwd-ab,* ]]; then  # the forward's O rescale skipped where no row's
+  # reference moved, against the tree before it (FLAMIA_FWD_VARIANT: a copy of its forward
+  # cute_sm90.py, e.g. git show 23b424a:flamia_serve/kernels/attn_fwd/cute_sm90.py), O/M/lse
+  # and the prefill's output bit for bit, then times (training forward and prefill)
+  RUN_TAIL="-n 30" run fwd_ab 420 python benchmarks/fwd_variant_ab.py \
+    --variant "${FLAMIA_FWD_VARIANT:?a copy of the previous forward cute_sm90.py}" \
+    --workloads W1,W3,W4,W7,W9,P3,P5 --name fwd_rescale_ab_s29
+fi
+if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
+  run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-420}" python -m pytest -q \
+    -W ignore::DeprecationWarning tests/kernels/test_gpu_cute.py \
+    tests/kernels/test_gpu_cute_prefill.py
 fi
 pack_out

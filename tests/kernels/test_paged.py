@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import types
@@ -656,6 +657,7 @@ def test_prefill_operands_leave_q_to_the_forward(monkeypatch: pytest.MonkeyPatch
     as given (a view, not a copy) for the CuTe forward to quantize; every other reader
     refuses the Q codes. ``q_quantized_in_kernel`` takes the rows the kernel's TMA can load
     (BF16/FP16, d <= 128, 16-byte strides and first row) and nothing else."""
+    from flamia_serve.kernels.attn_fwd.ops import CUTE_CONFIG
     from flamia_serve.kernels.paged import ops
     from flamia_serve.kernels.paged.ops import prefill_offsets, prefill_operands
 
@@ -683,11 +685,13 @@ def test_prefill_operands_leave_q_to_the_forward(monkeypatch: pytest.MonkeyPatch
     shifted = torch.zeros(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape)
     odd_rows = torch.zeros(q.shape[0], 4 * 64 + 4, dtype=torch.bfloat16)[:, :256].view(-1, 4, 64)
     wide = torch.zeros(q.shape[0], 2, 256, dtype=torch.bfloat16)
+    cfg = CUTE_CONFIG
     for x, expected in ((q, True), (q.half(), True), (fused, True), (q.float(), False),
                         (shifted, False), (odd_rows, False), (wide, False)):  # fmt: skip
-        assert ops.q_quantized_in_kernel(x, 1) is expected, (x.dtype, x.shape, x.stride())
+        assert ops.q_quantized_in_kernel(x, 1, cfg) is expected, (x.dtype, x.shape, x.stride())
+    assert not ops.q_quantized_in_kernel(q, 1, dataclasses.replace(cfg, quantize_q=False))
     monkeypatch.setattr(ops, "CUTE_PREFILL_DEFERS_Q", False)
-    assert not ops.q_quantized_in_kernel(q, 1)
+    assert not ops.q_quantized_in_kernel(q, 1, cfg)
 
 
 def test_cute_prefill_plan_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -786,12 +786,18 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def rescale_o(self, ctx):
-        """O ·= ``alpha`` (2^(m_old − m_new) per row) before the next P̂·V̂ adds to it."""
-        for h in cutlass.range_constexpr(self.n_chunks):
-            acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O[h])
-            for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                    acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r]
+        """O ·= ``alpha`` (2^(m_old − m_new) per row) before the next P̂·V̂ adds to it. A warp
+        whose rows all kept their reference (every ``alpha`` exactly 1; the integer reference
+        moves on a few tiles of a row only) skips it: O·1 is O, the same bits."""
+        moved = ctx.alpha[0] != Float32(1.0)
+        for r in cutlass.range_constexpr(1, cute.size(ctx.alpha)):
+            moved = moved or ctx.alpha[r] != Float32(1.0)
+        if cute.arch.vote_any_sync(moved):
+            for h in cutlass.range_constexpr(self.n_chunks):
+                acc_O_mn = layout_utils.reshape_acc_to_mn(ctx.acc_O[h])
+                for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                        acc_O_mn[r, c] = acc_O_mn[r, c] * ctx.alpha[r]
 
     @cute.jit
     def key_tile_overlapped(self, ctx, state, n, mask: cutlass.Constexpr):

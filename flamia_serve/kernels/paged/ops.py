@@ -32,7 +32,7 @@ from flamia_serve.kernels._common import (
     next_power_of_2,
     sm_count,
 )
-from flamia_serve.kernels.attn_fwd.ops import FwdConfig, default_config
+from flamia_serve.kernels.attn_fwd.ops import FwdConfig, default_config, quantizes_q
 from flamia_serve.kernels.paged.triton import (
     combine_splits_kernel,
     paged_attention_kernel,
@@ -645,18 +645,15 @@ def prefill_operands(
 CUTE_PREFILL_DEFERS_Q = True
 
 
-def q_quantized_in_kernel(q: torch.Tensor, num_decode_tokens: int) -> bool:
-    """Whether the CuTe prefill's forward can load the prefill rows of ``q`` (from row
-    ``num_decode_tokens`` on) by TMA and quantize them itself (``CUTE_PREFILL_DEFERS_Q``):
-    BF16/FP16, head dim at most 128 (the kernel's shared memory), the head dim contiguous,
-    the other strides and the first row's address multiples of 16 bytes. Otherwise the Q
-    launch quantizes them (same codes)."""
-    size = q.element_size()
+def q_quantized_in_kernel(q: torch.Tensor, num_decode_tokens: int, cfg: FwdConfig) -> bool:
+    """Whether the CuTe prefill's forward (``cfg``) quantizes the prefill rows of ``q`` (from
+    row ``num_decode_tokens`` on) itself as its TMA loads them (``CUTE_PREFILL_DEFERS_Q``):
+    BF16/FP16 rows the training forward would quantize itself (``attn_fwd.ops.quantizes_q``:
+    d <= 128, 16-byte strides and first row). Otherwise the Q launch quantizes them (same
+    codes)."""
     return (
         CUTE_PREFILL_DEFERS_Q and q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[2] <= 128 and q.stride(2) == 1 and (q.stride(0) * size) % 16 == 0
-        and (q.stride(1) * size) % 16 == 0
-        and (q.data_ptr() + num_decode_tokens * q.stride(0) * size) % 16 == 0
+        and quantizes_q(cfg, "e4m3", q[num_decode_tokens:])
     )  # fmt: skip
 
 
@@ -680,8 +677,9 @@ def _cute_prefill(
     schedule = schedule or plan_prefill_schedule(plan, seq_lens, query_start_loc)
     assert schedule is not None
     cfg, offsets = schedule.config, schedule.offsets
+    defer_q = q_quantized_in_kernel(q, plan.num_decode_tokens, cfg)
     qkv = prefill_operands(q, cache, block_table, seq_lens, plan, offsets, cfg.block_n,
-                           defer_q=q_quantized_in_kernel(q, plan.num_decode_tokens))  # fmt: skip
+                           defer_q=defer_q)  # fmt: skip
     stats = torch.empty(2, plan.num_prefill_tokens, plan.heads_q, dtype=torch.float32,
                         device=q.device)  # fmt: skip
     attn_fwd_sm90(

@@ -1,0 +1,135 @@
+"""The CuTe forward of this tree against another copy of its kernel module, in one process.
+
+    python benchmarks/fwd_variant_ab.py --variant OLD/cute_sm90.py \\
+        --workloads W1,W3,W4,W7,P3 --prefill S1-1x8192+0,S4-8x512+8192 --name fwd_ab
+
+``--variant``: a copy of ``flamia_serve/kernels/attn_fwd/cute_sm90.py`` (e.g. ``git show
+REV:flamia_serve/kernels/attn_fwd/cute_sm90.py``) that works with this tree's launchers; it
+takes the kernel module's place while it runs (``bwd_variant_ab.kernel_module``): the
+training forward (``attn_fwd``) and the FP8-cache prefill import it at each call.
+
+1. Same results: O, M and lse the same bits from both kernels on one quantization, on small
+   packs of the GPU tests' kinds (``bwd_variant_ab.CHECK_PACKS``) and on each workload, and
+   the prefill's output on each prefill workload. ``--no-check`` skips it.
+2. Times: the training forward on prequantized K/V (Q quantized in the kernel where the
+   default config does) and the prefill's planned call (what a layer runs), this tree and the
+   variant interleaved over ``--rounds`` rounds, each round's median; JSON ``<name>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.bwd_variant_ab import CHECK_PACKS, kernel_module, load_variant
+from benchmarks.common import time_ms, write_results
+from benchmarks.prefill import WORKLOADS as PREFILL_WORKLOADS
+from benchmarks.prefill import workload_seed
+from benchmarks.serving import make_serving_batch, planned_call
+from benchmarks.workloads import training_workload
+from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config, quantizes_q
+from flamia_serve.kernels.quant.ops import quantize_qkv
+from flamia_serve.probes import make_pack
+
+KERNEL_MODULE = "flamia_serve.kernels.attn_fwd.cute_sm90"
+
+
+def forward_call(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool):
+    """The CuTe training forward of one pack (K/V quantized once; Q in the kernel where the
+    default config quantizes it), as a call returning ``(O, M, lse)``."""
+    q, k, v, cu, _ = make_pack(seqlens, hq, hkv, d, seed=5, device="cuda")
+    cfg = default_config(d, q.device, kernel="cute")
+    qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, column_align=cfg.column_align,
+                       defer_q=quantizes_q(cfg, "e4m3", q))  # fmt: skip
+    return lambda: attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5,
+                            config=cfg)  # fmt: skip
+
+
+def prefill_call(name: str) -> Callable[[], tuple[torch.Tensor]]:
+    """The FP8-cache prefill's planned call of prefill workload ``name`` (its output)."""
+    new, cached = PREFILL_WORKLOADS[name]
+    batch = make_serving_batch(new, [c + n for c, n in zip(cached, new, strict=True)],
+                               torch.device("cuda"), seed=workload_seed(name))  # fmt: skip
+    call = planned_call(batch, "fp8", prefill_keys=sum(batch.seq_lens_list))
+    return lambda: (call(),)
+
+
+def same_bits(run, variant, module: str) -> dict:
+    """Both kernels' outputs of ``run``: each one's bits equal, and all finite."""
+    ours = [t.clone() for t in run()]
+    with kernel_module(variant, module):
+        theirs = [t.clone() for t in run()]
+    return {
+        "same_bits": all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)),
+        "finite": all(bool(torch.isfinite(t.float()).all()) for t in ours),
+    }
+
+
+def timed(run, variant, module: str, rounds: int) -> dict:
+    """Interleaved rounds of this tree's and the variant's ``run``, their medians."""
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(time_ms(run)["ms"])
+        with kernel_module(variant, module):
+            theirs.append(time_ms(run)["ms"])
+    row = {"ms": statistics.median(ours), "variant_ms": statistics.median(theirs),
+           "ms_rounds": ours, "variant_ms_rounds": theirs}  # fmt: skip
+    return row | {"speedup": row["variant_ms"] / row["ms"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", type=Path, required=True, help="a copy of cute_sm90.py")
+    ap.add_argument("--workloads", default="W1,W3,W4,W7,P3")
+    ap.add_argument("--prefill", default="S1-1x8192+0,S3-4x2048+8192,S4-8x512+8192",
+                    help="prefill workloads (benchmarks/prefill.py), '' for none")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--name", default="fwd_variant_ab")
+    args = ap.parse_args(argv)
+    variant = load_variant(args.variant, KERNEL_MODULE)
+    rows: list[dict] = []
+    failed = 0
+    if not args.no_check:
+        for seqlens, hq, hkv, d, causal, exact in CHECK_PACKS:
+            row = {"check": "pack", "seqlens": list(seqlens), "hq": hq, "hkv": hkv, "d": d,
+                   "causal": causal, "exact_causal": exact}  # fmt: skip
+            row |= same_bits(forward_call(seqlens, hq, hkv, d, causal, exact), variant,
+                             KERNEL_MODULE)  # fmt: skip
+            failed += not (row["same_bits"] and row["finite"])
+            print(row, flush=True)
+            rows.append(row)
+    cases = [("fwd", name) for name in args.workloads.split(",") if name]
+    cases += [("prefill", name) for name in args.prefill.split(",") if name]
+    for kind, name in cases:
+        if kind == "fwd":
+            w = training_workload(name)
+            run = forward_call(list(w.seqlens), w.hq, w.hkv, w.head_dim, True, False)
+        else:
+            run = prefill_call(name)
+        row = {"workload": name, "pass": kind}
+        if not args.no_check:
+            row |= same_bits(run, variant, KERNEL_MODULE)
+            failed += not (row["same_bits"] and row["finite"])
+        row |= timed(run, variant, KERNEL_MODULE, args.rounds)
+        print({k: row.get(k) for k in ("workload", "pass", "same_bits", "ms", "variant_ms",
+                                       "speedup")}, flush=True)  # fmt: skip
+        rows.append(row)
+        del run
+        torch.cuda.empty_cache()
+    write_results(args.name, rows, {"variant": str(args.variant), "kernel": "cute forward"})
+    if failed:
+        print(f"{failed} comparisons differ", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
