@@ -519,7 +519,7 @@ if [[ $steps == *,s29-fwd-ab,* ]]; then  # the forward's O rescale skipped where
   # and the prefill's output bit for bit, then times (training forward and prefill)
   RUN_TAIL="-n 30" run fwd_ab 420 python benchmarks/fwd_variant_ab.py \
     --variant "${FLAMIA_FWD_VARIANT:?a copy of the previous forward cute_sm90.py}" \
-    --workloads W1,W3,W4,W7,W9,P3,P5 --name fwd_rescale_ab_s29
+    --workloads W1,W3,W4,W7,W9,P2,P3,P5 --name fwd_rescale_ab_s29
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-420}" python -m pytest -q \
