@@ -11,9 +11,10 @@ training forward (``attn_fwd``) and the FP8-cache prefill import it at each call
 1. Same results: O, M and lse the same bits from both kernels on one quantization, on small
    packs of the GPU tests' kinds (``bwd_variant_ab.CHECK_PACKS``) and on each workload, and
    the prefill's output on each prefill workload. ``--no-check`` skips it.
-2. Times: the training forward on prequantized K/V (Q quantized in the kernel where the
-   default config does) and the prefill's planned call (what a layer runs), this tree and the
-   variant interleaved over ``--rounds`` rounds, each round's median; JSON ``<name>.json``.
+2. Times: the training forward on prequantized K/V with its work list built once (Q
+   quantized in the kernel where the default config does) and the prefill's planned call
+   (what a layer runs), CUDA-graph replays, this tree and the variant interleaved over
+   ``--rounds`` rounds, each round's median; JSON ``<name>.json``.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.bwd_variant_ab import CHECK_PACKS, kernel_module, load_variant
-from benchmarks.common import time_ms, write_results
+from benchmarks.common import graph_time, write_results
 from benchmarks.prefill import WORKLOADS as PREFILL_WORKLOADS
 from benchmarks.prefill import workload_seed
 from benchmarks.serving import make_serving_batch, planned_call
 from benchmarks.workloads import training_workload
-from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config, quantizes_q
+from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config, quantizes_q, window_limit
 from flamia_serve.kernels.quant.ops import quantize_qkv
+from flamia_serve.kernels.schedule import build_work_list
 from flamia_serve.probes import make_pack
 
 KERNEL_MODULE = "flamia_serve.kernels.attn_fwd.cute_sm90"
@@ -49,8 +51,10 @@ def forward_call(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool):
     cfg = default_config(d, q.device, kernel="cute")
     qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, column_align=cfg.column_align,
                        defer_q=quantizes_q(cfg, "e4m3", q))  # fmt: skip
+    work = build_work_list(cu, q.shape[0], block_m=cfg.block_m, block_n=cfg.block_n,
+                           causal=causal, window_limit=window_limit(cfg))  # fmt: skip
     return lambda: attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5,
-                            config=cfg)  # fmt: skip
+                            config=cfg, work=work)  # fmt: skip
 
 
 def prefill_call(name: str) -> Callable[[], tuple[torch.Tensor]]:
@@ -74,12 +78,13 @@ def same_bits(run, variant, module: str) -> dict:
 
 
 def timed(run, variant, module: str, rounds: int) -> dict:
-    """Interleaved rounds of this tree's and the variant's ``run``, their medians."""
+    """Interleaved rounds of this tree's and the variant's ``run`` (each captured in a CUDA
+    graph and replayed: no host time inside), their medians."""
     ours, theirs = [], []
     for _ in range(rounds):
-        ours.append(time_ms(run)["ms"])
+        ours.append(graph_time(run)["ms"])
         with kernel_module(variant, module):
-            theirs.append(time_ms(run)["ms"])
+            theirs.append(graph_time(run)["ms"])
     row = {"ms": statistics.median(ours), "variant_ms": statistics.median(theirs),
            "ms_rounds": ours, "variant_ms_rounds": theirs}  # fmt: skip
     return row | {"speedup": row["variant_ms"] / row["ms"]}
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="W1,W3,W4,W7,P3")
     ap.add_argument("--prefill", default="S1-1x8192+0,S3-4x2048+8192,S4-8x512+8192",
                     help="prefill workloads (benchmarks/prefill.py), '' for none")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--name", default="fwd_variant_ab")
     args = ap.parse_args(argv)

@@ -522,7 +522,7 @@ if [[ $steps == *,s29-fwd-ab,* ]]; then  # the forward's O rescale skipped where
     --workloads W1,W3,W4,W7,W9,P2,P3,P5 --name fwd_rescale_ab_s29
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
-  run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-420}" python -m pytest -q \
+  run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \
     -W ignore::DeprecationWarning tests/kernels/test_gpu_cute.py \
     tests/kernels/test_gpu_cute_prefill.py
 fi
