@@ -84,6 +84,37 @@ def kernel_module(module: ModuleType | None, name: str = KERNEL_MODULE) -> Itera
             sys.modules[name] = own
 
 
+def interleaved(run, variant: ModuleType, rounds: int, timer=time_ms,
+                module: str = KERNEL_MODULE) -> dict:  # fmt: skip
+    """``rounds`` interleaved rounds of this tree's ``run`` and the variant's, timed by
+    ``timer`` (its ``"ms"``): both medians, every round, and the variant's time over ours."""
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(timer(run)["ms"])
+        with kernel_module(variant, module):
+            theirs.append(timer(run)["ms"])
+    row = {"ms": statistics.median(ours), "variant_ms": statistics.median(theirs),
+           "ms_rounds": ours, "variant_ms_rounds": theirs}  # fmt: skip
+    return row | {"speedup": row["variant_ms"] / row["ms"]}
+
+
+def check_packs(compared, ok) -> tuple[list[dict], int]:
+    """Rows of ``compared(seqlens, hq, hkv, d, causal, exact)`` on every ``CHECK_PACKS``
+    pack (printed), and how many of them are not ``ok``."""
+    rows = []
+    for seqlens, hq, hkv, d, causal, exact in CHECK_PACKS:
+        row = {"check": "pack", "seqlens": list(seqlens), "hq": hq, "hkv": hkv, "d": d,
+               "causal": causal, "exact_causal": exact}  # fmt: skip
+        row |= compared(seqlens, hq, hkv, d, causal, exact)
+        print(row, flush=True)
+        rows.append(row)
+    return rows, sum(not ok(row) for row in rows)
+
+
+def same_dkv(row: dict) -> bool:
+    return row["dk_equal"] and row["dv_equal"] and row["finite"]
+
+
 def cute_call(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool):
     """The CuTe backward of one pack's prequantized operands, as a call."""
     ops = operands(seqlens, hq, hkv, d, causal, exact)
@@ -115,13 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     failed = 0
     if not args.no_check:
-        for seqlens, hq, hkv, d, causal, exact in CHECK_PACKS:
-            row = {"check": "pack", "seqlens": list(seqlens), "hq": hq, "hkv": hkv, "d": d,
-                   "causal": causal, "exact_causal": exact}  # fmt: skip
-            row |= compare(cute_call(seqlens, hq, hkv, d, causal, exact), variant)
-            failed += not (row["dk_equal"] and row["dv_equal"] and row["finite"])
-            print(row, flush=True)
-            rows.append(row)
+        rows, failed = check_packs(lambda *pack: compare(cute_call(*pack), variant), same_dkv)
     for name in args.workloads.split(","):
         w = training_workload(name)
         run = cute_call(list(w.seqlens), w.hq, w.hkv, w.head_dim, True, False)
@@ -129,18 +154,17 @@ def main(argv: list[str] | None = None) -> int:
                "hq": w.hq, "hkv": w.hkv, "d": w.head_dim}  # fmt: skip
         if not args.no_check:
             row |= compare(run, variant)
-            failed += not (row["dk_equal"] and row["dv_equal"] and row["finite"])
-        ours, theirs = [], []
-        for _ in range(args.rounds):
-            ours.append(time_ms(run)["ms"])
-            with kernel_module(variant):
-                theirs.append(time_ms(run)["ms"])
-        row |= {"ms": statistics.median(ours), "variant_ms": statistics.median(theirs),
-                "ms_rounds": ours, "variant_ms_rounds": theirs}  # fmt: skip
-        row["speedup"] = row["variant_ms"] / row["ms"]
+            failed += not same_dkv(row)
+        row |= interleaved(run, variant, args.rounds)
         print({k: row[k] for k in ("workload", "ms", "variant_ms", "speedup")}, flush=True)
         rows.append(row)
-    write_results(args.name, rows, {"variant": str(args.variant), "kernel": "cute backward"})
+    return finish(args.name, rows, args.variant, "cute backward", failed)
+
+
+def finish(name: str, rows: list[dict], variant: Path, kernel: str, failed: int) -> int:
+    """Write the rows (``<name>.json``, the variant's path and the kernel beside them); the
+    exit status: 1 when ``failed`` comparisons differ."""
+    write_results(name, rows, {"variant": str(variant), "kernel": kernel})
     if failed:
         print(f"{failed} comparisons differ", flush=True)
     return 1 if failed else 0

@@ -20,7 +20,6 @@ training forward (``attn_fwd``) and the FP8-cache prefill import it at each call
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,8 +29,14 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.bwd_variant_ab import CHECK_PACKS, kernel_module, load_variant
-from benchmarks.common import graph_time, write_results
+from benchmarks.bwd_variant_ab import (
+    check_packs,
+    finish,
+    interleaved,
+    kernel_module,
+    load_variant,
+)
+from benchmarks.common import graph_time
 from benchmarks.prefill import WORKLOADS as PREFILL_WORKLOADS
 from benchmarks.prefill import workload_seed
 from benchmarks.serving import make_serving_batch, planned_call
@@ -77,17 +82,8 @@ def same_bits(run, variant, module: str) -> dict:
     }
 
 
-def timed(run, variant, module: str, rounds: int) -> dict:
-    """Interleaved rounds of this tree's and the variant's ``run`` (each captured in a CUDA
-    graph and replayed: no host time inside), their medians."""
-    ours, theirs = [], []
-    for _ in range(rounds):
-        ours.append(graph_time(run)["ms"])
-        with kernel_module(variant, module):
-            theirs.append(graph_time(run)["ms"])
-    row = {"ms": statistics.median(ours), "variant_ms": statistics.median(theirs),
-           "ms_rounds": ours, "variant_ms_rounds": theirs}  # fmt: skip
-    return row | {"speedup": row["variant_ms"] / row["ms"]}
+def same_output(row: dict) -> bool:
+    return row["same_bits"] and row["finite"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,14 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     failed = 0
     if not args.no_check:
-        for seqlens, hq, hkv, d, causal, exact in CHECK_PACKS:
-            row = {"check": "pack", "seqlens": list(seqlens), "hq": hq, "hkv": hkv, "d": d,
-                   "causal": causal, "exact_causal": exact}  # fmt: skip
-            row |= same_bits(forward_call(seqlens, hq, hkv, d, causal, exact), variant,
-                             KERNEL_MODULE)  # fmt: skip
-            failed += not (row["same_bits"] and row["finite"])
-            print(row, flush=True)
-            rows.append(row)
+        rows, failed = check_packs(
+            lambda *pack: same_bits(forward_call(*pack), variant, KERNEL_MODULE), same_output
+        )  # fmt: skip
     cases = [("fwd", name) for name in args.workloads.split(",") if name]
     cases += [("prefill", name) for name in args.prefill.split(",") if name]
     for kind, name in cases:
@@ -123,17 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         row = {"workload": name, "pass": kind}
         if not args.no_check:
             row |= same_bits(run, variant, KERNEL_MODULE)
-            failed += not (row["same_bits"] and row["finite"])
-        row |= timed(run, variant, KERNEL_MODULE, args.rounds)
+            failed += not same_output(row)
+        # CUDA-graph replays: no host time inside
+        row |= interleaved(run, variant, args.rounds, graph_time, KERNEL_MODULE)
         print({k: row.get(k) for k in ("workload", "pass", "same_bits", "ms", "variant_ms",
                                        "speedup")}, flush=True)  # fmt: skip
         rows.append(row)
         del run
         torch.cuda.empty_cache()
-    write_results(args.name, rows, {"variant": str(args.variant), "kernel": "cute forward"})
-    if failed:
-        print(f"{failed} comparisons differ", flush=True)
-    return 1 if failed else 0
+    return finish(args.name, rows, args.variant, "cute forward", failed)
 
 
 if __name__ == "__main__":
