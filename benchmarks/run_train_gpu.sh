@@ -14,7 +14,7 @@
 #                                                   # host-marginal, s23, s25, s26-h200,
 #                                                   # bwd-items, work-order, work-rounds, s28,
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
-#                                                   # s29-fwd-tests
+#                                                   # s29-fwd-tests, w-table
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -520,6 +520,13 @@ if [[ $steps == *,s29-fwd-ab,* ]]; then  # the forward's O rescale skipped where
   RUN_TAIL="-n 30" run fwd_ab 420 python benchmarks/fwd_variant_ab.py \
     --variant "${FLAMIA_FWD_VARIANT:?a copy of the previous forward cute_sm90.py}" \
     --workloads W1,W3,W4,W7,W9,P2,P3,P5 --name fwd_rescale_ab_s29
+fi
+if [[ $steps == *,w-table,* ]]; then  # the W table beside FA4, each workload's impls timed
+  # twice in alternating order (--rounds 2: a short workload after a long one is slower for
+  # whichever impl comes first); ~2x the time of one round, up to ~9 min
+  RUN_TAIL="-n 45" run w_table 560 python benchmarks/train_attention.py --quick --rounds 2 \
+    --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd,bwd,fwd+bwd \
+    --impls flamia-mxfp8,fa4 --name "train_attention_w_${FLAMIA_TAG:-run}"
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

@@ -42,7 +42,11 @@ Usage::
 
     python benchmarks/train_attention.py [--workloads W1,W4] [--impls fa4,flex-docmask]
                                          [--passes fwd,fwd+bwd,bwd] [--quick] [--check]
-                                         [--name NAME]
+                                         [--rounds 2] [--name NAME]
+
+``--rounds 2`` times each workload's impls twice, the second time in reverse order, and
+keeps the medians: a short workload right after a long one runs slower for a while for
+whichever impl comes first (``in_rounds``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -755,6 +760,45 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup_vs_best_baseline"] = min(base) / r["ms"] if ok else None
 
 
+def in_rounds(bench: Callable[[list[Impl]], list[dict]], impls: list[Impl], rounds: int
+              ) -> list[dict]:  # fmt: skip
+    """``bench(impls)`` ``rounds`` times, the impls in reverse order every other round, rows
+    merged by :func:`merge_rounds`. Whichever impl is timed first right after a long
+    workload runs slower for a while (H100, 2026-12-06: W4 after W3 12–17% for both flamia and
+    FA4, ``benchmarks/NOTES.md``): with two or more rounds each impl is also timed last."""
+    return merge_rounds([bench(impls if r % 2 == 0 else impls[::-1]) for r in range(rounds)])
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per (workload, pass, impl) of several rounds' rows: ``ms`` and ``graph_ms``
+    the medians over rounds (``ms_rounds`` keeps each), ``ms_p20`` / ``ms_p80`` the lowest
+    and highest of the rounds', TFLOP/s and GB/s rescaled to the median ``ms``; the other
+    fields are the first round's. One round: its rows as they are."""
+    if len(rounds) == 1:
+        return rounds[0]
+    groups: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for row in rows:
+            groups.setdefault((row["workload"], row["pass"], row["impl"]), []).append(row)
+    merged = []
+    for same in groups.values():
+        row = dict(same[0])
+        row["ms"] = statistics.median(r["ms"] for r in same)
+        row["ms_rounds"] = [r["ms"] for r in same]
+        row["ms_p20"] = min(r.get("ms_p20", r["ms"]) for r in same)
+        row["ms_p80"] = max(r.get("ms_p80", r["ms"]) for r in same)
+        for key in ("tflops", "gbps"):
+            if row.get(key):
+                row[key] *= same[0]["ms"] / row["ms"]
+        graphs = [r["graph_ms"] for r in same if r.get("graph_ms")]
+        if graphs:
+            row["graph_ms"] = statistics.median(graphs)
+            if row.get("graph_tflops"):
+                row["graph_tflops"] *= same[0]["graph_ms"] / row["graph_ms"]
+        merged.append(row)
+    return merged
+
+
 def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     """Parse a comma list and reject names outside ``allowed``."""
     names = [s.strip() for s in text.split(",") if s.strip()]
@@ -791,7 +835,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--flex-workloads", default="W3,W6,W9", help="flex-docmask recompiles: limit its workloads"
     )
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each workload's impls this many times, in reverse order every "
+                    "other round (medians; 2: each impl once first, once last)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     workloads = _csv(args.workloads, WORKLOADS + PACK_FAMILIES + EQUAL_PACKS, "workloads")
     names = _csv(args.impls, tuple(IMPLS), "impls")
     passes = _csv(args.passes, ("fwd", "fwd+bwd", "bwd"), "passes")
@@ -813,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         "flamia_bwd_default": _default_bwd_config(device),
         "flamia_work_order": _work_order(),
         "passes": passes,
+        "rounds": args.rounds,
         "workload_seed": SEED,
         "workloads": {name: training_workload(name).definition() for name in workloads},
     }
@@ -832,14 +882,21 @@ def main(argv: list[str] | None = None) -> int:
         for name in workloads:
             chosen = [i for i in impls if i.name != "flex-docmask" or name in flex_only]
             if "fwd" in passes:
-                rows += bench_workload(training_workload(name), chosen, device, warmup_ms, rep_ms)
+                wl = training_workload(name)
+                rows += in_rounds(
+                    lambda some, wl=wl: bench_workload(wl, some, device, warmup_ms, rep_ms),
+                    chosen, args.rounds,
+                )  # fmt: skip
     grad_passes = [p for p in passes if p != "fwd"]
     if grad_passes:
         for name in workloads:
             chosen = [i for i in impls if i.name != "flex-docmask" or name in flex_only]
-            rows += bench_backward(
-                training_workload(name), chosen, device, grad_passes, warmup_ms, rep_ms
-            )
+            wl = training_workload(name)
+            rows += in_rounds(
+                lambda some, wl=wl: bench_backward(wl, some, device, grad_passes, warmup_ms,
+                                                   rep_ms),
+                chosen, args.rounds,
+            )  # fmt: skip
     add_quant_floor(rows, copy_row["gbps"])
     rows.append(copy_row)
     add_speedups(rows)

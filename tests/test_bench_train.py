@@ -187,3 +187,33 @@ def test_flamia_impl_is_checked_with_gradients_and_records_its_configs(device: s
     facts = _prep_facts(prep, run)
     assert facts["fwd_config"]["kernel"] in ("triton", "cute")
     assert "kernel" in facts["bwd_config"] and facts["kv_expanded"] is False
+
+
+def test_rounds_alternate_the_impl_order_and_merge_to_medians() -> None:
+    """``--rounds``: each round times the impls in the other order; a row per (workload,
+    pass, impl) keeps the median ms (every round's beside it), the rounds' widest p20/p80,
+    and TFLOP/s rescaled to the median; one round leaves the rows as they are."""
+    from benchmarks.train_attention import in_rounds, merge_rounds
+
+    orders: list[list[str]] = []
+    times = {"a": iter([1.0, 3.0, 2.0, 5.0]), "b": iter([4.0, 4.0, 7.0])}
+
+    def bench(impls: list) -> list[dict]:
+        orders.append([i.name for i in impls])
+        rows = []
+        for impl in impls:
+            ms = next(times[impl.name])
+            rows.append({"workload": "W1", "pass": "fwd", "impl": impl.name, "ms": ms,
+                         "ms_p20": ms - 0.5, "ms_p80": ms + 0.5, "tflops": 12.0 / ms,
+                         "graph_ms": ms / 2, "graph_tflops": 24.0 / ms})  # fmt: skip
+        return rows
+
+    impls = [Impl(name, "fwd", lambda: None) for name in ("a", "b")]
+    rows = {r["impl"]: r for r in in_rounds(bench, impls, 3)}
+    assert orders == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert rows["a"]["ms"] == 2.0 and rows["a"]["ms_rounds"] == [1.0, 3.0, 2.0]
+    assert (rows["a"]["ms_p20"], rows["a"]["ms_p80"]) == (0.5, 3.5)
+    assert rows["a"]["tflops"] == pytest.approx(6.0) and rows["b"]["tflops"] == pytest.approx(3.0)
+    assert rows["a"]["graph_ms"] == 1.0 and rows["a"]["graph_tflops"] == pytest.approx(12.0)
+    one = bench(impls[:1])
+    assert merge_rounds([one]) is one
