@@ -14,7 +14,7 @@
 #                                                   # host-marginal, s23, s25, s26-h200,
 #                                                   # bwd-items, work-order, work-rounds, s28,
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
-#                                                   # s29-fwd-tests, w-table
+#                                                   # s29-fwd-tests, w-table, per-wg-dq
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -527,6 +527,23 @@ if [[ $steps == *,w-table,* ]]; then  # the W table beside FA4, each workload's 
   RUN_TAIL="-n 45" run w_table 560 python benchmarks/train_attention.py --quick --rounds 2 \
     --workloads W1,W2,W3,W4,W5,W6,W7,W8,W9,P3,P4,P5 --passes fwd,bwd,fwd+bwd \
     --impls flamia-mxfp8,fa4 --name "train_attention_w_${FLAMIA_TAG:-run}"
+fi
+if [[ $steps == *,per-wg-dq,* ]]; then  # ready to measure (twenty-ninth session; compiled
+  # for sm_90a on the CPU only: wgmma pipelined, 16 B stack, 224 KB of shared memory): the
+  # d = 128 backward with dQ per warpgroup (each warpgroup's keys, all 128 columns, no CTA
+  # barrier per step: the warpgroups may drift apart) against the joint dQ of the tree;
+  # "speedup" > 1 means the tree (joint) is faster. mxfp8 only: the variant's grad_input
+  # d = 128 and mixed d = 256 parts kernels would need 243-249 KB of shared memory
+  mkdir -p /tmp/ab
+  sed 's/^        self.joint_dq = self.halves >= NUM_WG$/        self.joint_dq = self.halves > NUM_WG/' \
+    flamia_serve/kernels/attn_bwd/cute_sm90.py > /tmp/ab/per_wg_dq.py
+  if grep -q "joint_dq = self.halves > NUM_WG" /tmp/ab/per_wg_dq.py; then
+    RUN_TAIL="-n 30" run bwd_per_wg_dq 420 python benchmarks/bwd_variant_ab.py \
+      --variant /tmp/ab/per_wg_dq.py --rounds 3 --workloads W1,W3,W5,W6,W7,P3 \
+      --name bwd_per_wg_dq_ab
+  else
+    echo "per-wg-dq: the joint_dq line of attn_bwd/cute_sm90.py moved; update the sed"
+  fi
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \
