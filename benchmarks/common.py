@@ -13,6 +13,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -528,6 +529,37 @@ def _main(argv: list[str]) -> int:
     doc = json.loads(Path(argv[1]).read_text())
     plot_rows(doc["benchmark"], doc["rows"], argv[2] if len(argv) > 2 else "tflops")
     return 0
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per (workload, pass, impl) of several rounds' rows: ``ms``, ``graph_ms`` and
+    ``ms_clean_l2`` the medians over rounds (``ms_rounds`` keeps each ``ms``), ``ms_p20`` /
+    ``ms_p80`` the lowest and highest of the rounds', TFLOP/s and GB/s rescaled to the median
+    ``ms``; the other fields are the first round's. One round: its rows as they are."""
+    if len(rounds) == 1:
+        return rounds[0]
+    groups: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for row in rows:
+            groups.setdefault((row["workload"], row["pass"], row["impl"]), []).append(row)
+    merged = []
+    for same in groups.values():
+        row = dict(same[0])
+        row["ms"] = statistics.median(r["ms"] for r in same)
+        row["ms_rounds"] = [r["ms"] for r in same]
+        row["ms_p20"] = min(r.get("ms_p20", r["ms"]) for r in same)
+        row["ms_p80"] = max(r.get("ms_p80", r["ms"]) for r in same)
+        for key in ("tflops", "gbps"):
+            if row.get(key):
+                row[key] *= same[0]["ms"] / row["ms"]
+        for key in ("graph_ms", "ms_clean_l2"):
+            values = [r[key] for r in same if r.get(key)]
+            if values:
+                row[key] = statistics.median(values)
+        if row.get("graph_tflops"):
+            row["graph_tflops"] *= same[0]["graph_ms"] / row["graph_ms"]
+        merged.append(row)
+    return merged
 
 
 if __name__ == "__main__":

@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--impls", default="", help="comma-separated substrings of impl names")
     ap.add_argument("--quick", action="store_true", help="50 ms of timing per call")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the impls this many times, in reverse order every other round "
+                    "(medians; serving.measure)")  # fmt: skip
     ap.add_argument("--clean-l2", action="store_true",
                     help="also time after an L2 flush that leaves clean lines")
     ap.add_argument("--name", default="decode")
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         extra["p_code_agreement"][name] = p_code_agreement(batch)
         impls = {**flamia_impls(batch), **flashinfer_impls(batch)}
         for row in measure(name, "decode", batch, impls, impl_filter=args.impls,
-                           quick=args.quick, clean_l2=args.clean_l2):  # fmt: skip
+                           quick=args.quick, clean_l2=args.clean_l2,
+                           rounds=args.rounds):  # fmt: skip
             kv_bytes = batch.kv_bytes(row["kv_format"])
             gbps = kv_bytes / (row["ms"] * 1e-3) / 1e9
             row.update(tflops=None, gbps=gbps, pct_copy=gbps / copy_row["gbps"])

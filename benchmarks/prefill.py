@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--impls", default="", help="comma-separated substrings of impl names")
     ap.add_argument("--quick", action="store_true", help="50 ms of timing per call")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the impls this many times, in reverse order every other round "
+                    "(medians; serving.measure)")  # fmt: skip
     ap.add_argument("--name", default="prefill")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                                    seed=seeds[name])  # fmt: skip
         impls = {**flamia_impls(batch), **flashinfer_impls(batch)}
         for row in measure(name, "prefill", batch, impls, impl_filter=args.impls,
-                           quick=args.quick):  # fmt: skip
+                           quick=args.quick, rounds=args.rounds):  # fmt: skip
             row.update(tflops=flops(batch) / (row["ms"] * 1e-3) / 1e12, gbps=None)
             print(f"{name:28s} {row['impl']:28s} {row['ms']:8.3f} ms {row['tflops']:7.1f} "
                   f"TFLOP/s cos {row['cos_vs_exact']:.5f}")  # fmt: skip

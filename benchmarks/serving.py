@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import graph_time
+from benchmarks.common import graph_time, merge_rounds
 from flamia_serve.kernels.paged import (
     PagedConfig,
     PagedPlan,
@@ -243,12 +243,15 @@ def import_flashinfer() -> Any:
 
 def measure(workload: str, pass_name: str, batch: ServingBatch,
             impls: dict[str, tuple[str, Callable[[], torch.Tensor]]], *, impl_filter: str = "",
-            quick: bool = False, clean_l2: bool = False) -> list[dict]:  # fmt: skip
+            quick: bool = False, clean_l2: bool = False, rounds: int = 1,
+            ) -> list[dict]:  # fmt: skip
     """Time every impl (``impl_filter``: comma-separated substrings, one must match) on
     ``batch`` (``clean_l2``: also with L2 flushed by reads, ``ms_clean_l2``; see
     ``common.time_ms``) and compare its output with
     FP32 attention (``cos_vs_exact``) and, for flamia impls, with the same cache's exact-exp
-    output (``cos_vs_exact_exp``). One row per impl; the caller adds its rates."""
+    output (``cos_vs_exact_exp``). One row per impl; the caller adds its rates. ``rounds``:
+    the impls timed that many times, in reverse order every other round, medians
+    (``common.merge_rounds``): the impl timed first after a long call may run slower."""
     exact = exact_attention(batch)
     exact_exp: dict[str, torch.Tensor] = {}
     rows = []
@@ -258,14 +261,22 @@ def measure(workload: str, pass_name: str, batch: ServingBatch,
         out = call()
         if impl.endswith("-exact"):
             exact_exp[fmt] = out
-        t = graph_time(call, rep_ms=50 if quick else 200)
-        if clean_l2:
-            t["ms_clean_l2"] = graph_time(call, rep_ms=50 if quick else 200, l2="clean")["ms"]
         own = impl.startswith("flamia") and fmt in exact_exp
-        rows.append({"workload": workload, "pass": pass_name, "impl": impl, **t,
+        rows.append({"workload": workload, "pass": pass_name, "impl": impl,
                      "kv_format": fmt, "cos_vs_exact": cos_sim(out, exact),
                      "cos_vs_exact_exp": cos_sim(out, exact_exp[fmt]) if own else None})
-    return rows
+    timed = []
+    for r in range(rounds):
+        this_round = []
+        for row in rows if r % 2 == 0 else rows[::-1]:
+            call = impls[row["impl"]][1]
+            t = graph_time(call, rep_ms=50 if quick else 200)
+            if clean_l2:
+                t["ms_clean_l2"] = graph_time(call, rep_ms=50 if quick else 200,
+                                              l2="clean")["ms"]  # fmt: skip
+            this_round.append({**row, **t})
+        timed.append(this_round)
+    return merge_rounds(timed)
 
 
 def cos_sim(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +71,7 @@ from benchmarks.common import (
     Rotating,
     copy_bandwidth,
     graph_time,
+    merge_rounds,
     num_input_sets,
     plot_rows,
     print_table,
@@ -763,40 +763,10 @@ def add_speedups(rows: list[dict]) -> None:
 def in_rounds(bench: Callable[[list[Impl]], list[dict]], impls: list[Impl], rounds: int
               ) -> list[dict]:  # fmt: skip
     """``bench(impls)`` ``rounds`` times, the impls in reverse order every other round, rows
-    merged by :func:`merge_rounds`. Whichever impl is timed first right after a long
+    merged by ``common.merge_rounds``. Whichever impl is timed first right after a long
     workload runs slower for a while (H100, 2026-12-06: W4 after W3 12–17% for both flamia and
     FA4, ``benchmarks/NOTES.md``): with two or more rounds each impl is also timed last."""
     return merge_rounds([bench(impls if r % 2 == 0 else impls[::-1]) for r in range(rounds)])
-
-
-def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
-    """One row per (workload, pass, impl) of several rounds' rows: ``ms`` and ``graph_ms``
-    the medians over rounds (``ms_rounds`` keeps each), ``ms_p20`` / ``ms_p80`` the lowest
-    and highest of the rounds', TFLOP/s and GB/s rescaled to the median ``ms``; the other
-    fields are the first round's. One round: its rows as they are."""
-    if len(rounds) == 1:
-        return rounds[0]
-    groups: dict[tuple, list[dict]] = {}
-    for rows in rounds:
-        for row in rows:
-            groups.setdefault((row["workload"], row["pass"], row["impl"]), []).append(row)
-    merged = []
-    for same in groups.values():
-        row = dict(same[0])
-        row["ms"] = statistics.median(r["ms"] for r in same)
-        row["ms_rounds"] = [r["ms"] for r in same]
-        row["ms_p20"] = min(r.get("ms_p20", r["ms"]) for r in same)
-        row["ms_p80"] = max(r.get("ms_p80", r["ms"]) for r in same)
-        for key in ("tflops", "gbps"):
-            if row.get(key):
-                row[key] *= same[0]["ms"] / row["ms"]
-        graphs = [r["graph_ms"] for r in same if r.get("graph_ms")]
-        if graphs:
-            row["graph_ms"] = statistics.median(graphs)
-            if row.get("graph_tflops"):
-                row["graph_tflops"] *= same[0]["graph_ms"] / row["graph_ms"]
-        merged.append(row)
-    return merged
 
 
 def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:

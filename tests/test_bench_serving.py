@@ -49,3 +49,31 @@ def test_prefill_seed_belongs_to_the_workload_not_its_place_in_the_list() -> Non
     assert workload_seed("S3-4x2048+8192") == 2  # also when run alone (it was 0 then)
     with pytest.raises(SystemExit, match=r"unknown workload 'S9'.*S1-1x8192"):
         workload_seed("S9")
+
+
+def test_measure_rounds_alternate_the_order_and_keep_medians(monkeypatch) -> None:
+    """``measure(rounds=3)``: each impl's output checked once, the impls timed in the other
+    order every other round, one row per impl with its median and every round's time."""
+    from benchmarks import serving
+
+    order: list[str] = []
+    times = {"flamia-fp8-exact": iter([1.0, 5.0, 3.0]), "flashinfer-bf16": iter([2.0, 2.0, 8.0])}
+    calls = {name: (lambda name=name: (order.append(f"out {name}"), torch.ones(4))[1])
+             for name in times}  # fmt: skip
+
+    def graph_time(call, rep_ms, l2="dirty"):
+        name = next(n for n, c in calls.items() if c is call)
+        order.append(name)
+        ms = next(times[name])
+        return {"ms": ms, "ms_p20": ms, "ms_p80": ms}
+
+    monkeypatch.setattr(serving, "graph_time", graph_time)
+    monkeypatch.setattr(serving, "exact_attention", lambda batch: torch.ones(4))
+    impls = {name: ("fp8" if name.startswith("flamia") else "bf16", call)
+             for name, call in calls.items()}  # fmt: skip
+    rows = serving.measure("S1", "prefill", None, impls, rounds=3)  # type: ignore[arg-type]
+    names = list(times)
+    assert order == [f"out {n}" for n in names] + names + names[::-1] + names
+    assert [r["impl"] for r in rows] == names
+    assert rows[0]["ms"] == 3.0 and rows[0]["ms_rounds"] == [1.0, 5.0, 3.0]
+    assert rows[1]["ms"] == 2.0 and rows[0]["cos_vs_exact"] == pytest.approx(1.0)
