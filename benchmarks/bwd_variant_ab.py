@@ -38,7 +38,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.check_bwd_kernels import backward, operands
-from benchmarks.common import rel64, time_ms, write_results
+from benchmarks.common import positive_int, rel64, time_ms, write_results
 from benchmarks.workloads import training_workload
 from flamia_serve.kernels.attn_bwd.ops import CUTE_BWD_CONFIG
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", type=Path, required=True, help="a copy of cute_sm90.py")
     ap.add_argument("--workloads", default="W3,W5,W6,P3,E16")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=2)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--name", default="bwd_variant_ab")
     args = ap.parse_args(argv)

@@ -531,6 +531,19 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type`` of a count of at least 1 (``--rounds``): a clear error otherwise."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
     """One row per (workload, pass, impl) of several rounds' rows: ``ms``, ``graph_ms`` and
     ``ms_clean_l2`` the medians over rounds (``ms_rounds`` keeps each ``ms``), ``ms_p20`` /

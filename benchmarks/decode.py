@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import copy_bandwidth, plot_rows, write_results
+from benchmarks.common import copy_bandwidth, plot_rows, positive_int, write_results
 from benchmarks.serving import (
     HEAD_DIM,
     HKV,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--impls", default="", help="comma-separated substrings of impl names")
     ap.add_argument("--quick", action="store_true", help="50 ms of timing per call")
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--rounds", type=positive_int, default=1,
                     help="time the impls this many times, in reverse order every other round "
                     "(medians; serving.measure)")  # fmt: skip
     ap.add_argument("--clean-l2", action="store_true",

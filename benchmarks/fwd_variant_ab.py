@@ -36,10 +36,10 @@ from benchmarks.bwd_variant_ab import (
     kernel_module,
     load_variant,
 )
-from benchmarks.common import graph_time
+from benchmarks.common import graph_time, positive_int
 from benchmarks.prefill import WORKLOADS as PREFILL_WORKLOADS
 from benchmarks.prefill import workload_seed
-from benchmarks.serving import make_serving_batch, planned_call
+from benchmarks.serving import fp8_prefill, planned_call
 from benchmarks.workloads import training_workload
 from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config, quantizes_q, window_limit
 from flamia_serve.kernels.quant.ops import quantize_qkv
@@ -64,10 +64,8 @@ def forward_call(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool):
 
 def prefill_call(name: str) -> Callable[[], tuple[torch.Tensor]]:
     """The FP8-cache prefill's planned call of prefill workload ``name`` (its output)."""
-    new, cached = PREFILL_WORKLOADS[name]
-    batch = make_serving_batch(new, [c + n for c, n in zip(cached, new, strict=True)],
-                               torch.device("cuda"), seed=workload_seed(name))  # fmt: skip
-    call = planned_call(batch, "fp8", prefill_keys=sum(batch.seq_lens_list))
+    prep = fp8_prefill(*PREFILL_WORKLOADS[name], torch.device("cuda"), workload_seed(name))
+    call = planned_call(prep.batch, "fp8", prefill_keys=prep.keys)
     return lambda: (call(),)
 
 
@@ -92,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="W1,W3,W4,W7,P3")
     ap.add_argument("--prefill", default="S1-1x8192+0,S3-4x2048+8192,S4-8x512+8192",
                     help="prefill workloads (benchmarks/prefill.py), '' for none")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--name", default="fwd_variant_ab")
     args = ap.parse_args(argv)

@@ -74,6 +74,7 @@ from benchmarks.common import (
     merge_rounds,
     num_input_sets,
     plot_rows,
+    positive_int,
     print_table,
     tensor_bytes,
     time_ms,
@@ -805,12 +806,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--flex-workloads", default="W3,W6,W9", help="flex-docmask recompiles: limit its workloads"
     )
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--rounds", type=positive_int, default=1,
                     help="time each workload's impls this many times, in reverse order every "
                     "other round (medians; 2: each impl once first, once last)")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     workloads = _csv(args.workloads, WORKLOADS + PACK_FAMILIES + EQUAL_PACKS, "workloads")
     names = _csv(args.impls, tuple(IMPLS), "impls")
     passes = _csv(args.passes, ("fwd", "fwd+bwd", "bwd"), "passes")

@@ -217,3 +217,15 @@ def test_rounds_alternate_the_impl_order_and_merge_to_medians() -> None:
     assert rows["a"]["graph_ms"] == 1.0 and rows["a"]["graph_tflops"] == pytest.approx(12.0)
     one = bench(impls[:1])
     assert merge_rounds([one]) is one
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_rounds_below_one_are_refused_by_name(bad: str, capsys) -> None:
+    """``--rounds`` (train_attention, prefill, decode, the variant A/Bs) takes an integer of
+    at least 1: argparse refuses anything else, naming the option, before any timing."""
+    from benchmarks.common import positive_int
+
+    with pytest.raises(SystemExit):
+        main(["--rounds", bad])
+    assert "--rounds" in capsys.readouterr().err
+    assert positive_int("3") == 3
