@@ -9,9 +9,19 @@ run() {
   echo "=== $name exit $? ($(date +%T))"; tail ${RUN_TAIL:--n 40} "$OUT/$name.log"
 }
 
+# The SM clock, power, temperature and throttle reasons every 500 ms into $OUT/clocks.csv
+# for the whole call (timed rows carry a wall-clock "at" to line up with it): whether a
+# workload timed after a long one runs slower because the clock dropped. pack_out stops it.
+log_clocks() {
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,nounits -lms 500 > "$OUT/clocks.csv" 2>/dev/null &
+  CLOCK_LOGGER=$!
+}
+
 # The device hands back at most 8 files from $OUT: past that, pack them all into one
 # results.tgz (unpack it here with tar xzf) and list what it holds.
 pack_out() {
+  [[ -n ${CLOCK_LOGGER:-} ]] && kill "$CLOCK_LOGGER" 2>/dev/null
   ls -la "$OUT"
   local n
   n=$(find "$OUT" -type f | wc -l)

@@ -25,6 +25,7 @@ export PYTHONPATH=${FLAMIA_SITE:-/tmp/site}:$PWD PYTHONUNBUFFERED=1 FLAMIA_RESUL
 steps=",${1:-tests,tune},"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 source "$(dirname "$0")/device_run.sh"
+log_clocks
 if [[ $steps == *,tests,* ]]; then
   run pytest_serving 300 python -m pytest -q tests/kernels/test_paged.py \
     tests/kernels/test_gpu_paged.py tests/numerics/test_serving_numerics.py

@@ -22,6 +22,7 @@ export PYTHONPATH=${FLAMIA_SITE:-/tmp/site_fa4}:$PWD PYTHONUNBUFFERED=1 FLAMIA_R
 steps=",${1:-smoke,bench,host,numerics},"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 source "$(dirname "$0")/device_run.sh"
+log_clocks
 if [[ $steps == *,smoke,* ]]; then
   run smoke 120 python - <<'PY'
 import torch

@@ -55,6 +55,7 @@ import argparse
 import functools
 import inspect
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -616,9 +617,8 @@ def bench_workload(
     n_sets = num_input_sets(tensor_bytes(raw0))
     raw = [raw0] + [make_inputs(wl, seed=i, device=device) for i in range(1, n_sets)]
     flops = wl.flops()
-    print(
-        f"{wl.name}: T={wl.total_tokens} docs={wl.num_docs} max={wl.max_seqlen} input sets={n_sets}"
-    )
+    print(f"{wl.name}: T={wl.total_tokens} docs={wl.num_docs} max={wl.max_seqlen} "
+          f"input sets={n_sets} ({time.strftime('%T')})")  # fmt: skip
     rows = []
     for impl in impls:
         if not impl.applies(wl):
@@ -647,7 +647,7 @@ def bench_workload(
             arg_sets = None
             torch.cuda.empty_cache()
         row = {"workload": wl.name, "pass": impl.pass_, "impl": impl.name, **_heads(wl), **t,
-               **facts}  # fmt: skip
+               **facts, "at": time.strftime(AT_FORMAT)}  # fmt: skip
         if impl.pass_ == "fwd":
             row["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
             row["gbps"] = None
@@ -664,6 +664,10 @@ def bench_workload(
         rows.append(row)
     return rows
 
+
+#: a row's ``at``: when its timing ended, local time as in ``nvidia-smi``'s timestamps
+#: (``device_run.sh``'s ``clocks.csv``)
+AT_FORMAT = "%Y/%m/%d %H:%M:%S"
 
 BWD_FLOPS = {"fwd+bwd": 3.5, "bwd": 2.5}  # multiples of the forward's FLOPs (DESIGN §6)
 
@@ -732,7 +736,8 @@ def bench_backward(
         for pass_, t in timings.items():
             tflops = BWD_FLOPS[pass_] * flops / (t["ms"] * 1e-3) / 1e12
             rows.append({"workload": wl.name, "pass": pass_, "impl": impl.name, **_heads(wl), **t,
-                         "tflops": tflops, "gbps": None, **facts})  # fmt: skip
+                         "tflops": tflops, "gbps": None, **facts,
+                         "at": time.strftime(AT_FORMAT)})  # fmt: skip
             print(f"  {impl.name:20s} {pass_:8s} {t['ms']:8.4f} ms  {tflops:7.1f} TFLOP/s")
     return rows
 
