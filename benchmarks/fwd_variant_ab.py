@@ -41,7 +41,7 @@ from benchmarks.prefill import WORKLOADS as PREFILL_WORKLOADS
 from benchmarks.prefill import workload_seed
 from benchmarks.serving import fp8_prefill, planned_call
 from benchmarks.workloads import training_workload
-from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config, quantizes_q, window_limit
+from flamia_serve.kernels.attn_fwd.ops import attn_fwd, default_config, q_options, window_limit
 from flamia_serve.kernels.quant.ops import quantize_qkv
 from flamia_serve.kernels.schedule import build_work_list
 from flamia_serve.probes import make_pack
@@ -55,7 +55,7 @@ def forward_call(seqlens, hq: int, hkv: int, d: int, causal: bool, exact: bool):
     q, k, v, cu, _ = make_pack(seqlens, hq, hkv, d, seed=5, device="cuda")
     cfg = default_config(d, q.device, kernel="cute")
     qkv = quantize_qkv(q, k, v, cu, exact_causal=exact, column_align=cfg.column_align,
-                       defer_q=quantizes_q(cfg, "e4m3", q))  # fmt: skip
+                       **q_options(cfg, "e4m3", q))  # fmt: skip
     work = build_work_list(cu, q.shape[0], block_m=cfg.block_m, block_n=cfg.block_n,
                            causal=causal, window_limit=window_limit(cfg))  # fmt: skip
     return lambda: attn_fwd(qkv, cu, heads_q=hq, causal=causal, softmax_scale=d**-0.5,

@@ -14,7 +14,8 @@
 #                                                   # host-marginal, s23, s25, s26-h200,
 #                                                   # bwd-items, work-order, work-rounds, s28,
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
-#                                                   # s29-fwd-tests, w-table, per-wg-dq
+#                                                   # s29-fwd-tests, w-table, per-wg-dq,
+#                                                   # s30-windows-q
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -545,6 +546,17 @@ if [[ $steps == *,per-wg-dq,* ]]; then  # ready to measure (twenty-ninth session
   else
     echo "per-wg-dq: the joint_dq line of attn_bwd/cute_sm90.py moved; update the sed"
   fi
+fi
+if [[ $steps == *,s30-windows-q,* ]]; then  # packs with windows (P4): the CuTe forward
+  # quantizes the Q of the documents it runs and the launch only the windows' (q_short);
+  # its tests, then against the launch quantizing all of Q (flamia-mxfp8-separate-q) and FA4
+  run pytest_gpu_windows_q_s30 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \
+    -W ignore::DeprecationWarning tests/kernels/test_attn_fwd.py tests/kernels/test_quant.py \
+    tests/kernels/test_entry_adversarial.py -k "windows or deferred or defer_q or default_config"
+  RUN_TAIL="-n 12" run profile_windows_s30 150 python benchmarks/profile_windows.py P4
+  RUN_TAIL="-n 30" run windows_q_ab 400 python benchmarks/train_attention.py --quick \
+    --rounds 3 --workloads P4,W7 --passes fwd,fwd+bwd \
+    --impls flamia-mxfp8,flamia-mxfp8-separate-q,fa4 --name train_attention_windows_q_s30
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

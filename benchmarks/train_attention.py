@@ -252,7 +252,7 @@ def _flamia_quant_loader(recipe: str, scores_only: bool = False) -> Callable[[],
 
     def load() -> Builder:
         import flamia_serve
-        from flamia_serve.kernels.attn_fwd.ops import default_config, quantizes_q
+        from flamia_serve.kernels.attn_fwd.ops import default_config, q_options
         from flamia_serve.kernels.quant.ops import quantize_qkv
         from flamia_serve.numerics import resolve_recipe
 
@@ -269,7 +269,7 @@ def _flamia_quant_loader(recipe: str, scores_only: bool = False) -> Callable[[],
                 return quantize_qkv(
                     q, k, v, cu, recipe=recipe, blocks=blocks, column_align=align,
                     widen=cfg.kernel == "cute", scores_only=scores_only,
-                    defer_q=quantizes_q(cfg, qk_format, q),
+                    **q_options(cfg, qk_format, q),
                 )  # fmt: skip
 
             return _identity, run

@@ -36,7 +36,7 @@ from flamia_serve.kernels.attn_fwd.ops import (
     FwdConfig,
     FwdLaunch,
     attn_fwd_launch,
-    quantizes_q,
+    q_options,
     window_limit,
 )
 from flamia_serve.kernels.quant.ops import QKVLaunch, quantize_do_launch, quantize_qkv_launch
@@ -152,18 +152,18 @@ def prepare_forward(
     """The forward's launches for inputs laid out as ``q``/``k``/``v`` (checked inputs)."""
     if call.config is None or call.config.column_align != call.column_align:
         raise ValueError("attention_forward needs the forward config of call.column_align")
-    defer_q = quantizes_q(call.config, call.recipe.qk_format, q)
+    options = q_options(call.config, call.recipe.qk_format, q)
     qkv, quantize = quantize_qkv_launch(
         q, k, v, cu_seqlens, recipe=call.recipe, exact_causal=call.exact_causal,
         blocks=call.blocks, column_align=call.column_align, columns=call.columns,
-        workspace=call.workspace, widen=call.config.kernel == "cute", defer_q=defer_q,
+        workspace=call.workspace, widen=call.config.kernel == "cute", **options,
     )  # fmt: skip
     attend = attn_fwd_launch(
         qkv, cu_seqlens, heads_q=q.shape[1], causal=call.causal,
         softmax_scale=call.softmax_scale, out_dtype=q.dtype, config=call.config, work=call.work,
         workspace=call.workspace,
     )  # fmt: skip
-    return ForwardLaunch(quantize, attend, defer_q)
+    return ForwardLaunch(quantize, attend, bool(options["defer_q"]))
 
 
 def attention_forward(

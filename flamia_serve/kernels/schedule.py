@@ -31,6 +31,28 @@ def _tiles_of_documents(
     return doc, local, valid
 
 
+def _blocks_of_documents(
+    cu_seqlens: torch.Tensor, total_tokens: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every slot of :func:`token_block_table`: (document, block index in it, tokens)
+    int64, tokens 0 for an empty slot."""
+    doc, local, valid = _tiles_of_documents(cu_seqlens, total_tokens, block)
+    cu = cu_seqlens.long()
+    tokens = (cu[doc + 1] - cu[doc] - local * block).clamp(0, block)
+    return doc, local, torch.where(valid, tokens, 0)
+
+
+def short_block_lengths(
+    cu_seqlens: torch.Tensor, total_tokens: int, block: int, limit: int
+) -> torch.Tensor:
+    """int32, one per slot of :func:`token_block_table` (same order): the block's tokens
+    where its document has at most ``limit`` tokens, else 0 (the blocks whose Q the window
+    kernel reads when the CuTe forward quantizes the rest, ``quantize_qkv(q_short=limit)``)."""
+    doc, _local, length = _blocks_of_documents(cu_seqlens, total_tokens, block)
+    cu = cu_seqlens.long()
+    return torch.where(cu[doc + 1] - cu[doc] <= limit, length, 0).to(torch.int32)
+
+
 @dataclass(frozen=True)
 class TokenBlocks:
     """Document-local 32-token blocks: first token and length (0 = empty slot), int32;
@@ -57,10 +79,9 @@ def token_block_table(
     """Every document-local ``block``-token block of a pack (blocks restart per document);
     documents start at multiples of ``align`` columns in the column layout."""
     check_column_align(align)
-    doc, local, valid = _tiles_of_documents(cu_seqlens, total_tokens, block)
+    doc, local, length = _blocks_of_documents(cu_seqlens, total_tokens, block)
     cu = cu_seqlens.long()
     start = cu[doc] + local * block
-    length = torch.where(valid, (cu[doc + 1] - start).clamp(0, block), 0)
     padded = (cu[1:] - cu[:-1] + align - 1) // align * align
     doc_v_t_start = torch.cumsum(padded, 0) - padded
     v_t_start = doc_v_t_start[doc] + local * block

@@ -152,7 +152,9 @@ class KernelQKV:
 
     ``q_input`` (``quantize_qkv(defer_q=True)``, E4M3 Q/K): the BF16/FP16 Q ``[T, Hq, d]`` as
     given, which the CuTe forward quantizes as it loads it (same rule, same codes); ``q_codes``
-    and ``q_exp`` then hold no values, and every other reader refuses it.
+    and ``q_exp`` then hold no values, and every other reader refuses it, except that
+    ``q_short`` > 0 (``quantize_qkv(q_short=...)``): the rows of documents of at most that
+    many tokens hold their codes and exponents (the forward's window kernel reads them).
     """
 
     q_codes: torch.Tensor
@@ -181,6 +183,7 @@ class KernelQKV:
     q_rows: torch.Tensor | None = None
     k_rows: torch.Tensor | None = None
     grad_input: bool = False
+    q_short: int = 0
 
     @property
     def unwidened(self) -> bool:

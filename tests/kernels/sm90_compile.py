@@ -70,7 +70,8 @@ def resource_usage(kernel: triton.compiler.CompiledKernel) -> str:
 def quant_variants() -> None:
     ptrs = {
         "q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "block_start_ptr": I32,
-        "block_len_ptr": I32, "block_v_t_ptr": I32, "q8_ptr": FP8, "q_exp_ptr": I16,
+        "block_len_ptr": I32, "block_v_t_ptr": I32, "q_len_ptr": I32, "q8_ptr": FP8,
+        "q_exp_ptr": I16,
         "k8_ptr": FP8, "k_exp_ptr": I16,
         "vt_ptr": FP8, "v_exp_ptr": I16, "kv_factor_ptr": F32, "q4_ptr": U8,
         "q4_scale_ptr": FP8, "q4_exp_ptr": I8, "k4_ptr": U8, "k4_scale_ptr": FP8,
@@ -79,29 +80,30 @@ def quant_variants() -> None:
     }  # fmt: skip
     # (exact, NVFP4, Hadamard, widened NVFP4 values for the CuTe kernels, only those, no Q,
     # the gradient operands as BF16 rows: Q's codes for the CuTe backward; Q and K's inputs
-    # for grad_qk="input")
+    # for grad_qk="input"; Q of the short documents only)
     for d in (64, 128, 256):
-        for exact, nvfp4, had, wide, scores_only, skip_q, q_rows, grad_input in (
-            (False, False, False, False, False, False, False, False),
-            (True, True, False, True, False, False, False, False),
-            (False, True, True, False, False, False, False, False),
-            (False, True, False, True, True, False, False, False),
-            (False, False, False, False, False, True, False, False),
-            (False, False, False, False, False, False, True, False),
-            (True, True, True, True, False, False, True, False),
-            (False, False, False, False, False, False, True, True),
-            (True, False, False, False, False, False, True, True),
+        for exact, nvfp4, had, wide, scores_only, skip_q, q_rows, grad_input, q_short in (
+            (False, False, False, False, False, False, False, False, False),
+            (True, True, False, True, False, False, False, False, False),
+            (False, True, True, False, False, False, False, False, False),
+            (False, True, False, True, True, False, False, False, False),
+            (False, False, False, False, False, True, False, False, False),
+            (False, False, False, False, False, False, True, False, False),
+            (True, True, True, True, False, False, True, False, False),
+            (False, False, False, False, False, False, True, True, False),
+            (True, False, False, False, False, False, True, True, False),
+            (False, False, False, False, False, False, False, False, True),
         ):  # fmt: skip
             consts = dict(HQ=32, HKV=8, D=d, BLOCK=32, PER_TOKEN_QK=exact, QK_NVFP4=nvfp4,
                           HADAMARD=had, LOG2_D=d.bit_length() - 1, WIDE=wide,
-                          SCORES_ONLY=scores_only, SKIP_Q=skip_q, Q_ROWS=q_rows,
+                          SCORES_ONLY=scores_only, SKIP_Q=skip_q, Q_SHORT=q_short, Q_ROWS=q_rows,
                           K_ROWS=grad_input, GRAD_INPUT=grad_input,
                           SCALE_CANDIDATES=3 if nvfp4 else 1,
                           INTERPRET=False)  # fmt: skip
             _compile(quantize_qkv_kernel, ptrs, consts, 4)
             print(f"quant d={d} exact={exact} nvfp4={nvfp4} hadamard={had} wide={wide} "
                   f"scores_only={scores_only} skip_q={skip_q} q_rows={q_rows} "
-                  f"grad_input={grad_input}: ok")  # fmt: skip
+                  f"grad_input={grad_input} q_short={q_short}: ok")  # fmt: skip
 
 
 def fwd_variants() -> None:

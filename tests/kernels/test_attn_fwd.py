@@ -44,15 +44,15 @@ def test_default_config_runs_short_document_packs_on_triton(monkeypatch) -> None
     """Where the CuTe kernel runs, packs of very short documents still get the Triton
     kernel with E4M3 Q/K (its 64-row tiles and 16-column alignment waste less on them; with
     NVFP4 Q/K its dequantization costs more), and packs of documents shorter than a tile
-    leave Q to the quantization launch."""
+    put their short documents in windows (the CuTe kernel then quantizes the other
+    documents' Q as ``WINDOWS_FUSED_Q`` says)."""
     monkeypatch.setattr(fwd_ops, "_cute_available", lambda device: True)
     for var in ("FLAMIA_FWD_KERNEL", "FLAMIA_FWD_CONFIG"):
         monkeypatch.delenv(var, raising=False)
     gpu = torch.device("cuda")
     assert default_config(64, gpu) == CUTE_CONFIG
-    # documents shorter than a tile on average: Q quantized by the launch, not the kernel,
-    # and the short documents in windows
-    short = dataclasses.replace(CUTE_CONFIG, quantize_q=False, windows=True)
+    # documents shorter than a tile on average: the short documents in windows
+    short = dataclasses.replace(CUTE_CONFIG, quantize_q=fwd_ops.WINDOWS_FUSED_Q, windows=True)
     assert default_config(128, gpu, mean_doc_len=float(SHORT_DOCUMENTS)) == short
     assert default_config(128, gpu, mean_doc_len=fwd_ops.FUSED_Q_MIN_DOCUMENT - 0.5) == short
     assert default_config(128, gpu, mean_doc_len=float(fwd_ops.FUSED_Q_MIN_DOCUMENT)) == CUTE_CONFIG
@@ -461,6 +461,46 @@ def test_fwd_windows_keep_a_nan_in_its_document(device) -> None:
     assert torch.equal(poisoned.isnan(), nan_at)
     if poisoned.is_cuda:
         assert torch.equal(per_doc.isnan(), nan_at)
+
+
+def test_fwd_windows_read_the_short_documents_q_of_a_deferred_quantization(
+    device, monkeypatch
+) -> None:
+    """With windows the CuTe forward quantizes Q itself and the launch only the windows'
+    (``q_options``: ``defer_q`` and ``q_short``): the same outputs, bit for bit, as the launch
+    quantizing all of Q; without ``q_short`` the window kernel refuses the operands. On a
+    CPU (or without the CuTe kernel) the CuTe call is stubbed and the windows' rows compared."""
+    q, k, v, cu, _ms = make_pack(WINDOW_PACK, 4, 2, 64, seed=15, device=device)
+    real = device == "cuda" and cute_available(q.device)
+    if not real:  # the CuTe forward stubbed: only the window kernel writes
+        import sys
+        import types
+
+        stub = types.ModuleType("flamia_serve.kernels.attn_fwd.cute_sm90")
+        stub.attn_fwd_sm90_call = lambda *args, **kwargs: None
+        monkeypatch.setitem(sys.modules, stub.__name__, stub)
+        monkeypatch.setattr(fwd_ops, "cute_available", lambda device: True)
+    cfg = dataclasses.replace(CUTE_CONFIG, windows=True, quantize_q=True)
+    options = fwd_ops.q_options(cfg, "e4m3", q)
+    assert options == {"defer_q": True, "q_short": fwd_ops.WINDOW_LIMIT}
+    launch_q = dataclasses.replace(cfg, quantize_q=False)
+    assert fwd_ops.q_options(launch_q, "e4m3", q) == {"defer_q": False, "q_short": 0}
+    args = dict(heads_q=4, causal=True, softmax_scale=0.125)
+    deferred = quantize_qkv(q, k, v, cu, column_align=128, **options)
+    full = quantize_qkv(q, k, v, cu, column_align=128)
+    got = attn_fwd(deferred, cu, config=cfg, **args)
+    want = attn_fwd(full, cu, config=launch_q, **args)
+    short = torch.tensor([0 < n <= fwd_ops.WINDOW_LIMIT for n in WINDOW_PACK for _ in range(n)],
+                         device=q.device)  # fmt: skip
+    rows = slice(None) if real else short
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a[rows], b[rows])
+    ref = attn_fwd(full, cu, config=_window_config(device), **args)  # the Triton kernels
+    for a, b in zip(got, ref, strict=True):  # the same window kernel on the same codes
+        assert torch.equal(a[short], b[short])
+    no_short = quantize_qkv(q, k, v, cu, column_align=128, defer_q=True)
+    with pytest.raises(ValueError, match="quantize with q_short=32"):
+        attn_fwd(no_short, cu, config=cfg, **args)
 
 
 def test_fwd_windows_refuse_operands_they_cannot_read(device) -> None:

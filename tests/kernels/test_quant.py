@@ -284,6 +284,42 @@ def test_defer_q_writes_k_and_v_as_the_full_quantization(exact, device) -> None:
             quantize_qkv(q, k, v, cu, column_align=128, defer_q=True, **kw)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["token_block", "exact_causal"])
+def test_defer_q_keeps_the_short_documents_q(exact, device) -> None:
+    """``defer_q`` with ``q_short=L``: the Q codes and exponents of documents of at most L
+    tokens (what the window kernel reads) equal the full quantization's bit for bit, the other
+    rows are not written, K/V as before; ``q_short`` without ``defer_q`` is refused."""
+    from flamia_serve.kernels.schedule import short_block_lengths
+
+    lens = (5, 40, 1, 32, 0, 33, 70, 17, 2)
+    q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=10, device=device)
+    full = quantize_qkv(q, k, v, cu, column_align=128, exact_causal=exact)
+    sentinel = torch.full((4, q.shape[0]), 77, dtype=torch.int16, device=device)
+    part = quantize_qkv(q, k, v, cu, column_align=128, exact_causal=exact, defer_q=True,
+                        q_short=32, workspace=_workspace_with("q_exp", sentinel))  # fmt: skip
+    assert part.q_input is q and part.q_short == 32 and full.q_short == 0
+    short = torch.tensor([n <= 32 for n in lens for _ in range(n)], device=device)
+    assert bool(short.any()) and not bool(short.all())
+    assert _same(part.q_codes[short], full.q_codes[short])
+    assert torch.equal(part.q_exp[short].cpu(), full.q_exp[short].cpu())
+    assert bool((part.q_exp[~short] == 77).all())  # the long documents' Q items skipped
+    assert _same(part.k_codes, full.k_codes) and _same(part.v_t, full.v_t)
+    blocks = token_block_table(cu, q.shape[0], 32)
+    want = [n if int(cu[d + 1] - cu[d]) <= 8 else 0 for d, n in
+            zip(_block_docs(cu, blocks), blocks.length.tolist(), strict=True)]  # fmt: skip
+    assert short_block_lengths(cu, q.shape[0], 32, 8).tolist() == want
+    with pytest.raises(ValueError, match=r"q_short=32 .* needs defer_q=True"):
+        quantize_qkv(q, k, v, cu, column_align=128, q_short=32)
+
+
+def _block_docs(cu: torch.Tensor, blocks) -> list[int]:
+    """The document of each slot of a token block table (empty slots: the last one)."""
+    cu = cu.long().cpu()
+    last = cu.numel() - 2
+    return [min(max(int(torch.searchsorted(cu, s, right=True)) - 1, 0), last)
+            for s in blocks.start.long().cpu()]  # fmt: skip
+
+
 def _workspace_with(name: str, value: torch.Tensor):
     """A workspace whose buffer ``name`` already holds ``value`` (head-major)."""
     from flamia_serve.kernels.workspace import PackWorkspace

@@ -162,6 +162,11 @@ WINDOW_LIMIT = 32
 WINDOW_PROGRAMS_PER_SM = 8
 #: mean document length (tokens) below which the default config uses windows
 WINDOWS_MEAN_DOCUMENT = 128
+#: with windows, the CuTe forward still quantizes the Q of the documents it runs (those
+#: over ``WINDOW_LIMIT`` tokens) and the quantization launch only the windows' Q
+#: (``quantize_qkv(q_short=WINDOW_LIMIT)``), instead of the launch quantizing all of Q
+#: (``FUSED_Q_MIN_DOCUMENT`` was measured before windows, with every short document an item)
+WINDOWS_FUSED_Q = True
 
 
 def default_config(
@@ -181,14 +186,15 @@ def default_config(
     average, else Triton; ``kernel="triton"`` forces the Triton kernel. ``FLAMIA_FWD_CONFIG=
     "block_m,block_n,num_warps,num_stages"`` overrides the Triton tiles (tuning runs).
     With ``kernel=None``, packs of documents under ``WINDOWS_MEAN_DOCUMENT`` tokens on average
-    (E4M3 Q/K, d <= 128, on a GPU) also get ``windows``.
+    (E4M3 Q/K, d <= 128, on a GPU) also get ``windows`` (the CuTe kernel then quantizes Q
+    itself as ``WINDOWS_FUSED_Q`` says: the launch keeps the windows' Q, :func:`q_options`).
     """
     cfg = _default_config(head_dim, device, qk_nvfp4, kernel, mean_doc_len)
     if (
         kernel is None and device.type == "cuda" and not qk_nvfp4 and head_dim <= 128
         and mean_doc_len is not None and mean_doc_len < WINDOWS_MEAN_DOCUMENT
     ):  # fmt: skip
-        cfg = dataclasses.replace(cfg, windows=True, quantize_q=False)
+        cfg = dataclasses.replace(cfg, windows=True, quantize_q=WINDOWS_FUSED_Q)
     return cfg
 
 
@@ -228,13 +234,19 @@ def quantizes_q(cfg: FwdConfig, qk_format: str, q: torch.Tensor) -> bool:
     memory), and a ``q`` its TMA can load (16-byte aligned start and token/head strides)."""
     if cfg.kernel != "cute" or not cfg.quantize_q or qk_format != "e4m3" or q.shape[-1] > 128:
         return False
-    if cfg.windows:  # the window kernel reads Q's codes
-        return False
     row_elems = 16 // q.element_size()
     return (
         q.stride(-1) == 1 and q.data_ptr() % 16 == 0
         and q.stride(0) % row_elems == 0 and q.stride(1) % row_elems == 0
     )  # fmt: skip
+
+
+def q_options(cfg: FwdConfig, qk_format: str, q: torch.Tensor) -> dict[str, bool | int]:
+    """``quantize_qkv``'s Q options for the forward of ``cfg``: ``defer_q`` where it
+    :func:`quantizes_q`, then with windows also ``q_short`` (the window kernel reads the
+    codes of the documents it runs)."""
+    defer_q = quantizes_q(cfg, qk_format, q)
+    return {"defer_q": defer_q, "q_short": window_limit(cfg) if defer_q else 0}
 
 
 def window_limit(cfg: FwdConfig) -> int:
@@ -376,11 +388,13 @@ def attn_fwd_launch(
             "config.kernel='cute' needs an sm_90 GPU with nvidia-cutlass-dsl and flash-attn-4 "
             '(pip install "flamia-serve[cute]"); use the default config or kernel="triton"'
         )
-    if cfg.windows and (qkv.q4 is not None or qkv.q_input is not None or d > 128):
+    short_q_missing = qkv.q_input is not None and qkv.q_short < window_limit(cfg)
+    if cfg.windows and (qkv.q4 is not None or short_q_missing or d > 128):
         raise ValueError(
-            "config.windows runs E4M3 Q/K at head_dim <= 128 from Q's codes (not NVFP4 Q/K, "
-            f"not Q left to the CuTe forward); got head_dim {d}, NVFP4 {qkv.q4 is not None}, "
-            f"Q deferred {qkv.q_input is not None}"
+            "config.windows runs E4M3 Q/K at head_dim <= 128 from the short documents' Q "
+            "codes (not NVFP4 Q/K; with Q left to the CuTe forward, quantize with q_short="
+            f"{window_limit(cfg)}); got head_dim {d}, NVFP4 {qkv.q4 is not None}, Q deferred "
+            f"{qkv.q_input is not None} with q_short={qkv.q_short}"
         )
     if cfg.windows and debug_p is not None:
         raise ValueError("debug_p needs config.windows=False (the window kernel has no hook)")

@@ -11,8 +11,8 @@ import torch
 from flamia_serve.kernels._common import BoundLaunch, TritonLaunch, interpreted, sm_count
 from flamia_serve.kernels.columns import columns_from_rows_launch, pack_column_tokens
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
-from flamia_serve.kernels.schedule import TokenBlocks, token_block_table
-from flamia_serve.kernels.workspace import PackWorkspace
+from flamia_serve.kernels.schedule import TokenBlocks, short_block_lengths, token_block_table
+from flamia_serve.kernels.workspace import PackWorkspace, pack_constant
 from flamia_serve.numerics import NVFP4Tensor, Recipe, resolve_recipe
 from flamia_serve.numerics.operands import (
     EXPONENT_DTYPE,
@@ -150,6 +150,7 @@ def quantize_qkv_launch(
     widen: bool = False,
     scores_only: bool = False,
     defer_q: bool = False,
+    q_short: int = 0,
     q_transposed: bool = True,
     q_rows: bool = False,
     k_rows: bool = False,
@@ -184,7 +185,9 @@ def quantize_qkv_launch(
     the packed NVFP4 codes and block scales are left unwritten.
     ``defer_q`` (E4M3 Q/K, no ``with_transposed``): Q is left to the CuTe forward, which
     quantizes it as it loads it with the same rule (``KernelQKV.q_input`` = ``q``; the E4M3 Q
-    codes and exponents are left unwritten). With ``with_transposed``, Q's codes for the
+    codes and exponents are left unwritten). ``q_short`` (with ``defer_q``): except those of
+    documents of at most this many tokens, written as without ``defer_q`` (the forward's
+    window kernel reads them, ``KernelQKV.q_short``). With ``with_transposed``, Q's codes for the
     backward's dK = dSᵀ·Q̂: ``q_t`` (the column copy, unless ``q_transposed=False``) and/or
     ``q_rows`` (``q_rows=True``: BF16 rows by column, written by the kernel; the CuTe
     backward's operand where it multiplies dK in BF16, ``KernelQKV.q_rows``). ``k_rows``: the
@@ -209,6 +212,9 @@ def quantize_qkv_launch(
             f"with_transposed or scores_only (got recipe {rec.name}, with_transposed="
             f"{with_transposed}, scores_only={scores_only})"
         )
+    if q_short and not defer_q:
+        raise ValueError(f"q_short={q_short} keeps some of Q's codes of a defer_q quantization: "
+                         "it needs defer_q=True")  # fmt: skip
     if (q_rows or k_rows) and not with_transposed:
         raise ValueError("q_rows/k_rows are backward operands: they need with_transposed=True")
     total, heads_q, d = q.shape
@@ -242,12 +248,18 @@ def quantize_qkv_launch(
     k_wide = buf.empty("k_wide", (total, heads_kv, d), bf16) if widen else None
     q_values = buf.zeros("q_rows", (t_pad, heads_q, d), bf16) if q_rows else None
     k_values = buf.zeros("k_rows", (t_pad, heads_kv, d), bf16) if k_rows else None
+    q_lengths = blocks.length
+    if q_short:  # the block lengths of the short documents only (a pack constant)
+        q_lengths = pack_constant(
+            workspace, ("q_short", rec.token_block, q_short),
+            lambda: short_block_lengths(cu_seqlens, total, rec.token_block, q_short),
+        )  # fmt: skip
     launch = None
     if total > 0:
         heads = (0 if defer_q else heads_q) + 2 * heads_kv
         grid = (_num_programs(dev, blocks.num_slots * heads, programs_per_sm),)
         args = (
-            q, k, v, blocks.start, blocks.length, blocks.v_t_start,
+            q, k, v, blocks.start, blocks.length, blocks.v_t_start, q_lengths,
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q if q_wide is None else q_wide, k if k_wide is None else k_wide,
@@ -259,7 +271,8 @@ def quantize_qkv_launch(
             HQ=heads_q, HKV=heads_kv, D=d, BLOCK=rec.token_block,
             PER_TOKEN_QK=bool(exact_causal), QK_NVFP4=nvfp4, HADAMARD=rec.hadamard,
             LOG2_D=d.bit_length() - 1, WIDE=widen, SCORES_ONLY=bool(scores_only),
-            SKIP_Q=bool(defer_q), Q_ROWS=q_rows, K_ROWS=k_rows, GRAD_INPUT=rec.grad_input,
+            SKIP_Q=bool(defer_q and not q_short), Q_SHORT=bool(q_short), Q_ROWS=q_rows,
+            K_ROWS=k_rows, GRAD_INPUT=rec.grad_input,
             SCALE_CANDIDATES=rec.nvfp4_scale_candidates if nvfp4 else 1,
             INTERPRET=interpreted(),
             num_warps=num_warps,
@@ -281,7 +294,7 @@ def quantize_qkv_launch(
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
         q_t, k_t, column_align, columns, q_wide, k_wide, bool(scores_only),
-        q if defer_q else None, q_values, k_values, rec.grad_input,
+        q if defer_q else None, q_values, k_values, rec.grad_input, q_short if defer_q else 0,
     )  # fmt: skip
     return qkv, QKVLaunch(launch, tuple(copies))
 

@@ -104,6 +104,7 @@ def quantize_qkv_kernel(
     block_start_ptr,  # [NB] int32: first token of each document-local 32-token block
     block_len_ptr,  # [NB] int32: tokens in the block (0 = unused slot)
     block_v_t_ptr,  # [NB] int32: column of the block's first key in v_t (16-aligned doc starts)
+    q_len_ptr,  # [NB] int32 (Q_SHORT): tokens of the blocks whose Q is quantized, else 0
     q8_ptr,  # [T, HQ, D] e4m3
     q_exp_ptr,  # [HQ, T] int16 (head-major: contiguous loads per key tile)
     k8_ptr,  # [T, HKV, D] e4m3
@@ -141,6 +142,7 @@ def quantize_qkv_kernel(
     WIDE: tl.constexpr,
     SCORES_ONLY: tl.constexpr,
     SKIP_Q: tl.constexpr,
+    Q_SHORT: tl.constexpr,
     Q_ROWS: tl.constexpr,
     K_ROWS: tl.constexpr,
     GRAD_INPUT: tl.constexpr,
@@ -149,7 +151,9 @@ def quantize_qkv_kernel(
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
     item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
-    ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it). ``Q_ROWS`` /
+    ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it). ``Q_SHORT``: Q items
+    only for the blocks ``q_len_ptr`` gives tokens (short documents, whose Q the window kernel
+    reads while the CuTe forward quantizes the rest). ``Q_ROWS`` /
     ``K_ROWS``: the gradient products' Q / K operand in BF16 (the E4M3 codes' values, exact,
     or with ``GRAD_INPUT`` the inputs over their E4M3 exponents), one row per column of the
     layout with each document's tokens in order (``v_t_key`` of the column), the padding left
@@ -167,18 +171,20 @@ def quantize_qkv_kernel(
     for item in tl.range(pid, 0 if SKIP_Q else HQ * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         start, length, col0 = _slot_entry(
-            block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
-        )
-        tok, row_ok, col = _block_rows(start, length, col0, rows)
-        _e, grad = _quantize_qk_head(
-            q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr, h * n_tokens + tok,
-            q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
-            HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
-            GRAD_INPUT, SCALE_CANDIDATES, INTERPRET,
+            block_start_ptr, q_len_ptr if Q_SHORT else block_len_ptr, block_v_t_ptr,
+            item % n_slots,
         )  # fmt: skip
-        if Q_ROWS:
-            q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
-            tl.store(q_at, grad, mask=row_ok[:, None])
+        if length > 0:  # empty slots (and with Q_SHORT the long documents' blocks) skipped
+            tok, row_ok, col = _block_rows(start, length, col0, rows)
+            _e, grad = _quantize_qk_head(
+                q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr,
+                h * n_tokens + tok, q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
+                HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
+                GRAD_INPUT, SCALE_CANDIDATES, INTERPRET,
+            )  # fmt: skip
+            if Q_ROWS:
+                q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
+                tl.store(q_at, grad, mask=row_ok[:, None])
     for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         start, length, col0 = _slot_entry(
