@@ -15,7 +15,7 @@
 #                                                   # bwd-items, work-order, work-rounds, s28,
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
-#                                                   # s30-windows-q
+#                                                   # s30-windows-q, s30-windows-kernel
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -557,6 +557,17 @@ if [[ $steps == *,s30-windows-q,* ]]; then  # packs with windows (P4): the CuTe 
   RUN_TAIL="-n 30" run windows_q_ab 400 python benchmarks/train_attention.py --quick \
     --rounds 3 --workloads P4,W7 --passes fwd,fwd+bwd \
     --impls flamia-mxfp8,flamia-mxfp8-separate-q,fa4 --name train_attention_windows_q_s30
+fi
+if [[ $steps == *,s30-windows-kernel,* ]]; then  # the window kernel by (window, K/V head),
+  # K̂/V̂ loaded once per query-head group: its tests, then against the kernel before it
+  # (FLAMIA_WINDOWS_VARIANT: a copy of that attn_fwd/triton.py) and at 4 / 8 warps
+  run pytest_gpu_windows_kernel_s30 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \
+    -W ignore::DeprecationWarning tests/kernels/test_attn_fwd.py \
+    tests/kernels/test_entry_adversarial.py -k "windows or deferred"
+  RUN_TAIL="-n 12" run windows_ab 300 python benchmarks/windows_ab.py \
+    --variant "${FLAMIA_WINDOWS_VARIANT:?a copy of the previous attn_fwd/triton.py}" \
+    --warps 4,8 --workloads P4,P1 --name windows_kernel_ab_s30
+  RUN_TAIL="-n 12" run profile_windows_s30b 150 python benchmarks/profile_windows.py P4 P1
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

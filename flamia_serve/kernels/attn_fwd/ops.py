@@ -158,8 +158,10 @@ FUSED_Q_MIN_DOCUMENT = 128
 #: its tiles are twice that (64 rows), so a window holds every document starting in a
 #: 32-token chunk
 WINDOW_LIMIT = 32
-#: the window kernel's persistent programs per SM (4 warps each)
+#: the window kernel's persistent programs per SM and warps per program (at 64-row tiles;
+#: 8 at 128 rows)
 WINDOW_PROGRAMS_PER_SM = 8
+WINDOW_NUM_WARPS = 4
 #: mean document length (tokens) below which the default config uses windows
 WINDOWS_MEAN_DOCUMENT = 128
 #: with windows, the CuTe forward still quantizes the Q of the documents it runs (those
@@ -464,8 +466,9 @@ def _windows_launch(
     causal: bool,
     scale_log2: float,
 ) -> BoundLaunch:
-    """The short documents of ``work.windows``: persistent programs over (window, head),
-    writing into ``slots``' ``out``/``m``/``lse``."""
+    """The short documents of ``work.windows``: persistent programs over (window, K/V head)
+    items (each for the query heads of its group), writing into ``slots``' ``out``/``m``/
+    ``lse``."""
     windows = work.windows
     total, heads_kv, d = qkv.k_codes.shape
     rows = windows.rows
@@ -478,7 +481,7 @@ def _windows_launch(
     )  # fmt: skip
     options = dict(
         HQ=heads_q, HKV=heads_kv, D=d, ROWS=rows, CAUSAL=causal, INTERPRET=interpreted(),
-        num_warps=8 if rows >= 128 else 4, num_stages=1,
+        num_warps=8 if rows >= 128 else WINDOW_NUM_WARPS, num_stages=1,
     )  # fmt: skip
-    grid = (min(programs, windows.start.numel() * heads_q),)
+    grid = (min(programs, windows.start.numel() * heads_kv),)
     return BoundLaunch(_LAUNCH_WINDOWS, grid, args, options, slots)

@@ -355,52 +355,57 @@ def attn_fwd_windows_kernel(
     CAUSAL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Persistent programs over (window, head) items: a run of whole short documents
+    """Persistent programs over (window, K/V head) items: a run of whole short documents
     (``ShortWindows``) as one ``ROWS x ROWS`` tile, scores across documents masked, so every
-    row has its document's keys in one tile. Numerics of ``_attn_item`` on a document that
-    fits one key tile, i.e. the reference's: ``M = ceil(max y)``,
-    ``P̂ = E4M3(2^(y − M + 8))``, ``l = Σ P̂·2^(−eV)``, ``O = P̂·V̂ / l``. Other documents'
-    V̂ rows meet zero weights in the same product, so a NaN code among them is taken out
-    first, and each NaN put back where the document's own tile would have had it (0·NaN in
-    every row of its document, at its head-dim column)."""
-    n_items = tl.load(win_count_ptr) * HQ
+    row has its document's keys in one tile; the K̂ and V̂ tiles (V̂ gathered from the column
+    layout) are loaded once per item for the ``HQ / HKV`` query heads that share them.
+    Numerics of ``_attn_item`` on a document that fits one key tile, i.e. the reference's:
+    ``M = ceil(max y)``, ``P̂ = E4M3(2^(y − M + 8))``, ``l = Σ P̂·2^(−eV)``, ``O = P̂·V̂ / l``.
+    Other documents' V̂ rows meet zero weights in the same product, so a NaN code among them
+    is taken out first, and each NaN put back where the document's own tile would have had
+    it (0·NaN in every row of its document, at its head-dim column)."""
+    group = HQ // HKV
+    n_items = tl.load(win_count_ptr) * HKV
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0), num_stages=1):
-        win = item // HQ
-        h = item % HQ
-        hk = h // (HQ // HKV)
+        win = item // HKV
+        hk = item % HKV
         start = tl.load(win_start_ptr + win)
         end = tl.load(win_end_ptr + win)
         offs = tl.arange(0, ROWS)
         tok = start + offs
         ok = tok < end
         cols = tl.arange(0, D)
-        q = load_qk_tile(
-            q8_ptr, q8_ptr, q8_ptr, start, offs, ok, HQ, h, D, ROWS, False, INTERPRET
-        )  # fmt: skip
         k = load_qk_tile(
             k8_ptr, k8_ptr, k8_ptr, start, offs, ok, HKV, hk, D, ROWS, False, INTERPRET
         )  # fmt: skip
-        qe = tl.load(q_exp_ptr + h * n_tokens + tok, mask=ok, other=0).to(tl.int32)
         column = tl.load(column_ptr + tok, mask=ok, other=0)
         ke = tl.load(k_exp_ptr + hk * t_pad + column, mask=ok, other=0).to(tl.int32)
         ev = tl.load(v_exp_ptr + hk * t_pad + column, mask=ok, other=0).to(tl.int32)
         doc = tl.load(token_doc_ptr + tok, mask=ok, other=-1)
-        y = _folded_logits(tl.dot(q, tl.trans(k)), exp2i(qe) * qk_scale, ke, ev)
-        same = (doc[:, None] == doc[None, :]) & ok[None, :]
-        allowed = same
-        if CAUSAL:
-            allowed = allowed & (offs[None, :] <= offs[:, None])
-        y = tl.where(allowed, y, float("-inf"))
-        m_i = tl.math.ceil(tl.max(y, axis=1))
-        _, l_i, p_hat = _quantized_probs(y, m_i, exp2i(-ev), INTERPRET)
         vt_ptrs = vt_ptr + (hk * D + cols[:, None]).to(tl.int64) * t_pad + column[None, :]
         vt = tl.load(vt_ptrs, mask=ok[None, :], other=0.0)
         bits = vt.to(tl.uint8, bitcast=True)
         nan = (bits & 0x7F) == 0x7F  # E4M3's NaN codes
         any_nan = tl.max(tl.max(nan.to(tl.int32), axis=1), axis=0)
         vt = tl.where(nan, 0, bits).to(vt.dtype, bitcast=True)
-        acc = tl.dot(p_hat, tl.trans(vt))
-        if any_nan > 0:  # [row, column]: a key of the row's document has NaN there
-            hit = tl.dot(same.to(tl.float16), tl.trans(nan.to(tl.float16)))
-            acc = tl.where(hit > 0, float("nan"), acc)
-        _store_rows(out_ptr, m_ptr, lse_ptr, acc, l_i, m_i, tok, ok, h, HQ, D)
+        for g in tl.range(0, group, num_stages=1):
+            h = hk * group + g
+            q = load_qk_tile(
+                q8_ptr, q8_ptr, q8_ptr, start, offs, ok, HQ, h, D, ROWS, False, INTERPRET
+            )  # fmt: skip
+            qe = tl.load(q_exp_ptr + h * n_tokens + tok, mask=ok, other=0).to(tl.int32)
+            y = _folded_logits(tl.dot(q, tl.trans(k)), exp2i(qe) * qk_scale, ke, ev)
+            same = (doc[:, None] == doc[None, :]) & ok[None, :]
+            allowed = same
+            if CAUSAL:
+                allowed = allowed & (offs[None, :] <= offs[:, None])
+            y = tl.where(allowed, y, float("-inf"))
+            m_i = tl.math.ceil(tl.max(y, axis=1))
+            _, l_i, p_hat = _quantized_probs(y, m_i, exp2i(-ev), INTERPRET)
+            acc = tl.dot(p_hat, tl.trans(vt))
+            if any_nan > 0:  # [row, column]: a key of the row's document has NaN there
+                raw = tl.load(vt_ptrs, mask=ok[None, :], other=0.0).to(tl.uint8, bitcast=True)
+                nan_at = ((raw & 0x7F) == 0x7F).to(tl.float16)
+                hit = tl.dot(same.to(tl.float16), tl.trans(nan_at))
+                acc = tl.where(hit > 0, float("nan"), acc)
+            _store_rows(out_ptr, m_ptr, lse_ptr, acc, l_i, m_i, tok, ok, h, HQ, D)
