@@ -568,6 +568,9 @@ if [[ $steps == *,s30-windows-kernel,* ]]; then  # the window kernel by (window,
     --variant "${FLAMIA_WINDOWS_VARIANT:?a copy of the previous attn_fwd/triton.py}" \
     --warps 4,8 --workloads P4,P1 --name windows_kernel_ab_s30
   RUN_TAIL="-n 12" run profile_windows_s30b 150 python benchmarks/profile_windows.py P4 P1
+  RUN_TAIL="-n 16" run windows_fwd_s30b 300 python benchmarks/train_attention.py --quick \
+    --rounds 3 --workloads P4,P1 --passes fwd,fwd+bwd \
+    --impls flamia-mxfp8,flamia-mxfp8-separate-q,fa4 --name train_attention_windows_s30b
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

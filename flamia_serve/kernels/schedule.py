@@ -42,15 +42,18 @@ def _blocks_of_documents(
     return doc, local, torch.where(valid, tokens, 0)
 
 
-def short_block_lengths(
+def short_document_slots(
     cu_seqlens: torch.Tensor, total_tokens: int, block: int, limit: int
 ) -> torch.Tensor:
-    """int32, one per slot of :func:`token_block_table` (same order): the block's tokens
-    where its document has at most ``limit`` tokens, else 0 (the blocks whose Q the window
-    kernel reads when the CuTe forward quantizes the rest, ``quantize_qkv(q_short=limit)``)."""
+    """The slots of :func:`token_block_table` whose documents have 1 to ``limit`` tokens
+    (the blocks whose Q the window kernel reads when the CuTe forward quantizes the rest,
+    ``quantize_qkv(q_short=limit)``): int32 ``[1 + slots]``, their count, then those slots
+    in slot order, then the others. On the device, no host sync."""
     doc, _local, length = _blocks_of_documents(cu_seqlens, total_tokens, block)
     cu = cu_seqlens.long()
-    return torch.where(cu[doc + 1] - cu[doc] <= limit, length, 0).to(torch.int32)
+    short = (length > 0) & (cu[doc + 1] - cu[doc] <= limit)
+    order = torch.argsort((~short).to(torch.int8), stable=True)
+    return torch.cat([short.sum().reshape(1), order]).to(torch.int32)
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def resource_usage(kernel: triton.compiler.CompiledKernel) -> str:
 def quant_variants() -> None:
     ptrs = {
         "q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "block_start_ptr": I32,
-        "block_len_ptr": I32, "block_v_t_ptr": I32, "q_len_ptr": I32, "q8_ptr": FP8,
+        "block_len_ptr": I32, "block_v_t_ptr": I32, "q_slots_ptr": I32, "q8_ptr": FP8,
         "q_exp_ptr": I16,
         "k8_ptr": FP8, "k_exp_ptr": I16,
         "vt_ptr": FP8, "v_exp_ptr": I16, "kv_factor_ptr": F32, "q4_ptr": U8,

@@ -289,7 +289,7 @@ def test_defer_q_keeps_the_short_documents_q(exact, device) -> None:
     """``defer_q`` with ``q_short=L``: the Q codes and exponents of documents of at most L
     tokens (what the window kernel reads) equal the full quantization's bit for bit, the other
     rows are not written, K/V as before; ``q_short`` without ``defer_q`` is refused."""
-    from flamia_serve.kernels.schedule import short_block_lengths
+    from flamia_serve.kernels.schedule import short_document_slots
 
     lens = (5, 40, 1, 32, 0, 33, 70, 17, 2)
     q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=10, device=device)
@@ -305,9 +305,12 @@ def test_defer_q_keeps_the_short_documents_q(exact, device) -> None:
     assert bool((part.q_exp[~short] == 77).all())  # the long documents' Q items skipped
     assert _same(part.k_codes, full.k_codes) and _same(part.v_t, full.v_t)
     blocks = token_block_table(cu, q.shape[0], 32)
-    want = [n if int(cu[d + 1] - cu[d]) <= 8 else 0 for d, n in
-            zip(_block_docs(cu, blocks), blocks.length.tolist(), strict=True)]  # fmt: skip
-    assert short_block_lengths(cu, q.shape[0], 32, 8).tolist() == want
+    short_slots = [slot for slot, (d, n) in
+                   enumerate(zip(_block_docs(cu, blocks), blocks.length.tolist(), strict=True))
+                   if n and int(cu[d + 1] - cu[d]) <= 8]  # fmt: skip
+    slots = short_document_slots(cu, q.shape[0], 32, 8).tolist()
+    assert slots[0] == len(short_slots) > 0 and slots[1 : 1 + slots[0]] == short_slots
+    assert sorted(slots[1:]) == list(range(blocks.num_slots))
     with pytest.raises(ValueError, match=r"q_short=32 .* needs defer_q=True"):
         quantize_qkv(q, k, v, cu, column_align=128, q_short=32)
 

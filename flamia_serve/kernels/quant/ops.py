@@ -11,7 +11,7 @@ import torch
 from flamia_serve.kernels._common import BoundLaunch, TritonLaunch, interpreted, sm_count
 from flamia_serve.kernels.columns import columns_from_rows_launch, pack_column_tokens
 from flamia_serve.kernels.quant.triton import quantize_do_kernel, quantize_qkv_kernel
-from flamia_serve.kernels.schedule import TokenBlocks, short_block_lengths, token_block_table
+from flamia_serve.kernels.schedule import TokenBlocks, short_document_slots, token_block_table
 from flamia_serve.kernels.workspace import PackWorkspace, pack_constant
 from flamia_serve.numerics import NVFP4Tensor, Recipe, resolve_recipe
 from flamia_serve.numerics.operands import (
@@ -248,18 +248,18 @@ def quantize_qkv_launch(
     k_wide = buf.empty("k_wide", (total, heads_kv, d), bf16) if widen else None
     q_values = buf.zeros("q_rows", (t_pad, heads_q, d), bf16) if q_rows else None
     k_values = buf.zeros("k_rows", (t_pad, heads_kv, d), bf16) if k_rows else None
-    q_lengths = blocks.length
-    if q_short:  # the block lengths of the short documents only (a pack constant)
-        q_lengths = pack_constant(
+    q_slots = blocks.length  # never read without q_short
+    if q_short:  # the short documents' slots (a pack constant)
+        q_slots = pack_constant(
             workspace, ("q_short", rec.token_block, q_short),
-            lambda: short_block_lengths(cu_seqlens, total, rec.token_block, q_short),
+            lambda: short_document_slots(cu_seqlens, total, rec.token_block, q_short),
         )  # fmt: skip
     launch = None
     if total > 0:
         heads = (0 if defer_q else heads_q) + 2 * heads_kv
         grid = (_num_programs(dev, blocks.num_slots * heads, programs_per_sm),)
         args = (
-            q, k, v, blocks.start, blocks.length, blocks.v_t_start, q_lengths,
+            q, k, v, blocks.start, blocks.length, blocks.v_t_start, q_slots,
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q if q_wide is None else q_wide, k if k_wide is None else k_wide,

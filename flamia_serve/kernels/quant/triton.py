@@ -104,7 +104,7 @@ def quantize_qkv_kernel(
     block_start_ptr,  # [NB] int32: first token of each document-local 32-token block
     block_len_ptr,  # [NB] int32: tokens in the block (0 = unused slot)
     block_v_t_ptr,  # [NB] int32: column of the block's first key in v_t (16-aligned doc starts)
-    q_len_ptr,  # [NB] int32 (Q_SHORT): tokens of the blocks whose Q is quantized, else 0
+    q_slots_ptr,  # [1 + NB] int32 (Q_SHORT): n, then the n slots whose Q is quantized
     q8_ptr,  # [T, HQ, D] e4m3
     q_exp_ptr,  # [HQ, T] int16 (head-major: contiguous loads per key tile)
     k8_ptr,  # [T, HKV, D] e4m3
@@ -152,8 +152,8 @@ def quantize_qkv_kernel(
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
     item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
     ``SKIP_Q``: no Q item (the CuTe forward quantizes Q as it loads it). ``Q_SHORT``: Q items
-    only for the blocks ``q_len_ptr`` gives tokens (short documents, whose Q the window kernel
-    reads while the CuTe forward quantizes the rest). ``Q_ROWS`` /
+    only for the slots ``q_slots`` lists (``schedule.short_document_slots``: short documents,
+    whose Q the window kernel reads while the CuTe forward quantizes the rest). ``Q_ROWS`` /
     ``K_ROWS``: the gradient products' Q / K operand in BF16 (the E4M3 codes' values, exact,
     or with ``GRAD_INPUT`` the inputs over their E4M3 exponents), one row per column of the
     layout with each document's tokens in order (``v_t_key`` of the column), the padding left
@@ -168,13 +168,16 @@ def quantize_qkv_kernel(
     n_prog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
-    for item in tl.range(pid, 0 if SKIP_Q else HQ * n_slots, n_prog, num_stages=1):
-        h = item // n_slots
-        start, length, col0 = _slot_entry(
-            block_start_ptr, q_len_ptr if Q_SHORT else block_len_ptr, block_v_t_ptr,
-            item % n_slots,
-        )  # fmt: skip
-        if length > 0:  # empty slots (and with Q_SHORT the long documents' blocks) skipped
+    q_slots = n_slots  # slots with Q items (with Q_SHORT those q_slots_ptr lists)
+    if Q_SHORT:
+        q_slots = tl.load(q_slots_ptr)
+    for item in tl.range(pid, 0 if SKIP_Q else HQ * q_slots, n_prog, num_stages=1):
+        h = item // q_slots
+        slot = item % q_slots
+        if Q_SHORT:
+            slot = tl.load(q_slots_ptr + 1 + slot)
+        start, length, col0 = _slot_entry(block_start_ptr, block_len_ptr, block_v_t_ptr, slot)
+        if length > 0:  # empty slots skipped
             tok, row_ok, col = _block_rows(start, length, col0, rows)
             _e, grad = _quantize_qk_head(
                 q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr,
