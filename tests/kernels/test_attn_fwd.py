@@ -463,14 +463,21 @@ def test_fwd_windows_keep_a_nan_in_its_document(device) -> None:
         assert torch.equal(per_doc.isnan(), nan_at)
 
 
+@pytest.mark.parametrize(
+    ("lens", "exact"),
+    [(WINDOW_PACK, False), (WINDOW_PACK, True), ((32, 33, 1, 31, 0, 2), False),
+     ((3, 32, 1, 7, 16), False), ((40, 129, 33), True)],
+    ids=["mixed", "mixed-exact", "at-the-limit", "all-short", "none-short-exact"],
+)  # fmt: skip
 def test_fwd_windows_read_the_short_documents_q_of_a_deferred_quantization(
-    device, monkeypatch
+    lens, exact, device, monkeypatch
 ) -> None:
     """With windows the CuTe forward quantizes Q itself and the launch only the windows'
     (``q_options``: ``defer_q`` and ``q_short``): the same outputs, bit for bit, as the launch
-    quantizing all of Q; without ``q_short`` the window kernel refuses the operands. On a
-    CPU (or without the CuTe kernel) the CuTe call is stubbed and the windows' rows compared."""
-    q, k, v, cu, _ms = make_pack(WINDOW_PACK, 4, 2, 64, seed=15, device=device)
+    quantizing all of Q (token blocks or per token; documents at the limit, all or none
+    short); without ``q_short`` the window kernel refuses the operands. On a CPU (or without
+    the CuTe kernel) the CuTe call is stubbed and the windows' rows compared."""
+    q, k, v, cu, _ms = make_pack(lens, 4, 2, 64, seed=15, device=device)
     real = device == "cuda" and cute_available(q.device)
     if not real:  # the CuTe forward stubbed: only the window kernel writes
         import sys
@@ -486,11 +493,11 @@ def test_fwd_windows_read_the_short_documents_q_of_a_deferred_quantization(
     launch_q = dataclasses.replace(cfg, quantize_q=False)
     assert fwd_ops.q_options(launch_q, "e4m3", q) == {"defer_q": False, "q_short": 0}
     args = dict(heads_q=4, causal=True, softmax_scale=0.125)
-    deferred = quantize_qkv(q, k, v, cu, column_align=128, **options)
-    full = quantize_qkv(q, k, v, cu, column_align=128)
+    deferred = quantize_qkv(q, k, v, cu, column_align=128, exact_causal=exact, **options)
+    full = quantize_qkv(q, k, v, cu, column_align=128, exact_causal=exact)
     got = attn_fwd(deferred, cu, config=cfg, **args)
     want = attn_fwd(full, cu, config=launch_q, **args)
-    short = torch.tensor([0 < n <= fwd_ops.WINDOW_LIMIT for n in WINDOW_PACK for _ in range(n)],
+    short = torch.tensor([0 < n <= fwd_ops.WINDOW_LIMIT for n in lens for _ in range(n)],
                          device=q.device)  # fmt: skip
     rows = slice(None) if real else short
     for a, b in zip(got, want, strict=True):
@@ -498,7 +505,7 @@ def test_fwd_windows_read_the_short_documents_q_of_a_deferred_quantization(
     ref = attn_fwd(full, cu, config=_window_config(device), **args)  # the Triton kernels
     for a, b in zip(got, ref, strict=True):  # the same window kernel on the same codes
         assert torch.equal(a[short], b[short])
-    no_short = quantize_qkv(q, k, v, cu, column_align=128, defer_q=True)
+    no_short = quantize_qkv(q, k, v, cu, column_align=128, exact_causal=exact, defer_q=True)
     with pytest.raises(ValueError, match="quantize with q_short=32"):
         attn_fwd(no_short, cu, config=cfg, **args)
 
