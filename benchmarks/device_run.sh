@@ -16,6 +16,7 @@ log_clocks() {
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,nounits -lms 500 > "$OUT/clocks.csv" 2>/dev/null &
   CLOCK_LOGGER=$!
+  trap 'kill "$CLOCK_LOGGER" 2>/dev/null' EXIT  # also on an early exit: the call must end
 }
 
 # The device hands back at most 8 files from $OUT: past that, pack them all into one
