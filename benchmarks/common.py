@@ -544,6 +544,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def in_rounds(bench: Callable[[list], list[dict]], items: list, rounds: int) -> list[dict]:
+    """``bench(items)`` ``rounds`` times, the items (impls) in reverse order every other
+    round, rows merged by :func:`merge_rounds`. Whichever impl is timed first right after a
+    long call runs slower for a while (H100, 2026-12-06: W4 after W3 12–17% for both flamia
+    and FA4, the 700 W power cap; ``benchmarks/NOTES.md``): with two or more rounds each impl
+    is also timed last."""
+    return merge_rounds([bench(items if r % 2 == 0 else items[::-1]) for r in range(rounds)])
+
+
 def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
     """One row per (workload, pass, impl) of several rounds' rows: ``ms``, ``graph_ms`` and
     ``ms_clean_l2`` the medians over rounds (``ms_rounds`` keeps each ``ms``), ``ms_p20`` /

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import graph_time, merge_rounds
+from benchmarks.common import graph_time, in_rounds
 from flamia_serve.kernels.paged import (
     PagedConfig,
     PagedPlan,
@@ -251,7 +251,7 @@ def measure(workload: str, pass_name: str, batch: ServingBatch,
     FP32 attention (``cos_vs_exact``) and, for flamia impls, with the same cache's exact-exp
     output (``cos_vs_exact_exp``). One row per impl; the caller adds its rates. ``rounds``:
     the impls timed that many times, in reverse order every other round, medians
-    (``common.merge_rounds``): the impl timed first after a long call may run slower."""
+    (``common.in_rounds``): the impl timed first after a long call may run slower."""
     exact = exact_attention(batch)
     exact_exp: dict[str, torch.Tensor] = {}
     rows = []
@@ -265,18 +265,14 @@ def measure(workload: str, pass_name: str, batch: ServingBatch,
         rows.append({"workload": workload, "pass": pass_name, "impl": impl,
                      "kv_format": fmt, "cos_vs_exact": cos_sim(out, exact),
                      "cos_vs_exact_exp": cos_sim(out, exact_exp[fmt]) if own else None})
-    timed = []
-    for r in range(rounds):
-        this_round = []
-        for row in rows if r % 2 == 0 else rows[::-1]:
-            call = impls[row["impl"]][1]
-            t = graph_time(call, rep_ms=50 if quick else 200)
-            if clean_l2:
-                t["ms_clean_l2"] = graph_time(call, rep_ms=50 if quick else 200,
-                                              l2="clean")["ms"]  # fmt: skip
-            this_round.append({**row, **t})
-        timed.append(this_round)
-    return merge_rounds(timed)
+    def timed(row: dict) -> dict:
+        call = impls[row["impl"]][1]
+        t = graph_time(call, rep_ms=50 if quick else 200)
+        if clean_l2:
+            t["ms_clean_l2"] = graph_time(call, rep_ms=50 if quick else 200, l2="clean")["ms"]
+        return {**row, **t}
+
+    return in_rounds(lambda some: [timed(row) for row in some], rows, rounds)
 
 
 def cos_sim(a: torch.Tensor, b: torch.Tensor) -> float:

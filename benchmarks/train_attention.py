@@ -46,7 +46,7 @@ Usage::
 
 ``--rounds 2`` times each workload's impls twice, the second time in reverse order, and
 keeps the medians: a short workload right after a long one runs slower for a while for
-whichever impl comes first (``in_rounds``).
+whichever impl comes first (``common.in_rounds``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from benchmarks.common import (
     Rotating,
     copy_bandwidth,
     graph_time,
-    merge_rounds,
+    in_rounds,
     num_input_sets,
     plot_rows,
     positive_int,
@@ -764,15 +764,6 @@ def add_speedups(rows: list[dict]) -> None:
         ]
         ok = r["pass"] in ("fwd", "fwd+bwd", "bwd") and bool(base)
         r["speedup_vs_best_baseline"] = min(base) / r["ms"] if ok else None
-
-
-def in_rounds(bench: Callable[[list[Impl]], list[dict]], impls: list[Impl], rounds: int
-              ) -> list[dict]:  # fmt: skip
-    """``bench(impls)`` ``rounds`` times, the impls in reverse order every other round, rows
-    merged by ``common.merge_rounds``. Whichever impl is timed first right after a long
-    workload runs slower for a while (H100, 2026-12-06: W4 after W3 12–17% for both flamia and
-    FA4, ``benchmarks/NOTES.md``): with two or more rounds each impl is also timed last."""
-    return merge_rounds([bench(impls if r % 2 == 0 else impls[::-1]) for r in range(rounds)])
 
 
 def _csv(text: str, allowed: tuple[str, ...], what: str) -> list[str]:

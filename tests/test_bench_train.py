@@ -193,7 +193,7 @@ def test_rounds_alternate_the_impl_order_and_merge_to_medians() -> None:
     """``--rounds``: each round times the impls in the other order; a row per (workload,
     pass, impl) keeps the median ms (every round's beside it), the rounds' widest p20/p80,
     and TFLOP/s rescaled to the median; one round leaves the rows as they are."""
-    from benchmarks.train_attention import in_rounds, merge_rounds
+    from benchmarks.common import in_rounds, merge_rounds
 
     orders: list[list[str]] = []
     times = {"a": iter([1.0, 3.0, 2.0, 5.0]), "b": iter([4.0, 4.0, 7.0])}
