@@ -42,6 +42,14 @@ def _blocks_of_documents(
     return doc, local, torch.where(valid, tokens, 0)
 
 
+def short_documents(cu_seqlens: torch.Tensor, limit: int) -> torch.Tensor:
+    """bool ``[B]``: the documents of 1 to ``limit`` tokens (the forward's windows hold
+    these, and with Q left to the CuTe forward the launch still quantizes their Q)."""
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    return (lengths > 0) & (lengths <= limit)
+
+
 def short_document_slots(
     cu_seqlens: torch.Tensor, total_tokens: int, block: int, limit: int
 ) -> torch.Tensor:
@@ -50,8 +58,7 @@ def short_document_slots(
     ``quantize_qkv(q_short=limit)``): int32 ``[1 + slots]``, their count, then those slots
     in slot order, then the others. On the device, no host sync."""
     doc, _local, length = _blocks_of_documents(cu_seqlens, total_tokens, block)
-    cu = cu_seqlens.long()
-    short = (length > 0) & (cu[doc + 1] - cu[doc] <= limit)
+    short = (length > 0) & short_documents(cu_seqlens, limit)[doc]
     order = torch.argsort((~short).to(torch.int8), stable=True)
     return torch.cat([short.sum().reshape(1), order]).to(torch.int32)
 
@@ -127,7 +134,7 @@ def build_short_windows(cu_seqlens: torch.Tensor, total_tokens: int, limit: int)
         raise ValueError(f"limit must be a power of two, got {limit}")
     cu = cu_seqlens.long()
     starts, ends = cu[:-1], cu[1:]
-    short = (ends > starts) & (ends - starts <= limit)
+    short = short_documents(cu_seqlens, limit)
     n = (total_tokens + limit - 1) // limit
     if n == 0:  # no token: no window (the scatters below would index an empty tensor)
         none = torch.zeros(0, dtype=torch.int32, device=cu.device)
