@@ -313,6 +313,9 @@ def test_defer_q_keeps_the_short_documents_q(exact, device) -> None:
     assert sorted(slots[1:]) == list(range(blocks.num_slots))
     with pytest.raises(ValueError, match=r"q_short=32 .* needs defer_q=True"):
         quantize_qkv(q, k, v, cu, column_align=128, q_short=32)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="q_short must be a number of tokens"):
+            quantize_qkv(q, k, v, cu, column_align=128, defer_q=True, q_short=bad)
 
 
 def _block_docs(cu: torch.Tensor, blocks) -> list[int]:

@@ -212,6 +212,8 @@ def quantize_qkv_launch(
             f"with_transposed or scores_only (got recipe {rec.name}, with_transposed="
             f"{with_transposed}, scores_only={scores_only})"
         )
+    if isinstance(q_short, bool) or not isinstance(q_short, int) or q_short < 0:
+        raise ValueError(f"q_short must be a number of tokens >= 0, got {q_short!r}")
     if q_short and not defer_q:
         raise ValueError(f"q_short={q_short} keeps some of Q's codes of a defer_q quantization: "
                          "it needs defer_q=True")  # fmt: skip
