@@ -15,8 +15,7 @@
 #                                                   # bwd-items, work-order, work-rounds, s28,
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
-#                                                   # s30-windows-q, s30-windows-kernel,
-#                                                   # windows-nan-after-store
+#                                                   # s30-windows-q, s30-windows-kernel
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -572,23 +571,6 @@ if [[ $steps == *,s30-windows-kernel,* ]]; then  # the window kernel by (window,
   RUN_TAIL="-n 16" run windows_fwd_s30b 300 python benchmarks/train_attention.py --quick \
     --rounds 3 --workloads P4,P1 --passes fwd,fwd+bwd \
     --impls flamia-mxfp8,flamia-mxfp8-separate-q,fa4 --name train_attention_windows_s30b
-fi
-if [[ $steps == *,windows-nan-after-store,* ]]; then  # prepared (thirtieth session; CPU
-  # tests pass; sm_90a build at d = 128, 4 warps: 1000 -> 208 B of stack): the window kernel's
-  # NaN fix-up after the heads' loop, 16 columns at a time, as stores after a barrier; its GPU
-  # tests (the NaN one compares with the per-document kernel), then against the tree's kernel
-  # (needs no fa4 bundle: P4 then runs its long documents on the Triton kernel)
-  mkdir -p /tmp/ab && cp flamia_serve/kernels/attn_fwd/triton.py /tmp/ab/windows_before.py
-  if git apply benchmarks/experiments/windows-nan-after-store.patch; then
-    run pytest_gpu_windows_nan "${FLAMIA_TEST_SECS:-200}" python -m pytest -q \
-      -W ignore::DeprecationWarning tests/kernels/test_attn_fwd.py \
-      tests/kernels/test_entry_adversarial.py -k "windows or deferred"
-    RUN_TAIL="-n 8" run windows_nan_ab 200 python benchmarks/windows_ab.py \
-      --variant /tmp/ab/windows_before.py --warps 4 --workloads P4,P1 --name windows_nan_ab
-    git apply -R benchmarks/experiments/windows-nan-after-store.patch
-  else
-    echo "windows-nan-after-store: the patch no longer applies to attn_fwd/triton.py"
-  fi
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

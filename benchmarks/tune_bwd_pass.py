@@ -30,12 +30,16 @@ DQ_SWEEP = [(32, 32), (32, 8), (32, 4), (32, 2), (16, 4), (64, 4), (64, 2), (128
 
 
 def tune_workload(
-    name: str, copy_gbps: float, quant_sweep: list[tuple[int, int]] = QUANT_SWEEP
+    name: str,
+    copy_gbps: float,
+    quant_sweep: list[tuple[int, int]] = QUANT_SWEEP,
+    dq: bool = True,
+    rows_form: bool = False,
 ) -> list[dict]:
     """Rows of every setting (``quant_sweep``: the quantizers') of every launch on workload
-    ``name``."""
+    ``name`` (``dq``: with the dQ read-back's sweep; ``rows_form``: the quantizers in the CuTe
+    backward's operand forms whatever the installed backward is)."""
     import flamia_serve
-    from flamia_serve.kernels.attn_bwd.cute_sm90 import step_queries
     from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
     from flamia_serve.kernels.attn_bwd.ops import bwd_reads_rows, default_bwd_config
     from flamia_serve.kernels.attn_fwd.ops import default_config
@@ -52,7 +56,8 @@ def tune_workload(
     bcfg = default_bwd_config(wl.head_dim, dev, mean_doc_len=wl.total_tokens / wl.num_docs)
     # the backward's layout: the forward's when its alignment suits (AttnCall.backward_layout)
     align = cfg.column_align if cfg.column_align % bcfg.column_align == 0 else bcfg.column_align
-    reads_rows = bwd_reads_rows(bcfg, wl.head_dim)
+    # rows_form: the CuTe backward's operand forms where its config is not the default
+    reads_rows = rows_form or bwd_reads_rows(bcfg, wl.head_dim)
     blocks, columns = plan.token_blocks(align), plan.token_columns(align)
     ws = plan.workspace(dev, -1)
     out, m, lse = flamia_serve.flamia_attn_varlen(
@@ -103,6 +108,10 @@ def tune_workload(
                                   ("quantize_kv fwd", quant_fwd, fwd_bytes),
                                   ("quantize_do", quant_do, do_bytes)):  # fmt: skip
             record(piece, setting, lambda f=fn, w=warps, p=per_sm: f(w, p), nbytes)
+    if not dq:
+        return rows
+    from flamia_serve.kernels.attn_bwd.cute_sm90 import step_queries  # the CuTe DSL
+
     qkv = quant(4, 32)
     step = step_queries(d, qk_wide=False)  # the CuTe backward's dq_acc blocks (mxfp8)
     acc = torch.randn(hq, qkv.v_t.shape[2] // step, step * d, device=dev)
@@ -123,13 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="W3,W7,P3")
     ap.add_argument("--quant-sweep", default=",".join(f"{w}x{p}" for w, p in QUANT_SWEEP),
                     help="the quantizers' settings, WARPSxPROGRAMS_PER_SM,...")  # fmt: skip
+    ap.add_argument("--no-dq", action="store_true", help="skip the dQ read-back sweep")
+    ap.add_argument(
+        "--rows",
+        action="store_true",
+        help="the CuTe backward's operand forms (BF16 rows) without its extra",
+    )
     ap.add_argument("--name", default="tune_bwd_pass", help="results file name")
     args = ap.parse_args(argv)
     sweep = parse_settings(args.quant_sweep, "WARPSxPROGRAMS_PER_SM")
     copy_gbps = copy_bandwidth(torch.device("cuda"))["gbps"]
     rows = []
     for name in args.workloads.split(","):
-        rows += tune_workload(name, copy_gbps, sweep)
+        rows += tune_workload(name, copy_gbps, sweep, dq=not args.no_dq, rows_form=args.rows)
         torch.cuda.empty_cache()
     write_results(args.name, rows, {"copy_gbps": copy_gbps})
     return 0
