@@ -15,8 +15,7 @@
 #                                                   # bwd-items, work-order, work-rounds, s28,
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
-#                                                   # s30-windows-q, s30-windows-kernel,
-#                                                   # s31-tile-n
+#                                                   # s30-windows-q, s30-windows-kernel
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -572,13 +571,6 @@ if [[ $steps == *,s30-windows-kernel,* ]]; then  # the window kernel by (window,
   RUN_TAIL="-n 16" run windows_fwd_s30b 300 python benchmarks/train_attention.py --quick \
     --rounds 3 --workloads P4,P1 --passes fwd,fwd+bwd \
     --impls flamia-mxfp8,flamia-mxfp8-separate-q,fa4 --name train_attention_windows_s30b
-fi
-if [[ $steps == *,s31-tile-n,* ]]; then  # the CuTe forward's key tile at d = 128: 128
-  # against 160 and 192 keys (correctness against the twin and the 128-key tile, then the
-  # whole forward call on W1-W9 and P3, interleaved rounds)
-  RUN_TAIL="-n 60" run fwd_tile_n_ab 420 python benchmarks/fwd_tile_n_ab.py \
-    --tiles 128,160,192 --workloads "${FLAMIA_WORKLOADS:-W1,W3,W4,W5,W6,W7,W9,P3}" \
-    --rounds 3 --name "fwd_tile_n_ab_${FLAMIA_TAG:-s31}"
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

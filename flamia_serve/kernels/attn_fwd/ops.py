@@ -372,14 +372,10 @@ def attn_fwd_launch(
             f"config.kernel='cute' at head_dim {d} overlaps Q̂·K̂ᵀ with P̂·V̂ only with "
             "promote_pv=False (promoted, both P̂·V̂ chunks' products would be in flight)"
         )
-    long_keys = cfg.block_n in (160, 192) and cfg.block_m == 128 and d <= 128 and qkv.q4 is None
-    if cfg.kernel == "cute" and (
-        cfg.block_m not in (64, 128, 192) or (cfg.block_n not in (64, 128) and not long_keys)
-    ):  # fmt: skip
+    if cfg.kernel == "cute" and (cfg.block_m not in (64, 128, 192) or cfg.block_n not in (64, 128)):
         raise ValueError(
-            f"config.kernel='cute' takes block_m in (64, 128, 192) and block_n in (64, 128) "
-            f"(160 or 192 with block_m 128, E4M3 Q/K and head_dim <= 128), got "
-            f"{cfg.block_m}, {cfg.block_n}"
+            f"config.kernel='cute' takes block_m in (64, 128, 192) and block_n in (64, 128), "
+            f"got {cfg.block_m}, {cfg.block_n}"
         )
     if cfg.kernel == "cute" and qkv.column_align % cfg.column_align:
         raise ValueError(
