@@ -15,8 +15,7 @@
 #                                                   # bwd-items, work-order, work-rounds, s28,
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
-#                                                   # s30-windows-q, s30-windows-kernel,
-#                                                   # s31-tma
+#                                                   # s30-windows-q, s30-windows-kernel
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -572,15 +571,6 @@ if [[ $steps == *,s30-windows-kernel,* ]]; then  # the window kernel by (window,
   RUN_TAIL="-n 16" run windows_fwd_s30b 300 python benchmarks/train_attention.py --quick \
     --rounds 3 --workloads P4,P1 --passes fwd,fwd+bwd \
     --impls flamia-mxfp8,flamia-mxfp8-separate-q,fa4 --name train_attention_windows_s30b
-fi
-if [[ $steps == *,s31-tma,* ]]; then  # quantize_qkv's K/V blocks through TMA descriptors,
-  # the K/V loops pipelined (experimental): its bits (GPU tests), then against the gathered
-  # loads on short- and long-document packs (no fa4 bundle needed: the backward's forms forced)
-  run pytest_gpu_quant_tma "${FLAMIA_TEST_SECS:-200}" python -m pytest -q \
-    -W ignore::DeprecationWarning tests/kernels/test_quant.py -k "tma or bit_exact or defer"
-  RUN_TAIL="-n 90" run tune_quant_tma 400 python benchmarks/tune_bwd_pass.py \
-    --workloads W7,P3,P4,P1,W3 --quant-sweep 4x32,2x32,8x8 --tma 0,2,3 --no-dq --rows \
-    --name "tune_quant_tma_${FLAMIA_TAG:-s31}"
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

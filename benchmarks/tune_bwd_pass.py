@@ -35,18 +35,16 @@ def tune_workload(
     quant_sweep: list[tuple[int, int]] = QUANT_SWEEP,
     dq: bool = True,
     rows_form: bool = False,
-    tma: tuple[int, ...] = (0,),
 ) -> list[dict]:
     """Rows of every setting (``quant_sweep``: the quantizers') of every launch on workload
     ``name`` (``dq``: with the dQ read-back's sweep; ``rows_form``: the quantizers in the CuTe
-    backward's operand forms whatever the installed backward is; ``tma``: the K/V loads of
-    ``quantize_qkv`` gathered (0) and/or through TMA descriptors, that many items in flight)."""
+    backward's operand forms whatever the installed backward is)."""
     import flamia_serve
     from flamia_serve.kernels.attn_bwd.dq_layout import dq_fragment_index
     from flamia_serve.kernels.attn_bwd.ops import bwd_reads_rows, default_bwd_config
     from flamia_serve.kernels.attn_fwd.ops import default_config
     from flamia_serve.kernels.columns import dq_from_fragments
-    from flamia_serve.kernels.quant.ops import _DescriptorLaunch, quantize_do, quantize_qkv
+    from flamia_serve.kernels.quant.ops import quantize_do, quantize_qkv
     from flamia_serve.numerics import operands
 
     dev = torch.device("cuda")
@@ -78,20 +76,20 @@ def tune_workload(
         print(f"{name} {piece:15s} {setting:28s} {us:8.1f} µs {gbps:6.0f} GB/s "
               f"({100 * gbps / copy_gbps:.0f}% of copy)")  # fmt: skip
 
-    def quant(warps: int, per_sm: int, by_tma: bool = False):
+    def quant(warps: int, per_sm: int):
         return quantize_qkv(
             q, k, v, cu, blocks=blocks, with_transposed=True, column_align=align,
             columns=columns, workspace=ws, widen=True, q_transposed=not reads_rows,
-            q_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm, tma=by_tma,
+            q_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm,
         )  # fmt: skip
 
-    def quant_fwd(warps: int, per_sm: int, by_tma: bool = False):
+    def quant_fwd(warps: int, per_sm: int):
         return quantize_qkv(
             q, k, v, cu, blocks=blocks, column_align=align, columns=columns, workspace=ws,
-            widen=True, defer_q=True, num_warps=warps, programs_per_sm=per_sm, tma=by_tma,
+            widen=True, defer_q=True, num_warps=warps, programs_per_sm=per_sm,
         )  # fmt: skip
 
-    def quant_do(warps: int, per_sm: int, by_tma: bool = False):
+    def quant_do(warps: int, per_sm: int):
         return quantize_do(
             d_out, out, m, lse, cu, blocks=blocks, column_align=align, workspace=ws,
             g_columns=not reads_rows, g_rows=reads_rows, num_warps=warps, programs_per_sm=per_sm,
@@ -105,23 +103,11 @@ def tune_workload(
     # dO and O read (BF16); dÔ (E4M3) and Ĝ (BF16 rows, else E4M3 columns) written
     do_bytes = 4 * t * hq * d + t * hq * d + wide * t * hq * d
     for warps, per_sm in quant_sweep:
-        for by_tma in tma:
-            _DescriptorLaunch.STAGES = by_tma or _DescriptorLaunch.STAGES
-            setting = f"warps {warps}, {per_sm}/SM" + (f", K/V by TMA x{by_tma}" if by_tma else "")
-            pieces = [("quantize_qkv", quant, qkv_bytes), ("quantize_kv fwd", quant_fwd, fwd_bytes)]
-            if not by_tma:  # quantize_do reads no K/V
-                pieces.append(("quantize_do", quant_do, do_bytes))
-            for piece, fn, nbytes in pieces:
-                record(
-                    piece, setting, lambda f=fn, w=warps, p=per_sm, x=by_tma > 0: f(w, p, x), nbytes
-                )
-            if by_tma:  # the same bits as the gathered loads (their buffers copied first)
-                same = same_kv_bits(
-                    quant_fwd(warps, per_sm), lambda w=warps, p=per_sm: quant_fwd(w, p, True)
-                )
-                print(f"{name} K/V by TMA: the same bits as gathered: {same}")
-                rows.append({"workload": name, "piece": "K/V by TMA, same bits",
-                             "setting": setting, "same_bits": same})  # fmt: skip
+        setting = f"warps {warps}, {per_sm}/SM"
+        for piece, fn, nbytes in (("quantize_qkv", quant, qkv_bytes),
+                                  ("quantize_kv fwd", quant_fwd, fwd_bytes),
+                                  ("quantize_do", quant_do, do_bytes)):  # fmt: skip
+            record(piece, setting, lambda f=fn, w=warps, p=per_sm: f(w, p), nbytes)
     if not dq:
         return rows
     from flamia_serve.kernels.attn_bwd.cute_sm90 import step_queries  # the CuTe DSL
@@ -141,29 +127,12 @@ def tune_workload(
     return rows
 
 
-def same_kv_bits(first, second) -> bool:
-    """Whether the quantization ``second()`` writes K's codes, V̂ᵀ and the exponent rows and
-    factors at the keys' columns with the same bits as ``first`` (copied before ``second``
-    runs: both may write one workspace)."""
-    names = ("k_codes", "v_t", "k_exp", "v_exp", "kv_factors")
-    cols = first.key_columns()
-    before = [getattr(first, n).view(torch.uint8).clone() if n in names[:2]
-              else getattr(first, n)[..., cols].clone() for n in names]  # fmt: skip
-    again = second()
-    after = [getattr(again, n).view(torch.uint8) if n in names[:2]
-             else getattr(again, n)[..., cols] for n in names]  # fmt: skip
-    return all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="W3,W7,P3")
     ap.add_argument("--quant-sweep", default=",".join(f"{w}x{p}" for w, p in QUANT_SWEEP),
                     help="the quantizers' settings, WARPSxPROGRAMS_PER_SM,...")  # fmt: skip
     ap.add_argument("--no-dq", action="store_true", help="skip the dQ read-back sweep")
-    ap.add_argument("--tma", default="0",
-                    help="quantize_qkv's K/V loads: 0 gathered, N through TMA with N items in "
-                    "flight (the loops' stages), e.g. 0,2,3")  # fmt: skip
     ap.add_argument(
         "--rows",
         action="store_true",
@@ -171,14 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--name", default="tune_bwd_pass", help="results file name")
     args = ap.parse_args(argv)
-    tma = tuple(int(x) for x in args.tma.split(","))
     sweep = parse_settings(args.quant_sweep, "WARPSxPROGRAMS_PER_SM")
     copy_gbps = copy_bandwidth(torch.device("cuda"))["gbps"]
     rows = []
     for name in args.workloads.split(","):
-        rows += tune_workload(
-            name, copy_gbps, sweep, dq=not args.no_dq, rows_form=args.rows, tma=tma
-        )
+        rows += tune_workload(name, copy_gbps, sweep, dq=not args.no_dq, rows_form=args.rows)
         torch.cuda.empty_cache()
     write_results(args.name, rows, {"copy_gbps": copy_gbps})
     return 0

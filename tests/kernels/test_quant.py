@@ -472,35 +472,3 @@ def test_quantize_do_signed_zeros_bit_exact(device) -> None:
     rows = v_t_key(token_columns(cu, got.doc_v_t_start, d_out.shape[0]))
     assert _same_bf16(got.g_rows[rows], ref.g8.dequantize().to(torch.bfloat16))
     assert _same_bf16(d_out, before)
-
-
-@pytest.mark.parametrize(
-    ("lens", "hq", "hkv", "d", "recipe", "exact"),
-    CASES,
-    ids=[f"T{sum(c[0])}-HQ{c[1]}-H{c[2]}-D{c[3]}-{c[4]}{'-exact' if c[5] else ''}" for c in CASES],
-)
-def test_tma_loads_write_the_same_bits(lens, hq, hkv, d, recipe, exact, device) -> None:
-    """``tma=True`` (K's and V's blocks loaded whole through descriptors, permuted into v_t's
-    key order, the K/V loops pipelined) writes every output as the gathered loads do, with
-    documents shorter than a block, a document ending at the pack's end and empty slots; K
-    and V as views of a wider buffer (strides of a fused projection)."""
-    q, k, v, cu, _ms = make_pack(lens, hq, hkv, d, seed=7, device=device)
-    kv = torch.cat([k, v], dim=1)  # k and v as views with a token stride of 2·Hkv·d
-    k, v = kv[:, :hkv], kv[:, hkv:]
-    v[1] = 0
-    kw = dict(recipe=recipe, exact_causal=exact, with_transposed=True, q_rows=True,
-              k_rows=True, widen=True, column_align=128)  # fmt: skip
-    plain = quantize_qkv(q, k, v, cu, **kw)
-    loaded = quantize_qkv(q, k, v, cu, tma=True, **kw)
-    cols = plain.key_columns().cpu()
-    for name in ("q_codes", "q_exp", "k_codes", "v_t", "q_t", "k_t", "q_wide", "k_wide",
-                 "q_rows", "k_rows"):  # fmt: skip
-        a, b = getattr(plain, name), getattr(loaded, name)
-        assert (a is None) == (b is None), name
-        assert a is None or _same(a, b), name
-    for name in ("k_exp", "v_exp", "kv_factors"):
-        assert _same(getattr(plain, name).cpu()[..., cols], getattr(loaded, name).cpu()[..., cols])
-    for a, b in ((plain.q4, loaded.q4), (plain.k4, loaded.k4)):
-        if a is not None:
-            for name in ("codes", "block_scales", "exponents"):
-                assert _same(getattr(a, name), getattr(b, name)), name

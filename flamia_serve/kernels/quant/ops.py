@@ -109,31 +109,6 @@ class QKVLaunch:
             copy()
 
 
-class _DescriptorLaunch:
-    """``quantize_qkv_kernel`` with ``TMA``: K's and V's descriptors made for each call's
-    tensors (experimental; not kept: ``keep`` is False)."""
-
-    #: K/V items in flight per program (the loops' ``num_stages``)
-    STAGES = 3
-
-    def __init__(self, grid: tuple[int, ...], args: tuple, options: dict, block: int, d: int):
-        self.grid, self.args, self.options, self.block, self.d = grid, args, options, block, d
-
-    def keep(self) -> bool:
-        return False
-
-    def __call__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        def desc(x: torch.Tensor) -> TensorDescriptor:
-            return TensorDescriptor(x, list(x.shape), list(x.stride()), [self.block, 1, self.d])
-
-        args = list(self.args)
-        args[0:3] = q, k, v
-        args[24:26] = desc(k), desc(v)
-        _LAUNCH_QKV(self.grid, *args, **self.options, TMA=True, KV_STAGES=self.STAGES)
-
-
 @functools.cache
 def _nvfp4_placeholder(device: torch.device) -> NVFP4Tensor:
     """Empty NVFP4 buffers for the kernel's NVFP4 pointers when it writes none (one per
@@ -179,7 +154,6 @@ def quantize_qkv_launch(
     q_transposed: bool = True,
     q_rows: bool = False,
     k_rows: bool = False,
-    tma: bool = False,
 ) -> tuple[KernelQKV, QKVLaunch]:
     """Quantize packed Q ``[T, Hq, d]``, K/V ``[T, Hkv, d]`` (BF16/FP16) in one launch:
     ``(operands, launch)``, the operands written when ``launch(q=q, k=k, v=v)`` runs. With a
@@ -218,9 +192,7 @@ def quantize_qkv_launch(
     ``q_rows`` (``q_rows=True``: BF16 rows by column, written by the kernel; the CuTe
     backward's operand where it multiplies dK in BF16, ``KernelQKV.q_rows``). ``k_rows``: the
     same for K (dQ's operand). With ``recipe.grad_qk == "input"`` the rows hold the inputs'
-    ``grad_operand`` instead of the codes' values (``KernelQKV.grad_input``). ``tma``
-    (experimental, GPU): K's and V's blocks loaded through TMA descriptors made at each call,
-    the K/V loops pipelined (same codes; the launch is not kept).
+    ``grad_operand`` instead of the codes' values (``KernelQKV.grad_input``).
     """
     rec = resolve_recipe(recipe)
     if rec.token_block % V_T_ALIGN:
@@ -293,7 +265,7 @@ def quantize_qkv_launch(
             q_codes, q_exp, k_codes, k_exp, v_t, v_exp, kv_factors,
             q4.codes, q4.block_scales, q4.exponents, k4.codes, k4.block_scales, k4.exponents,
             q if q_wide is None else q_wide, k if k_wide is None else k_wide,
-            q if q_values is None else q_values, k if k_values is None else k_values, k, v,
+            q if q_values is None else q_values, k if k_values is None else k_values,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             t_pad, total, blocks.num_slots,
         )  # fmt: skip
@@ -307,10 +279,7 @@ def quantize_qkv_launch(
             INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
-        if tma:
-            launch = _DescriptorLaunch(grid, args, options, rec.token_block, d)
-        else:
-            launch = BoundLaunch(_LAUNCH_QKV, grid, args, options, {"q": q, "k": k, "v": v})
+        launch = BoundLaunch(_LAUNCH_QKV, grid, args, options, {"q": q, "k": k, "v": v})
     rescale = 1.0 / d if nvfp4 and rec.hadamard else 1.0
     q_t = k_t = None
     copies = []

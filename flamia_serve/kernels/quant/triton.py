@@ -28,20 +28,21 @@ P_HAT_EXP = tl.constexpr(_P_HAT_EXP)
 
 @triton.jit
 def _quantize_qk_head(
-    x, h, tok, row_ok, out8, out_exp, exp_at, out4, out4_scale, out4_exp,
+    x_ptr, stride_t, stride_h, h, tok, row_ok, out8, out_exp, exp_at, out4, out4_scale, out4_exp,
     out_wide, n_tok, N_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     PER_TOKEN: tl.constexpr, QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr, WIDE: tl.constexpr, SCORES_ONLY: tl.constexpr,
     GRAD_INPUT: tl.constexpr, SCALE_CANDIDATES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One block of one Q or K head, its values ``x`` (fp32, ``_block_values``): E4M3 codes
-    + exponents (stored at ``out_exp + exp_at``)
+    """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``)
     and NVFP4 when asked (``WIDE``: also its values without the per-token power of two, BF16,
     at ``out_wide``; ``SCORES_ONLY``: only those and the second level); returns the exponents
     of the score operand (int32 per row: E4M3's, or NVFP4's second level) and the gradient
     products' operand in BF16: the E4M3 codes' values, or with ``GRAD_INPUT`` the input over
     the E4M3 exponents (``numerics.grad_operand``)."""
     cols = tl.arange(0, D)
+    x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
+    x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     codes, e = fp8_rows(x, PER_TOKEN, INTERPRET)
     if GRAD_INPUT:
         grad = to_bf16(x * exp2i(-e)[:, None], INTERPRET)
@@ -88,27 +89,6 @@ def _block_rows(start, length, col0, rows):
 
 
 @triton.jit
-def _block_values(
-    x_ptr, x_desc, stride_t, stride_h, h, start, tok, row_ok, BLOCK: tl.constexpr,
-    D: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    """A block's rows of head ``h`` of ``x`` ``[T, H, D]`` in v_t's key order (``_block_rows``:
-    row ``r`` is token ``start + v_t_key(r)``), fp32, zero where ``row_ok`` is not. ``TMA``:
-    loaded whole from ``start`` through the descriptor ``x_desc`` (block ``[BLOCK, 1, D]``)
-    and permuted into that order (token ``8a + 2b + c`` of a 16-token group to row
-    ``4b + 2a + c``); else gathered row by row."""
-    if TMA:
-        x = tl.reshape(x_desc.load([start.to(tl.int32), h, 0]), [BLOCK // 16, 2, 4, 2, D])
-        x = tl.reshape(tl.permute(x, [0, 2, 1, 3, 4]), [BLOCK, D])
-        x = tl.where(row_ok[:, None], x, 0.0)
-    else:
-        cols = tl.arange(0, D)
-        x = tl.load(x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :],
-                    mask=row_ok[:, None], other=0.0)  # fmt: skip
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _padded_rows(length, rows):
     """Rows of a block of ``length`` tokens to store in a column layout: its tokens and the
     document's padding up to the next 16-aligned column, which get zero codes (the values
@@ -142,8 +122,6 @@ def quantize_qkv_kernel(
     k_wide_ptr,  # [T, HKV, D] bf16 (WIDE)
     q_rows_ptr,  # [t_pad, HQ, D] bf16 (Q_ROWS): Q's gradient operand by column, tokens in order
     k_rows_ptr,  # [t_pad, HKV, D] bf16 (K_ROWS): K's
-    k_desc,  # TMA: descriptor of k, block [BLOCK, 1, D] (else unused)
-    v_desc,  # TMA: of v
     stride_qt,
     stride_qh,
     stride_kt,
@@ -170,8 +148,6 @@ def quantize_qkv_kernel(
     GRAD_INPUT: tl.constexpr,
     SCALE_CANDIDATES: tl.constexpr,
     INTERPRET: tl.constexpr,
-    TMA: tl.constexpr = False,
-    KV_STAGES: tl.constexpr = 1,
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
     item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
@@ -181,14 +157,13 @@ def quantize_qkv_kernel(
     ``K_ROWS``: the gradient products' Q / K operand in BF16 (the E4M3 codes' values, exact,
     or with ``GRAD_INPUT`` the inputs over their E4M3 exponents), one row per column of the
     layout with each document's tokens in order (``v_t_key`` of the column), the padding left
-    as it is (zero). ``TMA`` (experimental): K's and V's blocks loaded whole through the
-    descriptors ``k_desc``/``v_desc``, the K/V loops pipelined over ``KV_STAGES`` items.
+    as it is (zero).
 
-    Without it not software-pipelined (``num_stages=1``): staging the next items' tiles
-    through shared memory measured 2-3x slower on the H200 than many resident programs each
-    streaming its own items (``benchmarks/results/tune_quant_persistent_stages.json``); nor
-    are K's and V's tiles of a block loaded together (one item for both measured the same on
-    the H200 and took 128 registers, 64 separately: ``benchmarks/NOTES.md``)."""
+    Not software-pipelined (``num_stages=1``): staging the next items' tiles through shared
+    memory measured 2-3x slower on the H200 than many resident programs each streaming its
+    own items (``benchmarks/results/tune_quant_persistent_stages.json``); nor are K's and V's
+    tiles of a block loaded together (one item for both measured the same on the H200 and
+    took 128 registers, 64 separately: ``benchmarks/NOTES.md``)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     rows = tl.arange(0, BLOCK)
@@ -204,10 +179,8 @@ def quantize_qkv_kernel(
         start, length, col0 = _slot_entry(block_start_ptr, block_len_ptr, block_v_t_ptr, slot)
         if length > 0:  # empty slots skipped
             tok, row_ok, col = _block_rows(start, length, col0, rows)
-            x = _block_values(q_ptr, q_ptr, stride_qt, stride_qh, h, start, tok, row_ok, BLOCK,
-                              D, False)  # fmt: skip
             _e, grad = _quantize_qk_head(
-                x, h, tok, row_ok, q8_ptr, q_exp_ptr,
+                q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr,
                 h * n_tokens + tok, q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
                 HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
                 GRAD_INPUT, SCALE_CANDIDATES, INTERPRET,
@@ -215,16 +188,14 @@ def quantize_qkv_kernel(
             if Q_ROWS:
                 q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
                 tl.store(q_at, grad, mask=row_ok[:, None])
-    for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=KV_STAGES):
+    for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         start, length, col0 = _slot_entry(
             block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
         )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
-        x = _block_values(k_ptr, k_desc, stride_kt, stride_kh, h, start, tok, row_ok, BLOCK, D,
-                          TMA)  # fmt: skip
         e, grad = _quantize_qk_head(
-            x, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
+            k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
             HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
             GRAD_INPUT, SCALE_CANDIDATES, INTERPRET,
@@ -235,14 +206,14 @@ def quantize_qkv_kernel(
         # the score operand's K factor (E4M3: a token block's exponent; NVFP4: per token)
         factor_at = kv_factor_ptr + h * 3 * t_pad + col
         tl.store(factor_at, exp2i(e) + tl.zeros([BLOCK], tl.float32), mask=row_ok)
-    for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=KV_STAGES):
+    for item in tl.range(pid, HKV * n_slots, n_prog, num_stages=1):
         h = item // n_slots
         start, length, col0 = _slot_entry(
             block_start_ptr, block_len_ptr, block_v_t_ptr, item % n_slots
         )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
-        x = _block_values(v_ptr, v_desc, stride_vt, stride_vh, h, start, tok, row_ok, BLOCK, D,
-                          TMA)  # fmt: skip
+        x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
+        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         codes, e = fp8_rows(x, True, INTERPRET)
         e = v_row_exponents(x, e)
         vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
