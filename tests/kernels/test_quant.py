@@ -472,3 +472,27 @@ def test_quantize_do_signed_zeros_bit_exact(device) -> None:
     rows = v_t_key(token_columns(cu, got.doc_v_t_start, d_out.shape[0]))
     assert _same_bf16(got.g_rows[rows], ref.g8.dequantize().to(torch.bfloat16))
     assert _same_bf16(d_out, before)
+
+
+@pytest.mark.parametrize(("d", "warps"), [(64, 2), (128, 4), (256, 4)])
+def test_quantizers_default_warps_follow_the_head_dim(d, warps, device) -> None:
+    """Both quantizers launch ``default_warps(d)`` warps per program unless told otherwise
+    (2 at d <= 64: measured faster there), and NVFP4 with a scale search keeps its 8."""
+    from flamia_serve.kernels.quant.ops import (
+        default_warps,
+        quantize_do_launch,
+        quantize_qkv_launch,
+    )
+
+    assert default_warps(d) == warps
+    q, k, v, cu, _ms = make_pack((40, 33), 2, 1, d, seed=2, device=device)
+    _, launch = quantize_qkv_launch(q, k, v, cu)
+    assert launch.quantize.kwargs["num_warps"] == warps
+    _, launch = quantize_qkv_launch(q, k, v, cu, num_warps=8)
+    assert launch.quantize.kwargs["num_warps"] == 8
+    search = dataclasses.replace(resolve_recipe("mixed_nvfp4"), nvfp4_scale_candidates=3)
+    _, launch = quantize_qkv_launch(q, k, v, cu, recipe=search)
+    assert launch.quantize.kwargs["num_warps"] == 8
+    m = torch.zeros(q.shape[:2], device=device)
+    _, launch = quantize_do_launch(q, q, m, m, cu)
+    assert launch.kwargs["num_warps"] == warps

@@ -28,6 +28,16 @@ _LAUNCH_QKV = TritonLaunch(quantize_qkv_kernel)
 _LAUNCH_DO = TritonLaunch(quantize_do_kernel)
 
 
+def default_warps(head_dim: int) -> int:
+    """The quantizers' warps per program: 4, or 2 at d <= 64, where a 32-token block is half
+    the values and two warps keep each thread's share (H100, P1 at d = 64, two calls of
+    2026-12-06: the forward's K/V 49.9 / 49.6 µs against 52.1 / 52.4 at 4 warps,
+    ``quantize_do`` 159.3 / 159.7 against 171.7 / 172.1, the backward's Q/K/V 149.5 / 161.4
+    against 155.1 / 160.9; ``results/tune_quant_{prefetch,tma}_s31_h100_2026-12-06.json``;
+    at d = 128 the two are within ±3%)."""
+    return 2 if head_dim <= 64 else 4
+
+
 class _Buffers:
     """The quantizers' outputs: from a pack's workspace (reused call after call) or, without
     one, freshly allocated. ``column_align`` names the layout (the zeroed buffers' padding
@@ -164,12 +174,12 @@ def quantize_qkv_launch(
     Same codes as ``flamia_serve.reference.quantize_qkv``, bit for bit. Inputs are assumed
     checked (public entry points do that); ``blocks`` may be passed to reuse a plan.
     ``num_warps`` / ``programs_per_sm`` (persistent grid) default to the H200's best for
-    both Q/K formats (``benchmarks/tune_quant.py``): 4 warps and 32 programs per SM, or 8
-    and 16 for NVFP4 Q/K with a block-scale search (``Recipe.nvfp4_scale_candidates`` > 1:
-    W3 1.25 ms against 2.32 at 4 warps; 0.65 ms without the search,
-    ``results/tune_quant_nvfp4_search_2026-12-05.json``). ``with_transposed`` also builds
-    ``q_t``/``k_t`` (the backward's
-    column-layout copies of the Q/K codes) with a torch scatter: written from the kernel,
+    both Q/K formats (``benchmarks/tune_quant.py``): 4 warps (``default_warps``: 2 at
+    d <= 64) and 32 programs per SM, or 8 and 16 for NVFP4 Q/K with a block-scale search
+    (``Recipe.nvfp4_scale_candidates`` > 1: W3 1.25 ms against 2.32 at 4 warps; 0.65 ms
+    without the search, ``results/tune_quant_nvfp4_search_2026-12-05.json``).
+    ``with_transposed`` also builds ``q_t``/``k_t`` (the backward's column-layout copies of
+    the Q/K codes) with a torch scatter: written from the kernel,
     per-token (``exact_causal``) codes came out scrambled in some head-dim columns on the
     H200 (Triton 3.6, FP8 tile stored transposed). ``column_align``: documents start at
     multiples of it in the column layout (``FwdConfig.column_align`` of the forward that
@@ -224,7 +234,7 @@ def quantize_qkv_launch(
     dev = q.device
     check_column_align(column_align)
     searching = rec.qk_format == "nvfp4" and rec.nvfp4_scale_candidates > 1
-    num_warps = num_warps or (8 if searching else 4)
+    num_warps = num_warps or (8 if searching else default_warps(d))
     programs_per_sm = programs_per_sm or (16 if searching else 32)
     if blocks is None:
         blocks = token_block_table(cu_seqlens, total, rec.token_block, column_align)
@@ -326,7 +336,7 @@ def quantize_do_launch(
     recipe: str | Recipe = "mxfp8",
     blocks: TokenBlocks | None = None,
     column_align: int = V_T_ALIGN,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     programs_per_sm: int = 32,
     workspace: PackWorkspace | None = None,
     g_columns: bool = True,
@@ -344,13 +354,15 @@ def quantize_do_launch(
     documents). Ĝ goes to ``g_t`` (E4M3 codes in the column layout: the Triton backward's)
     with ``g_columns``, and to ``g_rows`` (``code·2^eG`` in BF16, exact, a row per column with
     the documents' tokens in order and zero padding: the CuTe backward's) with ``g_rows``; at
-    least one of them.
+    least one of them. ``num_warps`` (None: ``default_warps``), ``programs_per_sm``: its
+    persistent grid.
     """
     if not (g_columns or g_rows):
         raise ValueError("quantize_do: g_columns and g_rows are both False (Ĝ written nowhere)")
     rec = resolve_recipe(recipe)
     total, heads_q, d = d_out.shape
     dev = d_out.device
+    num_warps = num_warps or default_warps(d)
     check_column_align(column_align)
     if blocks is None:
         blocks = token_block_table(cu_seqlens, total, rec.token_block, column_align)
