@@ -477,7 +477,8 @@ def test_quantize_do_signed_zeros_bit_exact(device) -> None:
 @pytest.mark.parametrize(("d", "warps"), [(64, 2), (128, 4), (256, 4)])
 def test_quantizers_default_warps_follow_the_head_dim(d, warps, device) -> None:
     """Both quantizers launch ``default_warps(d)`` warps per program unless told otherwise
-    (2 at d <= 64: measured faster there), and NVFP4 with a scale search keeps its 8."""
+    (2 at d <= 64 with E4M3 Q/K: measured faster there), NVFP4 Q/K 4, or 8 with a scale
+    search."""
     from flamia_serve.kernels.quant.ops import (
         default_warps,
         quantize_do_launch,
@@ -493,6 +494,9 @@ def test_quantizers_default_warps_follow_the_head_dim(d, warps, device) -> None:
     search = dataclasses.replace(resolve_recipe("mixed_nvfp4"), nvfp4_scale_candidates=3)
     _, launch = quantize_qkv_launch(q, k, v, cu, recipe=search)
     assert launch.quantize.kwargs["num_warps"] == 8
+    plain = dataclasses.replace(resolve_recipe("mixed_nvfp4"), nvfp4_scale_candidates=1)
+    _, launch = quantize_qkv_launch(q, k, v, cu, recipe=plain)
+    assert launch.quantize.kwargs["num_warps"] == 4  # NVFP4: two warps not measured
     m = torch.zeros(q.shape[:2], device=device)
     _, launch = quantize_do_launch(q, q, m, m, cu)
     assert launch.kwargs["num_warps"] == warps

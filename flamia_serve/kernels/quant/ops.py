@@ -28,14 +28,15 @@ _LAUNCH_QKV = TritonLaunch(quantize_qkv_kernel)
 _LAUNCH_DO = TritonLaunch(quantize_do_kernel)
 
 
-def default_warps(head_dim: int) -> int:
-    """The quantizers' warps per program: 4, or 2 at d <= 64, where a 32-token block is half
-    the values and two warps keep each thread's share (H100, P1 at d = 64, two calls of
+def default_warps(head_dim: int, nvfp4: bool = False) -> int:
+    """The quantizers' warps per program: 4, or 2 at d <= 64 without NVFP4 (sm_90a: NVFP4's
+    item at two warps takes ~200 registers, not measured), where a 32-token block is half the
+    values and two warps keep each thread's share (H100, P1 at d = 64, two calls of
     2026-12-06: the forward's K/V 49.9 / 49.6 µs against 52.1 / 52.4 at 4 warps,
     ``quantize_do`` 159.3 / 159.7 against 171.7 / 172.1, the backward's Q/K/V 149.5 / 161.4
     against 155.1 / 160.9; ``results/tune_quant_{prefetch,tma}_s31_h100_2026-12-06.json``;
-    at d = 128 the two are within ±3%)."""
-    return 2 if head_dim <= 64 else 4
+    at d = 128 two warps were 1% faster to 4% slower)."""
+    return 2 if head_dim <= 64 and not nvfp4 else 4
 
 
 class _Buffers:
@@ -234,7 +235,7 @@ def quantize_qkv_launch(
     dev = q.device
     check_column_align(column_align)
     searching = rec.qk_format == "nvfp4" and rec.nvfp4_scale_candidates > 1
-    num_warps = num_warps or (8 if searching else default_warps(d))
+    num_warps = num_warps or (8 if searching else default_warps(d, rec.qk_format == "nvfp4"))
     programs_per_sm = programs_per_sm or (16 if searching else 32)
     if blocks is None:
         blocks = token_block_table(cu_seqlens, total, rec.token_block, column_align)
