@@ -20,18 +20,19 @@ import torch
 import flamia_serve
 from benchmarks.workloads import training_workload
 
-HQ, HKV, HEAD_DIM = 32, 8, 128
-
 
 def main(name: str = "W3") -> None:
+    """Two forwards of workload ``name`` with its own heads and head dim (W1-W9: 32/8, 128;
+    the pack families theirs, e.g. P3 MHA 16/16)."""
     dev = torch.device("cuda")
     wl = training_workload(name)
     cu = wl.cu_seqlens(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (
-        torch.randn(wl.total_tokens, h, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
-        for h in (HQ, HKV, HKV)
-    )
+        torch.randn(wl.total_tokens, h, wl.head_dim, generator=gen, device=dev,
+                    dtype=torch.bfloat16)
+        for h in (wl.hq, wl.hkv, wl.hkv)
+    )  # fmt: skip
     for _ in range(2):
         flamia_serve.flamia_attn_varlen(q, k, v, cu, wl.max_seqlen)
     torch.cuda.synchronize()
