@@ -15,7 +15,8 @@
 #                                                   # bwd-items, work-order, work-rounds, s28,
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
-#                                                   # s30-windows-q, s30-windows-kernel
+#                                                   # s30-windows-q, s30-windows-kernel,
+#                                                   # fwd-item-profile
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -571,6 +572,18 @@ if [[ $steps == *,s30-windows-kernel,* ]]; then  # the window kernel by (window,
   RUN_TAIL="-n 16" run windows_fwd_s30b 300 python benchmarks/train_attention.py --quick \
     --rounds 3 --workloads P4,P1 --passes fwd,fwd+bwd \
     --impls flamia-mxfp8,flamia-mxfp8-separate-q,fa4 --name train_attention_windows_s30b
+fi
+if [[ $steps == *,fwd-item-profile,* ]]; then  # prepared (thirty-first session): where a
+  # forward item's time goes on documents of ~10 key tiles (P3, MHA; W5 for GQA): ncu with
+  # stall sampling of one CuTe forward launch each, then its source summary (per-opcode stalls,
+  # hottest SASS lines: the item boundary's Q quantization, KV gate, epilogue vs the key loop)
+  for w in ${FLAMIA_PROFILE_WORKLOADS:-P3 W5}; do
+    run "ncu_fwd_$w" 240 ncu --set full --import-source yes -k regex:FlamiaFwdSm90 \
+      --launch-skip 1 --launch-count 1 -o "/tmp/ncu_fwd_$w" python benchmarks/profile_fwd.py "$w"
+    ncu -i "/tmp/ncu_fwd_$w.ncu-rep" --page details > "$OUT/ncu_fwd_${w}_details.txt" 2>&1
+    RUN_TAIL="-n 90" run "ncu_fwd_${w}_source" 120 python benchmarks/ncu_source_top.py \
+      "/tmp/ncu_fwd_$w.ncu-rep" --top 80
+  done
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \
