@@ -307,7 +307,7 @@ def quantize_qkv_launch(
         q4 if nvfp4 else None, k4 if nvfp4 else None, rescale,
         1 if exact_causal else rec.token_block,
         q_t, k_t, column_align, columns, q_wide, k_wide, bool(scores_only),
-        q if defer_q else None, q_values, k_values, rec.grad_input, q_short if defer_q else 0,
+        q if defer_q else None, q_values, k_values, rec.grad_input, q_short,
     )  # fmt: skip
     return qkv, QKVLaunch(launch, tuple(copies))
 
