@@ -8,8 +8,7 @@ Same venv and environment as ``compile_cute_sm90.py`` (its docstring has the rec
 Prints one line per compiled configuration; ``--keep DIR`` keeps each cubin there;
 ``--ctas N`` compiles with ``min_blocks_per_mp=N`` (the register cap; its shared-memory
 query of the device is answered with the H200's 228 KiB, since there is no driver here);
-``--warps N`` compiles CTAs of N warps; ``--kv-l2`` the K/V loads' L2 treatment
-(``cute_sm90_common.L2_LOADS``).
+``--warps N`` compiles CTAs of N warps.
 
 The decodes need ``nvidia-cutlass-dsl`` only, so they also compile in vLLM 0.26's pins
 (checked 2026-12-01: same registers and SASS length as with 4.8.1):
@@ -38,9 +37,7 @@ def main() -> None:
     parser.add_argument("--stages", default="0",
                         help="NVFP4 shared-memory ring stages to compile, e.g. 0,4,6 (0: none)")
     parser.add_argument("--warps", type=int, default=4, help="warps per CTA (2, 4 or 8)")
-    parser.add_argument("--kv-l2", default="normal", help="normal, evict_first or streaming")
     args = parser.parse_args()
-    kv_l2 = args.kv_l2
     keep, ctas, warps = args.keep, args.ctas, args.warps
     stage_counts = [int(x) for x in args.stages.split(",")]
     if ctas > 1:  # the launch asks the device for its shared memory: the H200's
@@ -76,13 +73,11 @@ def main() -> None:
             ]
             args = (d, heads_kv, group, page, partial, depth, ctas)
             if dtype == "nvfp4":
-                kernel = NvFP4DecodeSm90(*args, stages=stages, warps=warps, kv_l2=kv_l2)
+                kernel = NvFP4DecodeSm90(*args, stages=stages, warps=warps)
             else:
-                kernel = Fp8DecodeSm90(*args, static=dtype == "fp8_static", warps=warps,
-                                       kv_l2=kv_l2)  # fmt: skip
+                kernel = Fp8DecodeSm90(*args, static=dtype == "fp8_static", warps=warps)
             ring = f"_stages{stages}" if stages else ""
             ring += f"_warps{warps}" if warps != 4 else ""
-            ring += f"_{kv_l2}" if kv_l2 != "normal" else ""
             name = (f"decode_{dtype}_d{d}_g{group}_p{int(partial)}_depth{depth}_ctas{ctas}"
                     f"{ring}.cubin")
             compile_and_keep(kernel, tensors, Float32(0.1), Float32(1.0), Int32(1), Int32(1),

@@ -13,7 +13,6 @@
 #     (it applies to e10c587, before the WARPS knob: check that tree out to rerun it)
 #   bash benchmarks/run_serving_gpu.sh l2-decode   # decode after a dirty / a clean L2 flush
 #   bash benchmarks/run_serving_gpu.sh cute-warps  # CTAs of 8 warps (tests, then the tune)
-#   bash benchmarks/run_serving_gpu.sh l2-hints-tests,l2-hints  # K/V loads evict-first in L2
 #     (the fa4 bundle in /tmp/site_fa4, the flashinfer bundle in /tmp/site)
 # The fp8 cache's CuTe prefill needs the whole fa4 bundle (flash-attn-4 too):
 #   bash benchmarks/run_serving_gpu.sh cute-prefill-tests,cute-prefill
@@ -162,18 +161,6 @@ if [[ $steps == *,l2-decode,* ]]; then  # dirty vs clean L2 before each call, Fl
   wait "$warm_pid"; tail -n 3 /tmp/flashinfer_warm.log; rm -f "$OUT"/flashinfer_warm.*
   run decode_l2_flashinfer 300 python benchmarks/decode.py --workloads $W --quick --clean-l2 \
     --impls flashinfer-fp8,flashinfer-bf16 --name decode_l2_flashinfer
-fi
-if [[ $steps == *,l2-hints-tests,* ]]; then  # the CuTe decodes' K/V L2 treatments: same bits
-  PYTHONPATH=$CUTE_SITE run pytest_gpu_cute_decode_l2 300 python -m pytest -q -m gpu \
-    tests/kernels/test_gpu_cute_decode.py -k "l2_treatments or matches_reference"
-fi
-if [[ $steps == *,l2-hints,* ]]; then  # the plan's default decode with each L2 treatment of
-  # its K/V loads, after a dirty and a clean flush, three rounds in turn
-  PYTHONPATH=$CUTE_SITE RUN_TAIL="-n 60" run tune_decode_l2 420 python \
-    benchmarks/tune_decode_cute.py --quick --default-only --formats fp8,nvfp4 \
-    --kv-l2 normal,evict_first,streaming --l2 dirty,clean --rounds 3 \
-    --workloads "${FLAMIA_DECODE_WORKLOADS:-B16-L8192,B64-L8192,B16-L32768,B64-L32768}" \
-    --name tune_decode_l2
 fi
 if [[ $steps == *,decode,* ]]; then
   run decode 420 python benchmarks/decode.py --quick

@@ -16,8 +16,7 @@
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
 #                                                   # s30-windows-q, s30-windows-kernel,
-#                                                   # fwd-item-profile, l2-quant,
-#                                                   # l2-fwd
+#                                                   # fwd-item-profile
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -585,16 +584,6 @@ if [[ $steps == *,fwd-item-profile,* ]]; then  # prepared (thirty-first session)
     RUN_TAIL="-n 90" run "ncu_fwd_${w}_source" 120 python benchmarks/ncu_source_top.py \
       "/tmp/ncu_fwd_$w.ncu-rep" --top 80
   done
-fi
-if [[ $steps == *,l2-quant,* ]]; then  # the quantizer's input loads evict-first in L2
-  # (thirty-second session): its GPU tests, then the forward's K/V quantization alone (no CuTe)
-  run pytest_gpu_quant 200 python -m pytest -q tests/kernels/test_quant.py
-  RUN_TAIL="-n 16" run l2_quant_ab 200 python benchmarks/l2_eviction_ab.py --quant-only \
-    --workloads "${FLAMIA_L2_WORKLOADS:-P3,W7,P1,P4,W3}" --name l2_quant_ab
-fi
-if [[ $steps == *,l2-fwd,* ]]; then  # the same, the whole forward call beside FA4 (fa4 bundle)
-  RUN_TAIL="-n 24" run l2_fwd_ab 420 python benchmarks/l2_eviction_ab.py \
-    --workloads "${FLAMIA_L2_WORKLOADS:-P3,W7,P1,P4,W3}" --name l2_fwd_ab
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

@@ -7,17 +7,16 @@ copy bandwidth of the same run).
 
     python benchmarks/tune_decode_cute.py [--quick] [--formats nvfp4,fp8] [--depths 1,2]
         [--ctas 0,4] [--stages 0,4] [--edge 0,1] [--warps 4,8] [--splits 2,3,4]
-        [--kv-l2 normal,streaming] [--l2 dirty,clean] [--rounds 3]
+        [--l2 dirty,clean] [--rounds 3] [--default-only]
         [--workloads B16-L8192] [--name tune_decode_cute]
 
 A variant with stages ≥ 2 takes its tiles through the shared-memory ring (``depth`` then
 does not apply: it runs once, labelled ``depth1``), with or without the edge split
 (``--edge``; the register ring has none). ``--warps``: warps per CTA (labelled ``-warps8``
-when not four; the decode config's ``num_warps``). ``--kv-l2``: the K/V loads' L2 treatment
-(``cute_sm90_common.L2_LOADS``, labelled ``-l2<name>`` when not the module's); ``--l2``: the
-flush before each timed call (``common.time_ms``: dirty, as every table, or clean);
+when not four; the decode config's ``num_warps``). ``--l2``: the flush before each timed call
+(``common.time_ms``: dirty, as every table, or clean);
 ``--rounds``: the variants timed that many times in turn (each row keeps its round);
-``--default-only``: only the Triton decode and the plan's default (with each ``--kv-l2``).
+``--default-only``: only the Triton decode and the plan's default.
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
           split_counts: list[int] | None = None, stage_counts: tuple[int, ...] = (0,),
           edge_options: tuple[int, ...] = (0,),
           warp_counts: tuple[int, ...] = (cute_decode.WARPS,),
-          kv_l2_options: tuple[str, ...] = (cute_decode.KV_L2,), l2_modes: tuple[str, ...] = (
-              "dirty",), rounds: int = 1, grid: bool = True) -> list[dict]:  # fmt: skip
+          l2_modes: tuple[str, ...] = ("dirty",), rounds: int = 1,
+          grid: bool = True) -> list[dict]:  # fmt: skip
     """Rows of the Triton decode and the CuTe variants on one workload and cache format."""
     dev = batch.q.device
     rows = []
@@ -71,27 +70,23 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
 
     variants = {f"{dtype}-triton-splits{triton_splits}": (None, triton_splits, triton_decode)}
     plan = plan_paged(fmt, HQ, HKV, batch.query_start_loc.cpu(), length, device=dev)
-    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE", "KV_L2")
+    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE")
     defaults = tuple(getattr(cute_decode, k) for k in knobs)
-    # what paged_attention runs when given nothing (the module's knobs, the plan's shape),
-    # with each L2 treatment asked for
-    for kv_l2 in kv_l2_options:
-        tag = f"-l2{kv_l2}" if kv_l2 != cute_decode.KV_L2 else ""
-        variants[f"{dtype}-default-{plan.decode.kernel}-warps{plan.decode.num_warps}"
-                 f"-splits{plan.num_splits}{tag}"] = ((*defaults[:-1], kv_l2), None, None)
+    # what paged_attention runs when given nothing (the module's knobs, the plan's shape)
+    variants[f"{dtype}-default-{plan.decode.kernel}-warps{plan.decode.num_warps}"
+             f"-splits{plan.num_splits}"] = (None, None, None)
     counts = split_counts or sorted({max(1, min(64, int(cute_splits * m))) for m in (0.5, 1, 2)})
     for stages in (stage_counts if dtype == "nvfp4" else (0,)) if grid else ():
         # the shared-memory ring has no register depth (labelled 1), the register ring no edge
         # split
         ring = ((e, 1) for e in edge_options) if stages else ((0, d) for d in depths)
-        for (edge, depth), ctas, warps, splits, kv_l2 in itertools.product(
-                ring, ctas_options, warp_counts, counts, kv_l2_options):  # fmt: skip
+        for (edge, depth), ctas, warps, splits in itertools.product(ring, ctas_options,
+                                                                     warp_counts, counts):
             tag = f"-stages{stages}" + ("-edge" if edge else "") if stages else ""
             tag += f"-warps{warps}" if warps != cute_decode.WARPS else ""
-            tag += f"-l2{kv_l2}" if kv_l2 != cute_decode.KV_L2 else ""
             label = f"{dtype}-cute-depth{depth}-ctas{ctas}{tag}-splits{splits}"
             cfg = replace(triton_decode, kernel="cute", num_warps=warps)
-            variants[label] = ((depth, ctas, stages, edge, kv_l2), splits, cfg)
+            variants[label] = ((depth, ctas, stages, edge), splits, cfg)
     reference = call(triton_splits, triton_decode).float()
     rel_diff: dict[str, float] = {}
     for rnd, (impl, (values, splits, cfg)), l2 in itertools.product(
@@ -133,12 +128,10 @@ def main() -> int:
     ap.add_argument("--warps", default=str(cute_decode.WARPS), help="warps per CTA, e.g. 4,8")
     ap.add_argument("--splits", default="",
                     help="split-K counts to time (default: half, once and twice the default's)")
-    ap.add_argument("--kv-l2", default=cute_decode.KV_L2,
-                    help="the K/V loads' L2 treatment(s), e.g. normal,evict_first,streaming")
     ap.add_argument("--l2", default="dirty", help="flush before each call: dirty, clean or both")
     ap.add_argument("--rounds", type=int, default=1, help="times each variant is timed, in turn")
     ap.add_argument("--default-only", action="store_true",
-                    help="no grid of knobs: the Triton decode and the default per --kv-l2")
+                    help="no grid of knobs: the Triton decode and the plan's default")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--name", default="tune_decode_cute")
     args = ap.parse_args()
@@ -157,8 +150,7 @@ def main() -> int:
         for dtype in args.formats.split(","):
             rows += _tune(batch, name, b, length, dtype, depths, ctas_options, copy_row,
                           args.quick, split_counts, stage_counts, edge_options,
-                          warp_counts, tuple(args.kv_l2.split(",")),
-                          tuple(args.l2.split(",")), args.rounds,
+                          warp_counts, tuple(args.l2.split(",")), args.rounds,
                           not args.default_only)  # fmt: skip
         del batch
         torch.cuda.empty_cache()

@@ -133,39 +133,17 @@ def _fields(res, ty, n: int, loc, ip) -> list:
     return [ty(llvm.extractvalue(_mlir(ty), res, [i], loc=loc, ip=ip)) for i in range(n)]
 
 
-#: L2 treatment of a global load (``l2`` of the load helpers): "normal"; "evict_first": the
-#: lines it allocates are the first the L2 evicts (a ``createpolicy`` cache-policy hint), so
-#: data read once does not push out other lines (nor make the L2 write back dirty ones);
-#: "streaming": the ``.cs`` cache operator (evict-first in L1 and L2)
-L2_LOADS = ("normal", "evict_first", "streaming")
-
-
-def global_load(op: str, l2: str, body: str) -> str:
-    """PTX of the global load ``op`` (``ld.global.nc``) with operands ``body`` (``"<dst>,
-    [<addr>]"``) under the L2 treatment ``l2`` (:data:`L2_LOADS`)."""
-    if l2 == "normal":
-        return f"{op}{body};"
-    if l2 == "streaming":
-        return f"{op.replace('ld.global', 'ld.global.cs')}{body};"
-    if l2 == "evict_first":
-        return ("{ .reg .b64 p; createpolicy.fractional.L2::evict_first.b64 p, 1.0; "
-                f"{op}.L2::cache_hint{body}, p; }}")  # fmt: skip
-    raise ValueError(f"l2 {l2!r}: one of {L2_LOADS}")
-
-
 def _load_words(op: str, addr, addr_c: str, n: int, side_effects: bool, loc,
-                ip, l2: str = "normal") -> list[Int32]:  # fmt: skip
+                ip) -> list[Int32]:  # fmt: skip
     """``n`` (1, 2 or 4) 32-bit words by the load ``op`` (``ld.global.nc``, ``ld.shared``) at
-    the address value ``addr`` (constraint ``addr_c``); ``l2``: a global load's L2 treatment
-    (:data:`L2_LOADS`)."""
+    the address value ``addr`` (constraint ``addr_c``)."""
     if n == 1:
-        text = global_load(op, l2, ".u32 $0, [$1]")
-        return [Int32(_asm(T.i32(), [addr], text, f"=r,{addr_c}", side_effects))]
+        return [Int32(_asm(T.i32(), [addr], f"{op}.u32 $0, [$1];", f"=r,{addr_c}",
+                           side_effects))]  # fmt: skip
     regs = ", ".join(f"${i}" for i in range(n))
     res = _asm(
         llvm.StructType.get_literal([T.i32()] * n), [addr],
-        global_load(op, l2, f".v{n}.u32 {{{regs}}}, [${n}]"), ",".join(["=r"] * n) + f",{addr_c}",
-        side_effects,
+        f"{op}.v{n}.u32 {{{regs}}}, [${n}];", ",".join(["=r"] * n) + f",{addr_c}", side_effects,
     )  # fmt: skip
     return _fields(res, Int32, n, loc, ip)
 

@@ -215,28 +215,3 @@ def test_cute_nvfp4_decode_shared_ring_gives_the_register_rings_bits(
     expected = ref.paged_attention(b.q, clean, b.fmt, table, b.seq_lens, b.query_start_loc,
                                    softmax_scale=head_dim**-0.5)  # fmt: skip
     _assert_close(outs[stages, "clean"], expected, b.fmt)
-
-
-@pytest.mark.parametrize("dtype", ["nvfp4", "fp8"])
-@pytest.mark.parametrize("kv_l2", ["evict_first", "streaming"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_cute_decode_l2_treatments_move_no_value(
-    dtype: str, kv_l2: str, splits: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The K/V loads' L2 treatment (``KV_L2``: which lines the L2 evicts first) reads the
-    same bytes: the same output bits as plain loads."""
-    from flamia_serve.kernels.paged import cute_decode_sm90
-
-    cached = [8191, 5000, 17, 1, 0, 300]
-    b = make_batch([1] * len(cached), cached, heads_q=32, heads_kv=8, head_dim=128,
-                   dtype=dtype, device="cuda", seed=splits)  # fmt: skip
-    cache = b.cache.clone()
-    ref.write_kv_cache(cache, b.key, b.value, b.slot_mapping, b.fmt)
-    args = (b.q, cache, b.fmt, b.block_table, b.seq_lens, b.query_start_loc)
-    outs = []
-    for l2 in ("normal", kv_l2):
-        monkeypatch.setattr(cute_decode_sm90, "KV_L2", l2)
-        outs.append(kernels.paged_attention(*args, num_splits=splits))
-    assert any(key[11] == kv_l2 for key in cute_decode_sm90._COMPILED)  # this kernel ran
-    assert torch.equal(outs[0], outs[1])
-    _assert_close(outs[1], ref.paged_attention(*args, softmax_scale=128**-0.5), b.fmt)

@@ -500,20 +500,3 @@ def test_quantizers_default_warps_follow_the_head_dim(d, warps, device) -> None:
     m = torch.zeros(q.shape[:2], device=device)
     _, launch = quantize_do_launch(q, q, m, m, cu)
     assert launch.kwargs["num_warps"] == warps
-
-
-def test_input_eviction_policy_moves_no_code(device, monkeypatch) -> None:
-    """``INPUT_EVICTION`` (the Q/K/V loads' L2 eviction policy) reaches the launch and
-    changes no byte of the operands."""
-    from flamia_serve.kernels.quant import ops
-
-    q, k, v, cu, _ms = make_pack((70, 1, 33), 4, 2, 64, seed=4, device=device)
-    plain = quantize_qkv(q, k, v, cu).to_reference()
-    monkeypatch.setattr(ops, "INPUT_EVICTION", "evict_first")
-    _, launch = ops.quantize_qkv_launch(q, k, v, cu)
-    assert launch.quantize.kwargs["INPUT_EVICTION"] == "evict_first"
-    hinted = quantize_qkv(q, k, v, cu).to_reference()
-    for name in ("q8", "k8", "v8"):
-        a, b = getattr(plain, name), getattr(hinted, name)
-        assert _same(a.codes, b.codes), name
-        assert _same(a.exponents, b.exponents), name

@@ -49,13 +49,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flamia_serve.kernels.cute_sm90_common import (
-    L2_LOADS,
     _asm,
     _fields,
     _load_words,
     _mlir,
     compile_kernel,
-    global_load,
     kernel_tensors,
     load_shared_words,
     pow2,
@@ -81,9 +79,6 @@ SPLIT_EDGE = True
 #: ``ops.cute_decode_warps``), keys per warp step (one k-block of P̂·V), MMA rows (the GQA
 #: group)
 WARPS = 4
-#: L2 treatment of the K/V loads (``cute_sm90_common.L2_LOADS``): a decode reads each cache
-#: byte once, so its lines need not displace what the L2 holds for other kernels
-KV_L2 = "normal"
 TILE = 16
 ROWS = 16
 NO_MAX = -1073741824.0  # running-maximum sentinel (-2^30), as the Triton kernel's
@@ -113,31 +108,27 @@ def _mma(shape_types: str, a: list, b: list, c: list, loc, ip) -> list[Float32]:
     return _fields(res, Float32, 4, loc, ip)
 
 
-def _load_bytes(op: str, addr, addr_c: str, n: int, side_effects: bool,
-                l2: str = "normal") -> Int32:  # fmt: skip
-    """``n`` (1 or 2) bytes by the load ``op`` at the address value ``addr``, zero-extended
-    (``l2``: a global load's L2 treatment, ``cute_sm90_common.L2_LOADS``)."""
+def _load_bytes(op: str, addr, addr_c: str, n: int, side_effects: bool) -> Int32:
+    """``n`` (1 or 2) bytes by the load ``op`` at the address value ``addr``, zero-extended."""
     ty = "u8" if n == 1 else "u16"
-    load = global_load(op, l2, f".{ty} t, [$1]")
-    return Int32(_asm(T.i32(), [addr], f"{{ .reg .b16 t; {load} cvt.u32.u16 $0, t; }}",
+    return Int32(_asm(T.i32(), [addr], f"{{ .reg .b16 t; {op}.{ty} t, [$1]; cvt.u32.u16 $0, t; }}",
                       f"=r,{addr_c}", side_effects))  # fmt: skip
 
 
 @dsl_user_op
-def load_words(addr: Int64, n: int, l2: str = "normal", *, loc=None, ip=None) -> list[Int32]:
+def load_words(addr: Int64, n: int, *, loc=None, ip=None) -> list[Int32]:
     """``n`` (1, 2 or 4) 32-bit words at global byte address ``addr`` (aligned to ``4n``),
-    through the read-only path, with the L2 treatment ``l2`` (``L2_LOADS``)."""
+    through the read-only path."""
     return _load_words("ld.global.nc", Int64(addr).ir_value(loc=loc, ip=ip), "l", n, False,
-                       loc, ip, l2)  # fmt: skip
+                       loc, ip)  # fmt: skip
 
 
 @dsl_user_op
-def load_bytes(addr: Int64, n: int, l2: str = "normal", *, loc=None, ip=None) -> Int32:
-    """``n`` (1, 2 or 4) bytes at global address ``addr`` (aligned to ``n``), zero-extended,
-    with the L2 treatment ``l2`` (``L2_LOADS``)."""
+def load_bytes(addr: Int64, n: int, *, loc=None, ip=None) -> Int32:
+    """``n`` (1, 2 or 4) bytes at global address ``addr`` (aligned to ``n``), zero-extended."""
     if n == 4:
-        return load_words(addr, 1, l2, loc=loc, ip=ip)[0]
-    return _load_bytes("ld.global.nc", Int64(addr).ir_value(loc=loc, ip=ip), "l", n, False, l2)
+        return load_words(addr, 1, loc=loc, ip=ip)[0]
+    return _load_bytes("ld.global.nc", Int64(addr).ir_value(loc=loc, ip=ip), "l", n, False)
 
 
 @dsl_user_op
@@ -150,16 +141,11 @@ def load_shared_bytes(addr: Int32, n: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def copy_async_16(dst: Int32, src: Int64, l2: str = "normal", *, loc=None, ip=None) -> None:
+def copy_async_16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
     """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst`` (both 16-aligned),
-    in the thread's current ``cp.async`` group; ``l2`` (``L2_LOADS``): "streaming" has no
-    ``cp.async`` form and reads as "evict_first"."""
-    text = "cp.async.cg.shared.global [$0], [$1], 16;"
-    if l2 != "normal":
-        text = ("{ .reg .b64 p; createpolicy.fractional.L2::evict_first.b64 p, 1.0; "
-                "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, p; }")  # fmt: skip
+    in the thread's current ``cp.async`` group."""
     _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
-         text, "r,l", side_effects=True)  # fmt: skip
+         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", side_effects=True)
 
 
 @dsl_user_op
@@ -318,13 +304,12 @@ class _PagedDecodeSm90:
     whole into a ring of that many shared-memory stages with ``cp.async`` instead (``stages
     − 1`` tiles in flight, ``depth`` unused), then reads its fragments from there;
     ``split_edge`` (with the ring): tiles wholly inside the sequence run a copy of the tile
-    step without masks; ``warps`` per CTA take every ``warps``-th key tile of the split;
-    ``kv_l2``: the L2 treatment of the K/V loads (``cute_sm90_common.L2_LOADS``)."""
+    step without masks; ``warps`` per CTA take every ``warps``-th key tile of the split."""
 
     def __init__(self, head_dim: int, heads_kv: int, group: int, page_size: int,
                  partial: bool, depth: int = DEPTH, ctas_per_sm: int = CTAS_PER_SM,
                  stages: int = 0, split_edge: bool = SPLIT_EDGE,
-                 warps: int = WARPS, kv_l2: str = KV_L2) -> None:  # fmt: skip
+                 warps: int = WARPS) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe decode supports 64, 128 and 256")
         if not 1 <= group <= ROWS:
@@ -345,9 +330,6 @@ class _PagedDecodeSm90:
         self.stages = stages
         self.split_edge = split_edge and stages > 0
         self.ctas_per_sm = ctas_per_sm
-        if kv_l2 not in L2_LOADS:
-            raise ValueError(f"kv_l2 {kv_l2!r}: one of {L2_LOADS}")
-        self.kv_l2 = kv_l2
         self.q_tiles = 2 if group > 8 else 1  # n-tiles of 8 queries in O's products
 
     @cute.jit
@@ -571,14 +553,6 @@ class _PagedDecodeSm90:
             qa.append((rows[0][c][0], hi[0], rows[0][c][1], hi[1]))
         return qa
 
-    def kv_words(self, addr: Int64, n: int) -> list[Int32]:
-        """``n`` words of K/V at global ``addr`` (``load_words`` with ``kv_l2``)."""
-        return load_words(addr, n, self.kv_l2)
-
-    def kv_bytes(self, addr: Int64, n: int) -> Int32:
-        """``n`` bytes of K/V at global ``addr`` (``load_bytes`` with ``kv_l2``)."""
-        return load_bytes(addr, n, self.kv_l2)
-
     @cute.jit
     def page_entry(self, mBT, seq, tile, half: int, last_page):
         """Cache block of the 16 keys ``16·half ..`` of ``tile`` (a page past the sequence's
@@ -697,7 +671,7 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
         words = self.gather(
             self.region(base, blks[0], 0, kvh), self.region(base, blks[0], 1, kvh),
             off0 * self.code_bytes, self.scale_base + off0 * self.scale_bytes, g, t,
-            self.kv_words, self.kv_bytes,
+            load_words, load_bytes,
         )  # fmt: skip
         for i in cutlass.range_constexpr(self.n_raw):
             raw[slot, i] = words[i]
@@ -726,9 +700,9 @@ class NvFP4DecodeSm90(_PagedDecodeSm90):
                 for c in cutlass.range_constexpr((chunks + 31) // 32):
                     idx = lane + 32 * c
                     if const_expr(chunks % 32 == 0):
-                        copy_async_16(dst + at + 16 * idx, src + 16 * idx, self.kv_l2)
+                        copy_async_16(dst + at + 16 * idx, src + 16 * idx)
                     elif idx < chunks:
-                        copy_async_16(dst + at + 16 * idx, src + 16 * idx, self.kv_l2)
+                        copy_async_16(dst + at + 16 * idx, src + 16 * idx)
 
     @cute.jit
     def gather(self, k_at, v_at, codes, scales, g, t, read_words, read_bytes) -> list:
@@ -896,7 +870,7 @@ class Fp8DecodeSm90(_PagedDecodeSm90):
             off = (key0 + 8 * (g // 2) + 2 * j + g % 2) % page
             at = k_region + off * d + t * (d // 4)
             for p in cutlass.range_constexpr(kw // 4):
-                words = self.kv_words(at + 16 * p, 4)
+                words = load_words(at + 16 * p, 4)
                 for i in cutlass.range_constexpr(4):
                     raw[slot, j * kw + 4 * p + i] = words[i]
         # V̂ᵀ and the exponents: keys 8t .. 8t+7 lie in half t // 2
@@ -907,7 +881,7 @@ class Fp8DecodeSm90(_PagedDecodeSm90):
         v0 = 4 * kw
         for i in cutlass.range_constexpr(d // 16):
             for half in cutlass.range_constexpr(2):
-                words = self.kv_words(v_region + (16 * i + 8 * half + g) * page + off, 2)
+                words = load_words(v_region + (16 * i + 8 * half + g) * page + off, 2)
                 raw[slot, v0 + 4 * i + 2 * half] = words[0]
                 raw[slot, v0 + 4 * i + 2 * half + 1] = words[1]
         if const_expr(not self.static):  # ek from the K region, then ev from the V region
@@ -915,7 +889,7 @@ class Fp8DecodeSm90(_PagedDecodeSm90):
             for r in cutlass.range_constexpr(2):
                 at = self.region(base, blk, r, kvh) + self.scale_base + off * 4
                 for p in cutlass.range_constexpr(2):
-                    words = self.kv_words(at + 16 * p, 4)
+                    words = load_words(at + 16 * p, 4)
                     for i in cutlass.range_constexpr(4):
                         raw[slot, e0 + 8 * r + 4 * p + i] = words[i]
 
@@ -1012,15 +986,14 @@ def paged_decode_sm90(
     ctas_per_sm: int | None = None,
     stages: int | None = None,
     warps: int | None = None,
-    kv_l2: str | None = None,
 ) -> None:
     """Decode the first ``num_decodes`` sequences (one new token each) over an NVFP4, FP8 or
     static-FP8 cache (``ops.run_paged_attention``'s contract; ``v_scale`` multiplies O):
     into ``out`` when ``num_splits`` is 1, else into the split-K partials ``part_o`` /
     ``part_ml`` (``part_tokens`` rows per split) for ``combine_splits_kernel``. ``depth`` /
-    ``ctas_per_sm`` / ``stages`` / ``warps`` / ``kv_l2``: see :class:`_PagedDecodeSm90`
-    (default: the module's ``DEPTH`` / ``CTAS_PER_SM`` / ``STAGES`` / ``WARPS`` / ``KV_L2``;
-    the ring is NVFP4's only: FP8 defaults to 0 and refuses others)."""
+    ``ctas_per_sm`` / ``stages`` / ``warps``: see :class:`_PagedDecodeSm90` (default: the
+    module's ``DEPTH`` / ``CTAS_PER_SM`` / ``STAGES`` / ``WARPS``; the ring is NVFP4's only:
+    FP8 defaults to 0 and refuses others)."""
     heads_q, d = q.shape[1], q.shape[2]
     heads_kv = cache.shape[2]
     group = heads_q // heads_kv
@@ -1036,17 +1009,15 @@ def paged_decode_sm90(
     if stages is None:
         stages = STAGES if fmt is KVCacheFormat.NVFP4 else 0
     warps = WARPS if warps is None else warps
-    kv_l2 = KV_L2 if kv_l2 is None else kv_l2
     key = (fmt, d, heads_kv, group, page_size, partial, depth, ctas, stages, SPLIT_EDGE, warps,
-           kv_l2, q.dtype, out.dtype)  # fmt: skip
+           q.dtype, out.dtype)  # fmt: skip
     if key not in _COMPILED:
         args = (d, heads_kv, group, page_size, partial, depth, ctas)
         if fmt is KVCacheFormat.NVFP4:
-            kernel = NvFP4DecodeSm90(*args, stages=stages, split_edge=SPLIT_EDGE, warps=warps,
-                                     kv_l2=kv_l2)  # fmt: skip
+            kernel = NvFP4DecodeSm90(*args, stages=stages, split_edge=SPLIT_EDGE, warps=warps)
         else:
             kernel = Fp8DecodeSm90(*args, static=fmt is KVCacheFormat.FP8_STATIC, stages=stages,
-                                   warps=warps, kv_l2=kv_l2)  # fmt: skip
+                                   warps=warps)  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Float32(v_scale),
                                         Int32(1), Int32(1), Int32(1))  # fmt: skip
     _COMPILED[key](*kernel_tensors(aligned), qk_scale, v_scale, num_splits, part_tokens,

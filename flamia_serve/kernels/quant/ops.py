@@ -25,9 +25,6 @@ from flamia_serve.numerics.operands import (
 )
 
 _LAUNCH_QKV = TritonLaunch(quantize_qkv_kernel)
-#: ``eviction_policy`` of quantize_qkv's Q/K/V loads ("" or "evict_first"): each input byte
-#: is read once
-INPUT_EVICTION = ""
 _LAUNCH_DO = TritonLaunch(quantize_do_kernel)
 
 
@@ -290,7 +287,7 @@ def quantize_qkv_launch(
             SKIP_Q=bool(defer_q and not q_short), Q_SHORT=bool(q_short), Q_ROWS=q_rows,
             K_ROWS=k_rows, GRAD_INPUT=rec.grad_input,
             SCALE_CANDIDATES=rec.nvfp4_scale_candidates if nvfp4 else 1,
-            INTERPRET=interpreted(), INPUT_EVICTION=INPUT_EVICTION,
+            INTERPRET=interpreted(),
             num_warps=num_warps,
         )  # fmt: skip
         launch = BoundLaunch(_LAUNCH_QKV, grid, args, options, {"q": q, "k": k, "v": v})

@@ -33,19 +33,16 @@ def _quantize_qk_head(
     PER_TOKEN: tl.constexpr, QK_NVFP4: tl.constexpr, HADAMARD: tl.constexpr,
     LOG2_D: tl.constexpr, WIDE: tl.constexpr, SCORES_ONLY: tl.constexpr,
     GRAD_INPUT: tl.constexpr, SCALE_CANDIDATES: tl.constexpr, INTERPRET: tl.constexpr,
-    INPUT_EVICTION: tl.constexpr,
 ):  # fmt: skip
     """One block of one Q or K head: E4M3 codes + exponents (stored at ``out_exp + exp_at``)
     and NVFP4 when asked (``WIDE``: also its values without the per-token power of two, BF16,
     at ``out_wide``; ``SCORES_ONLY``: only those and the second level); returns the exponents
     of the score operand (int32 per row: E4M3's, or NVFP4's second level) and the gradient
     products' operand in BF16: the E4M3 codes' values, or with ``GRAD_INPUT`` the input over
-    the E4M3 exponents (``numerics.grad_operand``). ``INPUT_EVICTION``: the input load's
-    ``eviction_policy``."""
+    the E4M3 exponents (``numerics.grad_operand``)."""
     cols = tl.arange(0, D)
     x_ptrs = x_ptr + tok[:, None] * stride_t + h * stride_h + cols[None, :]
-    x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0,
-                eviction_policy=INPUT_EVICTION).to(tl.float32)  # fmt: skip
+    x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     codes, e = fp8_rows(x, PER_TOKEN, INTERPRET)
     if GRAD_INPUT:
         grad = to_bf16(x * exp2i(-e)[:, None], INTERPRET)
@@ -151,7 +148,6 @@ def quantize_qkv_kernel(
     GRAD_INPUT: tl.constexpr,
     SCALE_CANDIDATES: tl.constexpr,
     INTERPRET: tl.constexpr,
-    INPUT_EVICTION: tl.constexpr = "",
 ):
     """Persistent programs stride over (head, block slot) items, Q heads then K then V; each
     item quantizes one 32-token block of one head. Empty slots (length 0) store nothing.
@@ -161,8 +157,7 @@ def quantize_qkv_kernel(
     ``K_ROWS``: the gradient products' Q / K operand in BF16 (the E4M3 codes' values, exact,
     or with ``GRAD_INPUT`` the inputs over their E4M3 exponents), one row per column of the
     layout with each document's tokens in order (``v_t_key`` of the column), the padding left
-    as it is (zero). ``INPUT_EVICTION``: the ``eviction_policy`` of the Q/K/V loads (each
-    input byte is read once).
+    as it is (zero).
 
     Not software-pipelined (``num_stages=1``): staging the next items' tiles through shared
     memory measured 2-3x slower on the H200 than many resident programs each streaming its
@@ -188,7 +183,7 @@ def quantize_qkv_kernel(
                 q_ptr, stride_qt, stride_qh, h, tok, row_ok, q8_ptr, q_exp_ptr,
                 h * n_tokens + tok, q4_ptr, q4_scale_ptr, q4_exp_ptr, q_wide_ptr, n_tokens,
                 HQ, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
-                GRAD_INPUT, SCALE_CANDIDATES, INTERPRET, INPUT_EVICTION,
+                GRAD_INPUT, SCALE_CANDIDATES, INTERPRET,
             )  # fmt: skip
             if Q_ROWS:
                 q_at = q_rows_ptr + (v_t_key(col) * HQ + h)[:, None] * D + cols[None, :]
@@ -203,7 +198,7 @@ def quantize_qkv_kernel(
             k_ptr, stride_kt, stride_kh, h, tok, row_ok, k8_ptr, k_exp_ptr, h * t_pad + col,
             k4_ptr, k4_scale_ptr, k4_exp_ptr, k_wide_ptr, n_tokens,
             HKV, D, BLOCK, PER_TOKEN_QK, QK_NVFP4, HADAMARD, LOG2_D, WIDE, SCORES_ONLY,
-            GRAD_INPUT, SCALE_CANDIDATES, INTERPRET, INPUT_EVICTION,
+            GRAD_INPUT, SCALE_CANDIDATES, INTERPRET,
         )  # fmt: skip
         if K_ROWS:
             k_at = k_rows_ptr + (v_t_key(col) * HKV + h)[:, None] * D + cols[None, :]
@@ -218,8 +213,7 @@ def quantize_qkv_kernel(
         )
         tok, row_ok, col = _block_rows(start, length, col0, rows)
         x_ptrs = v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :]
-        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0,
-                    eviction_policy=INPUT_EVICTION).to(tl.float32)  # fmt: skip
+        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         codes, e = fp8_rows(x, True, INTERPRET)
         e = v_row_exponents(x, e)
         vt_ptrs = vt_ptr + (h * D + cols[:, None]).to(tl.int64) * t_pad + col[None, :]
