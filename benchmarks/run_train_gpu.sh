@@ -16,7 +16,8 @@
 #                                                   # s28-w, s28-tests, s29-fwd-ab,
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
 #                                                   # s30-windows-q, s30-windows-kernel,
-#                                                   # fwd-item-profile
+#                                                   # fwd-item-profile, s32-d64-tests,
+#                                                   # s32-d64
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -583,6 +584,26 @@ if [[ $steps == *,fwd-item-profile,* ]]; then  # prepared (thirty-first session)
     ncu -i "/tmp/ncu_fwd_$w.ncu-rep" --page details > "$OUT/ncu_fwd_${w}_details.txt" 2>&1
     RUN_TAIL="-n 90" run "ncu_fwd_${w}_source" 120 python benchmarks/ncu_source_top.py \
       "/tmp/ncu_fwd_$w.ncu-rep" --top 80
+  done
+fi
+if [[ $steps == *,s32-d64-tests,* ]]; then  # the backward at d = 64 with the quantizers'
+  # two warps (the s31 default): the Triton backward's large packs (no CuTe needed)
+  run pytest_gpu_bwd_d64 240 python -m pytest -q -m gpu tests/kernels/test_gpu_bwd.py -k "64"
+fi
+if [[ $steps == *,s32-d64,* ]]; then  # the same end to end: the CuTe backward's GPU tests at
+  # d = 64, then P1 (d = 64) beside FA4 with the quantizers at 4 warps and at the default (2)
+  run pytest_gpu_cute_bwd_d64 240 python -m pytest -q -m gpu tests/kernels/test_gpu_cute_bwd.py \
+    -k "64"
+  for w in 4 default; do
+    FLAMIA_QUANT_WARPS=$w RUN_TAIL="-n 12" run "p1_quant_warps_$w" 200 python -c "
+import os, sys
+from flamia_serve.kernels.quant import ops
+w = os.environ['FLAMIA_QUANT_WARPS']
+if w != 'default':  # every quantizer launch of the run at that many warps
+    ops.default_warps = lambda head_dim, nvfp4=False: int(w)
+from benchmarks.train_attention import main
+sys.exit(main(['--quick', '--rounds', '2', '--workloads', 'P1', '--passes', 'fwd,bwd,fwd+bwd',
+               '--impls', 'flamia-mxfp8,fa4', '--name', f'train_attention_p1_quant_warps_{w}']))"
   done
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
