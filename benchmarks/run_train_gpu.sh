@@ -17,7 +17,7 @@
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
 #                                                   # s30-windows-q, s30-windows-kernel,
 #                                                   # fwd-item-profile, s32-d64-tests,
-#                                                   # s32-d64
+#                                                   # s32-d64, s32-regs-ab
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -608,6 +608,20 @@ from benchmarks.train_attention import main
 sys.exit(main(['--quick', '--rounds', '2', '--workloads', 'P1', '--passes', 'fwd,bwd,fwd+bwd',
                '--impls', 'flamia-mxfp8,fa4', '--name', f'train_attention_p1_quant_warps_{w}']))"
   done
+fi
+if [[ $steps == *,s32-regs-ab,* ]]; then  # the forward's consumers at 216 registers and its
+  # producer warpgroup at 72 (room for producer warps that quantize K/V: NOTES, thirty-second
+  # session) against today's 240 / 24: same bits, then times (training forward and prefill)
+  variant=/tmp/cute_sm90_regs216.py
+  sed 's/2: (240, 24), 3: (160, 32)}/2: (216, 72), 3: (160, 32)}/' \
+    flamia_serve/kernels/attn_fwd/cute_sm90.py > "$variant"
+  if cmp -s "$variant" flamia_serve/kernels/attn_fwd/cute_sm90.py; then
+    echo "s32-regs-ab: the register split was not found in cute_sm90.py"
+  else
+    RUN_TAIL="-n 30" run fwd_regs_ab 400 python benchmarks/fwd_variant_ab.py --variant "$variant" \
+      --workloads "${FLAMIA_AB_WORKLOADS:-W1,W3,W7,P3}" --prefill S4-8x512+8192 --rounds 3 \
+      --name fwd_regs216_ab_s32
+  fi
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \
