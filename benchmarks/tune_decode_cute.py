@@ -14,9 +14,9 @@ A variant with stages ≥ 2 takes its tiles through the shared-memory ring (``de
 does not apply: it runs once, labelled ``depth1``), with or without the edge split
 (``--edge``; the register ring has none). ``--warps``: warps per CTA (labelled ``-warps8``
 when not four; the decode config's ``num_warps``). ``--l2``: the flush before each timed call
-(``common.time_ms``: dirty, as every table, or clean);
-``--rounds``: the variants timed that many times in turn (each row keeps its round);
-``--default-only``: only the Triton decode and the plan's default.
+(``common.time_ms``: dirty, as every table, or clean); ``--rounds``: the variants timed that
+many times in turn (each row keeps its round); ``--default-only``: only the Triton decode and
+the plan's default.
 """
 
 from __future__ import annotations
@@ -70,8 +70,6 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
 
     variants = {f"{dtype}-triton-splits{triton_splits}": (None, triton_splits, triton_decode)}
     plan = plan_paged(fmt, HQ, HKV, batch.query_start_loc.cpu(), length, device=dev)
-    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE")
-    defaults = tuple(getattr(cute_decode, k) for k in knobs)
     # what paged_attention runs when given nothing (the module's knobs, the plan's shape)
     variants[f"{dtype}-default-{plan.decode.kernel}-warps{plan.decode.num_warps}"
              f"-splits{plan.num_splits}"] = (None, None, None)
@@ -88,6 +86,8 @@ def _tune(batch, name: str, b: int, length: int, dtype: str, depths: list[int],
             cfg = replace(triton_decode, kernel="cute", num_warps=warps)
             variants[label] = ((depth, ctas, stages, edge), splits, cfg)
     reference = call(triton_splits, triton_decode).float()
+    knobs = ("DEPTH", "CTAS_PER_SM", "STAGES", "SPLIT_EDGE")
+    defaults = tuple(getattr(cute_decode, k) for k in knobs)
     rel_diff: dict[str, float] = {}
     for rnd, (impl, (values, splits, cfg)), l2 in itertools.product(
             range(rounds), variants.items(), l2_modes):  # fmt: skip
