@@ -261,3 +261,43 @@ def test_cute_fwd_quantizing_q_keeps_non_finite_q_in_its_document() -> None:
         dirty = flamia_attn_varlen(bad, k, v, cu, ms)
     for rows in (slice(0, 300), slice(377, 1377)):
         assert torch.equal(clean[rows], dirty[rows])
+
+
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d", "dtype"),
+    [
+        ((1, 33, 300, 1, 4097, 17, 64), 16, 16, 128, torch.bfloat16),
+        ((129, 1, 700, 2, 31, 32, 33), 8, 2, 128, torch.float16),
+        ((1000, 5, 257), 8, 8, 64, torch.bfloat16),
+    ],
+)
+def test_cute_fwd_quantizing_kv_itself_gives_the_launchs_bits(lens, hq, hkv, d, dtype) -> None:
+    """``attn_fwd_sm90_quantizing_kv`` (the producer warps quantize K/V while the consumers
+    run): K codes, ``v_t``, K/V exponents and factors as ``quantize_qkv`` writes them, and
+    O/M/lse as the forward gives on those operands, three runs alike (a NaN in one token of
+    K and one of V included)."""
+    from flamia_serve.kernels.attn_fwd.cute_sm90 import attn_fwd_sm90_quantizing_kv
+    from flamia_serve.kernels.schedule import build_work_list
+    from flamia_serve.numerics.operands import token_columns
+
+    q, k, v, cu, _ = make_pack(lens, hq, hkv, d, seed=7, device="cuda")
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    k[40, 0, 3] = float("nan")
+    v[41, hkv - 1, 5] = float("nan")
+    ref = quantize_qkv(q, k, v, cu, defer_q=True, column_align=CUTE_CONFIG.column_align)
+    work = build_work_list(cu, q.shape[0], block_m=128, block_n=128, causal=True)
+    expected = attn_fwd(ref, cu, heads_q=hq, causal=True, softmax_scale=d**-0.5,
+                        config=CUTE_CONFIG, work=work)  # fmt: skip
+    run, qkv = attn_fwd_sm90_quantizing_kv(q, k, v, cu)
+    cols = token_columns(cu, qkv.doc_v_t_start, q.shape[0]).long()
+    u8, i32 = torch.uint8, torch.int32
+    for _ in range(3):
+        out = run()
+        assert torch.equal(qkv.k_codes.view(u8), ref.k_codes.view(u8))
+        assert torch.equal(qkv.v_t.view(u8), ref.v_t.view(u8))
+        assert torch.equal(qkv.k_exp[:, cols], ref.k_exp[:, cols])
+        assert torch.equal(qkv.v_exp[:, cols], ref.v_exp[:, cols])
+        factors = qkv.kv_factors[:, :, cols].view(i32)
+        assert torch.equal(factors, ref.kv_factors[:, :, cols].view(i32))
+        for got, want in zip(out, expected, strict=True):
+            assert torch.equal(got.view(u8), want.view(u8))
