@@ -51,6 +51,8 @@ BLOCK = 32
 GROUP16 = 16
 #: K's tokens loaded at once per pass (registers: 72 per producer thread)
 K_CHUNK = 8
+#: a warp prefetches its next task's rows into L2 while it runs one
+PREFETCH = True
 
 
 # ---------------------------------------------------------------- PTX helpers
@@ -145,6 +147,13 @@ def async_proxy_acquire(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+    """Bring ``nbytes`` (a multiple of 16) at global ``addr`` (16-byte aligned) into L2."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)],
+         f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};", "l", side_effects=True)
+
+
+@dsl_user_op
 def nanosleep(ns: int, *, loc=None, ip=None) -> None:
     _asm(None, [], f"nanosleep.u32 {ns};", "", side_effects=True)
 
@@ -215,33 +224,59 @@ class KVQuantizer:
     @cute.jit
     def run(self, kv, warp: Int32, n_warps: Int32):
         """Take tasks until none is left (``warp``: this warp among the ``n_warps`` of the
-        grid that run this; the ticket makes the order, they only start spread)."""
+        grid that run this; the ticket makes the order, they only start spread). A warp
+        holds its next task while it runs one, whose rows it has prefetched into L2
+        (``PREFETCH``)."""
         n_slots = kv.n_slots
         n_tasks = self.heads_kv * 2 * n_slots
         lane = cute.arch.lane_idx()
         task = warp
+        following = self.draw(kv, n_warps, lane)
         while task < n_tasks:
+            if const_expr(PREFETCH):
+                if following < n_tasks:
+                    self.prefetch(kv, following, lane, n_slots)
             self.task(kv, task, lane, n_slots)
-            ticket = Int32(0)
-            if lane == 0:
-                ticket = fa_utils.atomic_add_i32(1, kv.ticket.iterator)
-            task = n_warps + cute.arch.shuffle_sync(ticket, 0)
+            task = following
+            following = self.draw(kv, n_warps, lane)
 
     @cute.jit
-    def task(self, kv, task: Int32, lane: Int32, n_slots: Int32):
-        """Task ``task``: (group, slot in ``mTaskSlot``'s order, head in the group, K or V)."""
+    def draw(self, kv, n_warps: Int32, lane: Int32) -> Int32:
+        """The next task from the ticket (the first ``n_warps`` are the warps' own)."""
+        ticket = Int32(0)
+        if lane == 0:
+            ticket = fa_utils.atomic_add_i32(1, kv.ticket.iterator)
+        return n_warps + cute.arch.shuffle_sync(ticket, 0)
+
+    @cute.jit
+    def decode(self, kv, task: Int32, n_slots: Int32):
+        """Task ``task``: (group, slot in ``mTaskSlot``'s order, head in the group, K or V)
+        -> (head, K (0) or V (1), slot, first token, tokens, first column)."""
         per_group = self.group_heads * 2 * n_slots
         group = task // per_group
         r = task - group * per_group
         pos = r // (2 * self.group_heads)
         sub = r - pos * (2 * self.group_heads)
-        head = group * self.group_heads + sub // 2
         slot = kv.task_slot[pos]
-        start = kv.blk_start[slot]
-        length = kv.blk_len[slot]
-        col0 = kv.blk_col[slot]
+        return (group * self.group_heads + sub // 2, sub % 2, slot, kv.blk_start[slot],
+                kv.blk_len[slot], kv.blk_col[slot])  # fmt: skip
+
+    @cute.jit
+    def prefetch(self, kv, task: Int32, lane: Int32, n_slots: Int32):
+        """Task ``task``'s rows into L2: lane ``j`` its block's token ``j`` (one bulk
+        prefetch of ``2·d`` bytes; no registers held)."""
+        head, which, _slot, start, length, _col0 = self.decode(kv, task, n_slots)
+        src = kv.k_in_addr if which == 0 else kv.v_in_addr
+        if lane < length:
+            row = src + ((Int64(start + lane) * self.heads_kv + head) * self.d) * 2
+            prefetch_l2(row, 2 * self.d)
+
+    @cute.jit
+    def task(self, kv, task: Int32, lane: Int32, n_slots: Int32):
+        """Quantize task ``task``'s block, then release its flag."""
+        head, which, slot, start, length, col0 = self.decode(kv, task, n_slots)
         if length > 0:
-            if sub % 2 == 0:
+            if which == 0:
                 self.k_block(kv, head, start, length, col0, lane)
             else:
                 self.v_block(kv, head, start, length, col0, lane)
