@@ -10,7 +10,8 @@ quantization launch + forward it replaces, in one process (GPU; needs the ``cute
    forward's on those operands; three runs each (a race would show as a difference).
 2. Times: per workload, CUDA-graph replays of (a) the quantization launch (K/V) + the
    forward, as a planned eager call runs them, (b) the forward quantizing K/V itself (its
-   flag/ticket memsets included), and FA4 BF16 when installed, interleaved over
+   flag/ticket memsets included), (c) the forward alone on K/V quantized beforehand (what
+   (b) would take if its quantization cost nothing), and FA4 BF16 when installed, interleaved over
    ``--rounds`` rounds; medians; JSON ``<name>.json``.
 """
 
@@ -43,14 +44,17 @@ CHECK_PACKS = (
 )
 
 
-def reference(q, k, v, cu):
-    """The launch's operands (K/V) and the CuTe forward on them (Q in the kernel)."""
+def reference(q, k, v, cu, launch_kv: bool = True):
+    """The launch's operands (K/V) and the CuTe forward on them (Q in the kernel); the
+    call runs the launch first (``launch_kv``), or only the forward."""
     qkv, launch = quantize_qkv_launch(q, k, v, cu, defer_q=True,
                                       column_align=CUTE_CONFIG.column_align)  # fmt: skip
     work = build_work_list(cu, q.shape[0], block_m=128, block_n=128, causal=True)
+    launch(q=q, k=k, v=v)
 
     def run():
-        launch(q=q, k=k, v=v)
+        if launch_kv:
+            launch(q=q, k=k, v=v)
         scale = q.shape[2] ** -0.5
         return attn_fwd(qkv, cu, heads_q=q.shape[1], causal=True, softmax_scale=scale,
                         config=CUTE_CONFIG, work=work)  # fmt: skip
@@ -126,7 +130,9 @@ def times(workloads: list[str], rounds: int) -> list[dict]:
         q, k, v, cu = inputs(name)
         _qkv, launch_then_fwd = reference(q, k, v, cu)
         in_kernel, _ = attn_fwd_sm90_quantizing_kv(q, k, v, cu)
-        impls = {"launch+forward": launch_then_fwd, "kv_in_kernel": in_kernel}
+        _qkv, forward_only = reference(q, k, v, cu, launch_kv=False)
+        impls = {"launch+forward": launch_then_fwd, "kv_in_kernel": in_kernel,
+                 "forward_kv_given": forward_only}  # fmt: skip
         fa4 = fa4_call(q, k, v, cu, wl.max_seqlen)
         if fa4 is not None:
             impls["fa4"] = fa4
