@@ -18,8 +18,8 @@ Protocol (no warp waits on anything but memory it reads, so no deadlock):
   token), writes codes, exponents and factors with ordinary stores, fences (``membar.gl``
   and the async proxy), then adds 1 to the flag of (KV head, block) (``mFlags``, zero at
   launch): 2 when K and V are written;
-* the TMA warp, before loading a key tile, spins (``ld.acquire.gpu``, ``nanosleep``) until
-  the flags of the tile's blocks read 2, then fences the async proxy and loads.
+* the TMA warp, before loading a key tile, spins (``ld.relaxed.gpu``, ``nanosleep``) until
+  the flags of the tile's blocks read 2, then fences (acquire, async proxy) and loads.
 
 Numerics as ``kernels/_common.fp8_rows`` (GPU): NaN-ignoring maxima, ``e = ceil(log2(amax
 / 448))`` clamped to [-127, 127] (``e4m3_exponent``), codes ``RNE_satfinite(x·2^-e)``; K one
@@ -127,17 +127,17 @@ def writes_visible(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def acquire_load(addr: Int64, *, loc=None, ip=None) -> Int32:
-    """``ld.acquire.gpu`` of the int32 at global ``addr``."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [Int64(addr).ir_value(loc=loc, ip=ip)],
-            "ld.acquire.gpu.global.s32 $0, [$1];",
-            "=r,l",
-            side_effects=True,
-        )
-    )
+def relaxed_load(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """``ld.relaxed.gpu`` of the int32 at global ``addr`` (no L1 invalidation, unlike
+    ``ld.acquire``: follow it with :func:`acquire_fence`)."""
+    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
+                      "ld.relaxed.gpu.global.s32 $0, [$1];", "=r,l", side_effects=True))
+
+
+@dsl_user_op
+def acquire_fence(*, loc=None, ip=None) -> None:
+    """``fence.acq_rel.gpu``: the relaxed loads before it acquire what they read."""
+    _asm(None, [], "fence.acq_rel.gpu;", "", side_effects=True)
 
 
 @dsl_user_op
@@ -401,13 +401,18 @@ class KVQuantizer:
     def wait_tile(self, kv, head_kv: Int32, first_slot: Int32, seqlen: Int32, n: Int32,
                   tile_n: cutlass.Constexpr):  # fmt: skip
         """Spin until the blocks of key tile ``n`` (of a document whose first block is slot
-        ``first_slot`` and which has ``seqlen`` keys) are written, then order the TMA
-        loads after them."""
-        n_blocks = (seqlen + BLOCK - 1) // BLOCK
+        ``first_slot`` and which has ``seqlen`` keys) are written, then order the TMA loads
+        after them. The tile's flags are read together (one round trip when they are set),
+        relaxed, with one acquire fence after."""
+        last = (seqlen + BLOCK - 1) // BLOCK - 1
         row = kv.flags_addr + (Int64(head_kv) * kv.n_slots64 + first_slot) * 4
-        for i in cutlass.range_constexpr(tile_n // BLOCK):
-            b = n * (tile_n // BLOCK) + i
-            if b < n_blocks:
-                while acquire_load(row + b * 4) < 2:
-                    nanosleep(64)
+        ready = Int32(0)
+        while ready == 0:
+            ready = Int32(1)
+            for i in cutlass.range_constexpr(tile_n // BLOCK):
+                b = cutlass.min(n * (tile_n // BLOCK) + i, last)
+                ready = ready & Int32(relaxed_load(row + b * 4) >= 2)
+            if ready == 0:
+                nanosleep(64)
+        acquire_fence()
         async_proxy_acquire()
