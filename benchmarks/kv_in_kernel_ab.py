@@ -10,9 +10,10 @@ quantization launch + forward it replaces, in one process (GPU; needs the ``cute
    forward's on those operands; three runs each (a race would show as a difference).
 2. Times: per workload, CUDA-graph replays of (a) the quantization launch (K/V) + the
    forward, as a planned eager call runs them, (b) the forward quantizing K/V itself (its
-   flag/ticket memsets included), (c) the forward alone on K/V quantized beforehand (what
-   (b) would take if its quantization cost nothing), and FA4 BF16 when installed, interleaved over
-   ``--rounds`` rounds; medians; JSON ``<name>.json``.
+   flag/ticket memsets included) per ``--groups`` (K/V heads per group of its order), (c)
+   the forward alone on K/V quantized beforehand (what (b) would take if its quantization
+   cost nothing), and FA4 BF16 when installed, interleaved over ``--rounds`` rounds;
+   medians; JSON ``<name>.json``.
 """
 
 from __future__ import annotations
@@ -123,16 +124,19 @@ def fa4_call(q, k, v, cu, max_len):
                                           causal=True)  # fmt: skip
 
 
-def times(workloads: list[str], rounds: int) -> list[dict]:
+def times(workloads: list[str], rounds: int, groups: list[int]) -> list[dict]:
     rows = []
     for name in workloads:
         wl = training_workload(name)
         q, k, v, cu = inputs(name)
         _qkv, launch_then_fwd = reference(q, k, v, cu)
-        in_kernel, _ = attn_fwd_sm90_quantizing_kv(q, k, v, cu)
         _qkv, forward_only = reference(q, k, v, cu, launch_kv=False)
-        impls = {"launch+forward": launch_then_fwd, "kv_in_kernel": in_kernel,
-                 "forward_kv_given": forward_only}  # fmt: skip
+        impls = {"launch+forward": launch_then_fwd, "forward_kv_given": forward_only}
+        for g in groups:
+            if wl.hkv % g == 0:
+                impls[f"kv_in_kernel_g{g}"] = attn_fwd_sm90_quantizing_kv(
+                    q, k, v, cu, group_heads=g
+                )[0]
         fa4 = fa4_call(q, k, v, cu, wl.max_seqlen)
         if fa4 is not None:
             impls["fa4"] = fa4
@@ -155,13 +159,16 @@ def main() -> int:
     parser.add_argument("--workloads", default="P3,W5,W3")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--name", default="kv_in_kernel_ab")
+    parser.add_argument("--groups", default="4",
+                        help="K/V heads per group of the in-kernel variants' order (one variant "
+                        "each; the number of K/V heads: the work list's own order)")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--no-time", action="store_true")
     args = parser.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     rows = [] if args.no_check else checks(workloads)
     if not args.no_time:
-        rows += times(workloads, args.rounds)
+        rows += times(workloads, args.rounds, [int(g) for g in args.groups.split(",")])
     write_results(args.name, rows)
     return 0
 
