@@ -10,7 +10,7 @@ quantization launch + forward it replaces, in one process (GPU; needs the ``cute
    forward's on those operands; three runs each (a race would show as a difference).
 2. Times: per workload, CUDA-graph replays of (a) the quantization launch (K/V) + the
    forward, as a planned eager call runs them, (b) the forward quantizing K/V itself (its
-   flag/ticket memsets included) per ``--groups`` (K/V heads per group of its order), (c)
+   flag/ticket memsets included) per ``--variants`` (``parse_variants``), (c)
    the forward alone on K/V quantized beforehand (what (b) would take if its quantization
    cost nothing), and FA4 BF16 when installed, interleaved over ``--rounds`` rounds;
    medians; JSON ``<name>.json``.
@@ -58,7 +58,7 @@ def reference(q, k, v, cu, launch_kv: bool = True):
             launch(q=q, k=k, v=v)
         scale = q.shape[2] ** -0.5
         return attn_fwd(qkv, cu, heads_q=q.shape[1], causal=True, softmax_scale=scale,
-                        config=CUTE_CONFIG, work=work)  # fmt: skip
+                        out_dtype=q.dtype, config=CUTE_CONFIG, work=work)  # fmt: skip
 
     return qkv, run
 
@@ -83,8 +83,8 @@ def compare(name, q, k, v, cu) -> dict:
                 qkv.kv_factors[:, :, cols].view(i32), ref_qkv.kv_factors[:, :, cols].view(i32)
             ),
             "O": torch.equal(out[0].view(torch.int16), ref_out[0].view(torch.int16)),
-            "M": torch.equal(out[1], ref_out[1]),
-            "lse": torch.equal(out[2], ref_out[2]),
+            "M": torch.equal(out[1].view(i32), ref_out[1].view(i32)),
+            "lse": torch.equal(out[2].view(i32), ref_out[2].view(i32)),
         }
         row["runs"].append(checks)
     row["all_equal"] = all(all(c.values()) for c in row["runs"])
@@ -124,7 +124,23 @@ def fa4_call(q, k, v, cu, max_len):
                                           causal=True)  # fmt: skip
 
 
-def times(workloads: list[str], rounds: int, groups: list[int]) -> list[dict]:
+def parse_variants(text: str) -> dict[str, tuple[int, tuple]]:
+    """``g4,g4:c8,g4:np``: K/V heads per group, then ``c<n>`` K's tokens per load pass,
+    ``np`` no L2 prefetch of the next task's rows -> name: (group, (k_chunk, prefetch))."""
+    out = {}
+    for name in text.split(","):
+        parts = name.split(":")
+        chunk, prefetch = 16, True
+        for part in parts[1:]:
+            if part == "np":
+                prefetch = False
+            else:
+                chunk = int(part.removeprefix("c"))
+        out[name] = (int(parts[0].removeprefix("g")), (chunk, prefetch))
+    return out
+
+
+def times(workloads: list[str], rounds: int, variants: dict) -> list[dict]:
     rows = []
     for name in workloads:
         wl = training_workload(name)
@@ -132,10 +148,10 @@ def times(workloads: list[str], rounds: int, groups: list[int]) -> list[dict]:
         _qkv, launch_then_fwd = reference(q, k, v, cu)
         _qkv, forward_only = reference(q, k, v, cu, launch_kv=False)
         impls = {"launch+forward": launch_then_fwd, "forward_kv_given": forward_only}
-        for g in groups:
+        for name, (g, options) in variants.items():
             if wl.hkv % g == 0:
-                impls[f"kv_in_kernel_g{g}"] = attn_fwd_sm90_quantizing_kv(
-                    q, k, v, cu, group_heads=g
+                impls[f"kv_in_kernel_{name}"] = attn_fwd_sm90_quantizing_kv(
+                    q, k, v, cu, group_heads=g, options=options
                 )[0]
         fa4 = fa4_call(q, k, v, cu, wl.max_seqlen)
         if fa4 is not None:
@@ -159,16 +175,17 @@ def main() -> int:
     parser.add_argument("--workloads", default="P3,W5,W3")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--name", default="kv_in_kernel_ab")
-    parser.add_argument("--groups", default="4",
-                        help="K/V heads per group of the in-kernel variants' order (one variant "
-                        "each; the number of K/V heads: the work list's own order)")
+    parser.add_argument("--variants", default="g4",
+                        help="in-kernel variants (parse_variants): K/V heads per group of the "
+                        "order (the number of K/V heads: the work list's own), K's load "
+                        "chunk, no prefetch")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--no-time", action="store_true")
     args = parser.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     rows = [] if args.no_check else checks(workloads)
     if not args.no_time:
-        rows += times(workloads, args.rounds, [int(g) for g in args.groups.split(",")])
+        rows += times(workloads, args.rounds, parse_variants(args.variants))
     write_results(args.name, rows)
     return 0
 

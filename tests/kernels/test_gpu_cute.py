@@ -287,7 +287,7 @@ def test_cute_fwd_quantizing_kv_itself_gives_the_launchs_bits(lens, hq, hkv, d, 
     ref = quantize_qkv(q, k, v, cu, defer_q=True, column_align=CUTE_CONFIG.column_align)
     work = build_work_list(cu, q.shape[0], block_m=128, block_n=128, causal=True)
     expected = attn_fwd(ref, cu, heads_q=hq, causal=True, softmax_scale=d**-0.5,
-                        config=CUTE_CONFIG, work=work)  # fmt: skip
+                        out_dtype=dtype, config=CUTE_CONFIG, work=work)  # fmt: skip
     run, qkv = attn_fwd_sm90_quantizing_kv(q, k, v, cu)
     cols = token_columns(cu, qkv.doc_v_t_start, q.shape[0]).long()
     u8, i32 = torch.uint8, torch.int32

@@ -49,9 +49,9 @@ from flamia_serve.numerics.scales import V_ZERO_EXPONENT
 #: 16-token groups)
 BLOCK = 32
 GROUP16 = 16
-#: K's tokens loaded at once per pass (registers: 72 per producer thread)
-K_CHUNK = 8
-#: a warp prefetches its next task's rows into L2 while it runs one
+#: K's tokens loaded at once per pass (registers: 72 per producer thread), by default
+K_CHUNK = 16
+#: a warp prefetches its next task's rows into L2 while it runs one, by default
 PREFETCH = True
 
 
@@ -209,7 +209,15 @@ class KVQuantizer:
     docstring). ``d`` 64 or 128 (each lane ``d/32`` columns of a token: 4 or 2 bytes);
     ``fp16``: the inputs are FP16 (else BF16)."""
 
-    def __init__(self, head_dim: int, heads_kv: int, group_heads: int, fp16: bool) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        heads_kv: int,
+        group_heads: int,
+        fp16: bool,
+        k_chunk: int = K_CHUNK,
+        prefetch: bool = PREFETCH,
+    ) -> None:
         if head_dim not in (64, 128):
             raise ValueError(f"quantize_kv needs head_dim 64 or 128, got {head_dim}")
         if heads_kv % group_heads:
@@ -219,6 +227,9 @@ class KVQuantizer:
         self.group_heads = group_heads
         self.fp16 = fp16
         self.words = head_dim // 64  # 32-bit words (two values each) per lane and token
+        if BLOCK % k_chunk:
+            raise ValueError(f"k_chunk {k_chunk} must divide {BLOCK}")
+        self.k_chunk, self.prefetch_rows = k_chunk, prefetch
 
     # ------------------------------------------------------------ producer warps
     @cute.jit
@@ -226,14 +237,14 @@ class KVQuantizer:
         """Take tasks until none is left (``warp``: this warp among the ``n_warps`` of the
         grid that run this; the ticket makes the order, they only start spread). A warp
         holds its next task while it runs one, whose rows it has prefetched into L2
-        (``PREFETCH``)."""
+        (``prefetch``)."""
         n_slots = kv.n_slots
         n_tasks = self.heads_kv * 2 * n_slots
         lane = cute.arch.lane_idx()
         task = warp
         following = self.draw(kv, n_warps, lane)
         while task < n_tasks:
-            if const_expr(PREFETCH):
+            if const_expr(self.prefetch_rows):
                 if following < n_tasks:
                     self.prefetch(kv, following, lane, n_slots)
             self.task(kv, task, lane, n_slots)
@@ -314,25 +325,25 @@ class KVQuantizer:
     def k_block(self, kv, head: Int32, start: Int32, length: Int32, col0: Int32, lane: Int32):
         """K: one exponent for the block (NaN-ignoring maximum over every value), codes
         token-major; ``kv_factors`` row 0 and ``k_exp`` at the block's columns. Two passes
-        over the rows (the second reads them again: registers hold 8 tokens at a time)."""
+        over the rows (the second reads them again: registers hold ``k_chunk`` tokens at a time)."""
         amax = Float32(0.0)
-        for chunk in cutlass.range(BLOCK // K_CHUNK, unroll=1):
+        for chunk in cutlass.range(BLOCK // self.k_chunk, unroll=1):
             rows = []
-            for i in cutlass.range_constexpr(K_CHUNK):
-                j = chunk * K_CHUNK + i
+            for i in cutlass.range_constexpr(self.k_chunk):
+                j = chunk * self.k_chunk + i
                 rows.append(self.row_words(kv.k_in_addr, head, start, length, j, lane))
-            for i in cutlass.range_constexpr(K_CHUNK):
+            for i in cutlass.range_constexpr(self.k_chunk):
                 amax = fa_utils.fmax(amax, self.amax(rows[i]))
         amax = fa_utils.warp_reduce(amax, fa_utils.fmax)
         e = e4m3_exponent(amax)
         scale = pow2(-e)
-        for chunk in cutlass.range(BLOCK // K_CHUNK, unroll=1):
+        for chunk in cutlass.range(BLOCK // self.k_chunk, unroll=1):
             rows = []
-            for i in cutlass.range_constexpr(K_CHUNK):
-                j = chunk * K_CHUNK + i
+            for i in cutlass.range_constexpr(self.k_chunk):
+                j = chunk * self.k_chunk + i
                 rows.append(self.row_words(kv.k_in_addr, head, start, length, j, lane))
-            for i in cutlass.range_constexpr(K_CHUNK):
-                j = chunk * K_CHUNK + i
+            for i in cutlass.range_constexpr(self.k_chunk):
+                j = chunk * self.k_chunk + i
                 at = kv.k_codes_addr + (
                     (Int64(start + j) * self.heads_kv + head) * self.d + lane * (2 * self.words)
                 )

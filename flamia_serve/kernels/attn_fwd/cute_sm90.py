@@ -112,6 +112,7 @@ class FlamiaFwdSm90:
         quantize_kv: bool = False,
         kv_group_heads: int = 4,
         kv_fp16: bool = False,
+        kv_options: tuple = (),
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
@@ -179,7 +180,7 @@ class FlamiaFwdSm90:
                     "quantize_kv needs q_block, tile_m 128, E4M3 Q/K, head_dim <= 128 and no extend"
                 )
             group = kv_group_heads if heads_kv % kv_group_heads == 0 else 1
-            self.kvq = KVQuantizer(head_dim, heads_kv, group, kv_fp16)
+            self.kvq = KVQuantizer(head_dim, heads_kv, group, kv_fp16, *kv_options)
             self.mma_regs, self.producer_regs = 216, 72
 
     # ---------------------------------------------------------------- host side
@@ -1212,13 +1213,14 @@ def attn_fwd_sm90_call(
     stage_o = out.stride(0) % 8 == 0 and out.stride(1) % 8 == 0
     key = (d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
            persistent, out.dtype, extend, exp_mode, wide, promote_pv, q_block, q_in.dtype,
-           stage_o, None if kv is None else (kv.group_heads, kv.k.dtype))  # fmt: skip
+           stage_o, None if kv is None else (kv.group_heads, kv.k.dtype, kv.options))  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
             persistent, extend, exp_mode, wide, promote_pv, q_block, stage_o,
             quantize_kv=kv is not None, kv_group_heads=kv.group_heads if kv else 4,
             kv_fp16=kv is not None and kv.k.dtype == torch.float16,
+            kv_options=kv.options if kv else (),
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     ctas = max(1, min(work.num_slots * heads_q, sm_count(out.device)))
@@ -1238,7 +1240,8 @@ class KVInKernel:
     into the operands' buffers: K/V ``[T, Hkv, d]`` BF16/FP16, contiguous; the operands'
     token-block table; the task order and each document's first slot
     (``schedule.kv_task_order``); ``flags`` int32 ``[Hkv · slots]`` and ``task_ticket``
-    int32 ``[1]``, zero at every launch; K/V heads per group of the work order."""
+    int32 ``[1]``, zero at every launch; K/V heads per group of the work order;
+    ``options``: ``KVQuantizer``'s ``(k_chunk, prefetch)`` (empty: its defaults)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -1248,6 +1251,7 @@ class KVInKernel:
     flags: torch.Tensor
     task_ticket: torch.Tensor
     group_heads: int = 4
+    options: tuple = ()
 
 
 def attn_fwd_sm90_quantizing_kv(
@@ -1259,6 +1263,7 @@ def attn_fwd_sm90_quantizing_kv(
     causal: bool = True,
     softmax_scale: float | None = None,
     group_heads: int = 4,
+    options: tuple = (),
 ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], KernelQKV]:
     """The ``mxfp8`` forward (token-block exponents, CuTe default tiles) with Q and K/V
     quantized inside the kernel, no quantization launch (an experiment: not yet behind
@@ -1284,7 +1289,7 @@ def attn_fwd_sm90_quantizing_kv(
     kv = KVInKernel(
         k, v, blocks, task_slot, doc_slot,
         torch.zeros(heads_kv * blocks.num_slots, dtype=torch.int32, device=dev),
-        torch.zeros(1, dtype=torch.int32, device=dev), group_heads,
+        torch.zeros(1, dtype=torch.int32, device=dev), group_heads, tuple(options),
     )  # fmt: skip
     out = torch.empty_like(q)
     m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=dev)
