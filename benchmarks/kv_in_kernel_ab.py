@@ -125,18 +125,22 @@ def fa4_call(q, k, v, cu, max_len):
 
 
 def parse_variants(text: str) -> dict[str, tuple[int, tuple]]:
-    """``g4,g4:c8,g4:np``: K/V heads per group, then ``c<n>`` K's tokens per load pass,
-    ``np`` no L2 prefetch of the next task's rows -> name: (group, (k_chunk, prefetch))."""
+    """``g4,g4:reg,g4:reg:c8:np``: K/V heads per group, then ``reg`` rows loaded from
+    global memory into registers (else staged in shared memory by bulk copies), ``c<n>``
+    K's tokens per register load pass, ``np`` no L2 prefetch of the next task's rows ->
+    name: (group, (k_chunk, prefetch, stage))."""
     out = {}
     for name in text.split(","):
         parts = name.split(":")
-        chunk, prefetch = 16, True
+        chunk, prefetch, stage = 16, True, True
         for part in parts[1:]:
             if part == "np":
                 prefetch = False
+            elif part == "reg":
+                stage = False
             else:
                 chunk = int(part.removeprefix("c"))
-        out[name] = (int(parts[0].removeprefix("g")), (chunk, prefetch))
+        out[name] = (int(parts[0].removeprefix("g")), (chunk, prefetch, stage))
     return out
 
 

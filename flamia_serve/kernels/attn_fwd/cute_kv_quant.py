@@ -41,6 +41,7 @@ from flamia_serve.kernels.cute_sm90_common import (
     _asm,
     _fields,
     e4m3_exponent,
+    load_shared_words,
     pow2,
 )
 from flamia_serve.numerics.scales import V_ZERO_EXPONENT
@@ -53,6 +54,9 @@ GROUP16 = 16
 K_CHUNK = 16
 #: a warp prefetches its next task's rows into L2 while it runs one, by default
 PREFETCH = True
+#: a warp copies its next task's rows into shared memory (bulk copies, one round trip)
+#: while it runs one, by default (instead of loading them into registers from L2)
+STAGE = True
 
 
 # ---------------------------------------------------------------- PTX helpers
@@ -154,6 +158,49 @@ def prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def bulk_copy(dst: Int32, src: Int64, nbytes: int, mbar: Int32, *, loc=None, ip=None) -> None:
+    """``nbytes`` (a multiple of 16) at global ``src`` to shared ``dst`` (both 16-byte
+    aligned) by the bulk-copy engine, completing its bytes on the mbarrier at ``mbar``."""
+    args = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+            Int32(mbar).ir_value(loc=loc, ip=ip)]  # fmt: skip
+    _asm(None, args, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+         f"[$0], [$1], {nbytes}, [$2];", "r,l,r", side_effects=True)  # fmt: skip
+
+
+@dsl_user_op
+def mbar_init(mbar: Int32, *, loc=None, ip=None) -> None:
+    """Initialise the mbarrier at shared ``mbar`` for one arrival, visible to the async
+    proxy."""
+    _asm(None, [Int32(mbar).ir_value(loc=loc, ip=ip)],
+         "{ mbarrier.init.shared::cta.b64 [$0], 1; fence.mbarrier_init.release.cluster; "
+         "fence.proxy.async.shared::cta; }", "r", side_effects=True)  # fmt: skip
+
+
+@dsl_user_op
+def mbar_arrive(mbar: Int32, tx_bytes: Int32, *, loc=None, ip=None) -> None:
+    """Arrive on the mbarrier at ``mbar``, expecting ``tx_bytes`` more bytes (0: none)."""
+    _asm(None, [Int32(mbar).ir_value(loc=loc, ip=ip), Int32(tx_bytes).ir_value(loc=loc, ip=ip)],
+         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r",
+         side_effects=True)  # fmt: skip
+
+
+@dsl_user_op
+def mbar_try_wait(mbar: Int32, parity: Int32, *, loc=None, ip=None) -> Int32:
+    """1 once the mbarrier at ``mbar`` completed the phase of ``parity``, else 0."""
+    return Int32(_asm(
+        T.i32(), [Int32(mbar).ir_value(loc=loc, ip=ip), Int32(parity).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+        "selp.b32 $0, 1, 0, p; }", "=r,r,r", side_effects=True,
+    ))  # fmt: skip
+
+
+@dsl_user_op
+def smem_reads_done(*, loc=None, ip=None) -> None:
+    """Order this thread's shared-memory reads before later async-proxy writes there."""
+    _asm(None, [], "fence.proxy.async.shared::cta;", "", side_effects=True)
+
+
+@dsl_user_op
 def nanosleep(ns: int, *, loc=None, ip=None) -> None:
     _asm(None, [], f"nanosleep.u32 {ns};", "", side_effects=True)
 
@@ -217,6 +264,7 @@ class KVQuantizer:
         fp16: bool,
         k_chunk: int = K_CHUNK,
         prefetch: bool = PREFETCH,
+        stage: bool = STAGE,
     ) -> None:
         if head_dim not in (64, 128):
             raise ValueError(f"quantize_kv needs head_dim 64 or 128, got {head_dim}")
@@ -229,27 +277,70 @@ class KVQuantizer:
         self.words = head_dim // 64  # 32-bit words (two values each) per lane and token
         if BLOCK % k_chunk:
             raise ValueError(f"k_chunk {k_chunk} must divide {BLOCK}")
-        self.k_chunk, self.prefetch_rows = k_chunk, prefetch
+        self.k_chunk, self.prefetch_rows, self.stage = k_chunk, prefetch, stage
+        # stage: each warp's two buffers of a block's rows (BF16/FP16) in shared memory
+        self.buffer_bytes = BLOCK * 2 * head_dim
+
+    def shared_words(self) -> int:
+        """32-bit words of shared memory the three warps' buffers take (``stage``)."""
+        return 3 * 2 * self.buffer_bytes // 4 if self.stage else 4
 
     # ------------------------------------------------------------ producer warps
     @cute.jit
-    def run(self, kv, warp: Int32, n_warps: Int32):
+    def run(self, kv, warp: Int32, n_warps: Int32, buffers: Int32, mbars: Int32):
         """Take tasks until none is left (``warp``: this warp among the ``n_warps`` of the
         grid that run this; the ticket makes the order, they only start spread). A warp
-        holds its next task while it runs one, whose rows it has prefetched into L2
-        (``prefetch``)."""
+        holds its next task while it runs one: with ``stage`` its rows are on their way
+        into the warp's other shared-memory buffer (``buffers``: two of ``buffer_bytes``;
+        ``mbars``: their two mbarriers), else prefetched into L2 (``prefetch``)."""
         n_slots = kv.n_slots
         n_tasks = self.heads_kv * 2 * n_slots
         lane = cute.arch.lane_idx()
         task = warp
         following = self.draw(kv, n_warps, lane)
+        buf = Int32(0)
+        phases = Int32(0)  # bit b: the parity buffer b's mbarrier completes next
+        if const_expr(self.stage):
+            if lane == 0:
+                mbar_init(mbars)
+                mbar_init(mbars + 8)
+            cute.arch.sync_warp()
+            if task < n_tasks:
+                self.stage_rows(kv, task, lane, n_slots, buffers, mbars)
         while task < n_tasks:
-            if const_expr(self.prefetch_rows):
+            if const_expr(self.stage):
                 if following < n_tasks:
-                    self.prefetch(kv, following, lane, n_slots)
-            self.task(kv, task, lane, n_slots)
+                    other = 1 - buf
+                    into = buffers + other * self.buffer_bytes
+                    self.stage_rows(kv, following, lane, n_slots, into, mbars + other * 8)
+                parity = (phases >> buf) & 1
+                while mbar_try_wait(mbars + buf * 8, parity) == 0:
+                    pass
+                phases = phases ^ (1 << buf)
+                self.task(kv, task, lane, n_slots, buffers + buf * self.buffer_bytes)
+                smem_reads_done()  # before this buffer takes the task after next
+                cute.arch.sync_warp()
+                buf = 1 - buf
+            else:
+                if const_expr(self.prefetch_rows):
+                    if following < n_tasks:
+                        self.prefetch(kv, following, lane, n_slots)
+                self.task(kv, task, lane, n_slots, Int32(0))
             task = following
             following = self.draw(kv, n_warps, lane)
+
+    @cute.jit
+    def stage_rows(self, kv, task: Int32, lane: Int32, n_slots: Int32, buffer: Int32,
+                   mbar: Int32):  # fmt: skip
+        """Task ``task``'s rows into ``buffer`` (lane ``j``: token ``j``, one bulk copy of
+        ``2·d`` bytes), completing on ``mbar`` (empty slots: an arrival alone)."""
+        head, which, _slot, start, length, _col0 = self.decode(kv, task, n_slots)
+        src = kv.k_in_addr if which == 0 else kv.v_in_addr
+        if lane == 0:
+            mbar_arrive(mbar, length * (2 * self.d))
+        if lane < length:
+            row = src + ((Int64(start + lane) * self.heads_kv + head) * self.d) * 2
+            bulk_copy(buffer + lane * (2 * self.d), row, 2 * self.d, mbar)
 
     @cute.jit
     def draw(self, kv, n_warps: Int32, lane: Int32) -> Int32:
@@ -283,14 +374,21 @@ class KVQuantizer:
             prefetch_l2(row, 2 * self.d)
 
     @cute.jit
-    def task(self, kv, task: Int32, lane: Int32, n_slots: Int32):
-        """Quantize task ``task``'s block, then release its flag."""
+    def task(self, kv, task: Int32, lane: Int32, n_slots: Int32, buffer: Int32):
+        """Quantize task ``task``'s block (rows in shared ``buffer`` with ``stage``), then
+        release its flag."""
         head, which, slot, start, length, col0 = self.decode(kv, task, n_slots)
         if length > 0:
             if which == 0:
-                self.k_block(kv, head, start, length, col0, lane)
+                src = kv.k_in_addr
+                if const_expr(self.stage):
+                    src = Int64(buffer)
+                self.k_block(kv, head, start, length, col0, lane, src)
             else:
-                self.v_block(kv, head, start, length, col0, lane)
+                src = kv.v_in_addr
+                if const_expr(self.stage):
+                    src = Int64(buffer)
+                self.v_block(kv, head, start, length, col0, lane, src)
             writes_visible()
             cute.arch.sync_warp()
             if lane == 0:
@@ -298,13 +396,18 @@ class KVQuantizer:
 
     def row_words(self, src: Int64, head: Int32, start: Int32, length: Int32, j: int,
                   lane: Int32, word: int | None = None) -> list:  # fmt: skip
-        """This lane's ``d/32`` values of the block's token ``j`` (at global ``src``) as
-        packed 16-bit pairs (``word``: only that one of them), zero past ``length`` (not
-        loaded). The token's offset from the block's first row is a constant, so the loads
-        of a block share one address register."""
+        """This lane's ``d/32`` values of the block's token ``j`` as packed 16-bit pairs
+        (``word``: only that one of them), zero past ``length``: from global memory at
+        ``src`` (not loaded past ``length``; the token's offset from the block's first row
+        is a constant, so a block's loads share one address register), or with ``stage``
+        from the shared buffer at ``src`` (row ``j`` at ``j·2d`` bytes)."""
         first = lane * (2 * self.words) + (0 if word is None else 2 * word)
-        row0 = src + ((Int64(start) * self.heads_kv + head) * self.d + first) * 2
         n = self.words if word is None else 1
+        if self.stage:
+            mask = ((length - 1 - j) >> 31) ^ -1  # all ones while j < length, else zero
+            addr = Int32(src) + j * (2 * self.d) + first * 2
+            return [w & mask for w in load_shared_words(addr, n)]
+        row0 = src + ((Int64(start) * self.heads_kv + head) * self.d + first) * 2
         return load_words_if(row0 + j * self.heads_kv * self.d * 2, n, Int32(j < length))
 
     def column(self, words: list, c: int) -> Float32:
@@ -322,7 +425,8 @@ class KVQuantizer:
         return m
 
     @cute.jit
-    def k_block(self, kv, head: Int32, start: Int32, length: Int32, col0: Int32, lane: Int32):
+    def k_block(self, kv, head: Int32, start: Int32, length: Int32, col0: Int32, lane: Int32,
+                src: Int64):  # fmt: skip
         """K: one exponent for the block (NaN-ignoring maximum over every value), codes
         token-major; ``kv_factors`` row 0 and ``k_exp`` at the block's columns. Two passes
         over the rows (the second reads them again: registers hold ``k_chunk`` tokens at a time)."""
@@ -331,7 +435,7 @@ class KVQuantizer:
             rows = []
             for i in cutlass.range_constexpr(self.k_chunk):
                 j = chunk * self.k_chunk + i
-                rows.append(self.row_words(kv.k_in_addr, head, start, length, j, lane))
+                rows.append(self.row_words(src, head, start, length, j, lane))
             for i in cutlass.range_constexpr(self.k_chunk):
                 amax = fa_utils.fmax(amax, self.amax(rows[i]))
         amax = fa_utils.warp_reduce(amax, fa_utils.fmax)
@@ -341,7 +445,7 @@ class KVQuantizer:
             rows = []
             for i in cutlass.range_constexpr(self.k_chunk):
                 j = chunk * self.k_chunk + i
-                rows.append(self.row_words(kv.k_in_addr, head, start, length, j, lane))
+                rows.append(self.row_words(src, head, start, length, j, lane))
             for i in cutlass.range_constexpr(self.k_chunk):
                 j = chunk * self.k_chunk + i
                 at = kv.k_codes_addr + (
@@ -360,7 +464,8 @@ class KVQuantizer:
             store_word(fac, pow2(e).bitcast(Int32))
 
     @cute.jit
-    def v_block(self, kv, head: Int32, start: Int32, length: Int32, col0: Int32, lane: Int32):
+    def v_block(self, kv, head: Int32, start: Int32, length: Int32, col0: Int32, lane: Int32,
+                src: Int64):  # fmt: skip
         """V: one exponent per token (all-zero rows: ``V_ZERO_EXPONENT``), codes into
         ``v_t`` (this lane's ``d/32`` rows, 16 columns per store, zero codes past the
         block's tokens); ``v_exp`` and ``kv_factors`` rows 1 and 2 at the block's
@@ -373,7 +478,7 @@ class KVQuantizer:
                 packed = [Int32(0)] * (GROUP16 // 4)
                 for t in cutlass.range_constexpr(GROUP16):
                     j = half * GROUP16 + t
-                    words = self.row_words(kv.v_in_addr, head, start, length, j, lane)
+                    words = self.row_words(src, head, start, length, j, lane)
                     m = fa_utils.warp_reduce(self.amax(words), fa_utils.fmax)
                     e = e4m3_exponent(m)
                     packed[t // 4] = packed[t // 4] | ((e & 0xFF) << (8 * (t % 4)))
@@ -386,7 +491,7 @@ class KVQuantizer:
                     for t in cutlass.range_constexpr(GROUP16):
                         j = half * GROUP16 + t
                         words.append(
-                            self.row_words(kv.v_in_addr, head, start, length, j, lane, wi)
+                            self.row_words(src, head, start, length, j, lane, wi)
                         )
                     scales = []
                     for t in cutlass.range_constexpr(GROUP16):

@@ -274,6 +274,7 @@ class FlamiaFwdSm90:
         }  # fmt: skip
         self.tma_bytes["k"] += cute.size_in_bytes(Float32, cute.make_layout((self.tile_n, 3)))
         stages = self.num_stages
+        kv_words = self.kvq.shared_words() if self.kvq is not None else 4
 
         @cute.struct
         class Storage:
@@ -294,6 +295,9 @@ class FlamiaFwdSm90:
             sO: cute.struct.Align[
                 cute.struct.MemRange[Int32, self.num_wg * 64 * _O_ROW if self.stage_o else 4], 128
             ]
+            # quantize_kv: the producer warps' row buffers and their mbarriers
+            sKV: cute.struct.Align[cute.struct.MemRange[Int32, kv_words], 128]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 6]
 
         self.kernel(
             tma_q, tma_k, tma_v, tma_f, atom_q, atom_k, atom_v, atom_f, mQexp, mCu, mCuK,
@@ -432,7 +436,10 @@ class FlamiaFwdSm90:
                 )  # fmt: skip
             elif const_expr(self.kvq is not None):
                 n_ctas = cute.arch.grid_dim()[0]
-                self.kvq.run(kv, cute.arch.block_idx()[0] * 3 + warp_idx - 1, n_ctas * 3)
+                w = warp_idx - 1
+                buffers = storage.sKV.data_ptr().toint() + w * (2 * self.kvq.buffer_bytes)
+                mbars = storage.mbar_kv.data_ptr().toint() + w * 16
+                self.kvq.run(kv, cute.arch.block_idx()[0] * 3 + w, n_ctas * 3, buffers, mbars)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(
