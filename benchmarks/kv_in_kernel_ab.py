@@ -152,9 +152,9 @@ def times(workloads: list[str], rounds: int, variants: dict) -> list[dict]:
         _qkv, launch_then_fwd = reference(q, k, v, cu)
         _qkv, forward_only = reference(q, k, v, cu, launch_kv=False)
         impls = {"launch+forward": launch_then_fwd, "forward_kv_given": forward_only}
-        for name, (g, options) in variants.items():
+        for variant, (g, options) in variants.items():
             if wl.hkv % g == 0:
-                impls[f"kv_in_kernel_{name}"] = attn_fwd_sm90_quantizing_kv(
+                impls[f"kv_in_kernel_{variant}"] = attn_fwd_sm90_quantizing_kv(
                     q, k, v, cu, group_heads=g, options=options
                 )[0]
         fa4 = fa4_call(q, k, v, cu, wl.max_seqlen)
