@@ -125,23 +125,50 @@ def fa4_call(q, k, v, cu, max_len):
 
 
 def parse_variants(text: str) -> dict[str, tuple[int, tuple]]:
-    """``g4,g4:reg,g4:reg:c8:np``: K/V heads per group, then ``reg`` rows loaded from
-    global memory into registers (else staged in shared memory by bulk copies), ``c<n>``
-    K's tokens per register load pass, ``np`` no L2 prefetch of the next task's rows ->
-    name: (group, (k_chunk, prefetch, stage))."""
+    """``g4,g4:reg,g4:reg:c8:np,g4:trace``: K/V heads per group, then ``reg`` rows loaded
+    from global memory into registers (else staged in shared memory by bulk copies),
+    ``c<n>`` K's tokens per register load pass, ``np`` no L2 prefetch of the next task's
+    rows, ``trace`` the kernel's timers (``cute_kv_quant.TRACE_FIELDS``, printed once per
+    workload, not timed) -> name: (group, (k_chunk, prefetch, stage, trace))."""
     out = {}
     for name in text.split(","):
         parts = name.split(":")
-        chunk, prefetch, stage = 16, True, True
+        chunk, prefetch, stage, trace = 16, True, True, False
         for part in parts[1:]:
             if part == "np":
                 prefetch = False
             elif part == "reg":
                 stage = False
+            elif part == "trace":
+                trace = True
             else:
                 chunk = int(part.removeprefix("c"))
-        out[name] = (int(parts[0].removeprefix("g")), (chunk, prefetch, stage))
+        out[name] = (int(parts[0].removeprefix("g")), (chunk, prefetch, stage, trace))
     return out
+
+
+def traced(name: str, q, k, v, cu, group: int, options: tuple) -> dict:
+    """One run of a ``trace`` variant: the kernel's timers (``TRACE_FIELDS``), per task and
+    per CTA."""
+    from flamia_serve.kernels._common import sm_count
+    from flamia_serve.kernels.attn_fwd.cute_kv_quant import TRACE_FIELDS, TRACE_WORDS
+
+    run, _qkv = attn_fwd_sm90_quantizing_kv(q, k, v, cu, group_heads=group, options=options)
+    run()
+    torch.cuda.synchronize()
+    raw = run.trace().tolist()
+    words = dict(zip(TRACE_FIELDS[:4], raw[:4], strict=True))
+    start = (raw[4] & 0xFFFFFFFF) | (raw[5] << 32)
+    end = (raw[6] & 0xFFFFFFFF) | (raw[7] << 32)
+    ctas = sm_count(q.device)
+    row = {
+        "workload": name, "trace": words, "trace_words": TRACE_WORDS,
+        "task_us": words["task_ns"] / max(words["tasks"], 1) / 1e3,
+        "tma_wait_us_per_cta": words["tma_wait_ns"] / ctas / 1e3,
+        "quantization_span_us": (end - start) / 1e3,
+    }  # fmt: skip
+    print(f"{name} trace: {row}", flush=True)
+    return row
 
 
 def times(workloads: list[str], rounds: int, variants: dict) -> list[dict]:
@@ -153,7 +180,9 @@ def times(workloads: list[str], rounds: int, variants: dict) -> list[dict]:
         _qkv, forward_only = reference(q, k, v, cu, launch_kv=False)
         impls = {"launch+forward": launch_then_fwd, "forward_kv_given": forward_only}
         for variant, (g, options) in variants.items():
-            if wl.hkv % g == 0:
+            if wl.hkv % g == 0 and options[3]:
+                rows.append(traced(name, q, k, v, cu, g, options))
+            elif wl.hkv % g == 0:
                 impls[f"kv_in_kernel_{variant}"] = attn_fwd_sm90_quantizing_kv(
                     q, k, v, cu, group_heads=g, options=options
                 )[0]

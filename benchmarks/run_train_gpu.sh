@@ -629,7 +629,7 @@ if [[ $steps == *,s33-kv,* ]]; then  # the forward quantizing K/V in its produce
   run kv_in_kernel_check_s33 150 python benchmarks/kv_in_kernel_ab.py --workloads P3 \
     --no-time --name kv_in_kernel_check_s33
   run kv_in_kernel_ab_s33 300 python benchmarks/kv_in_kernel_ab.py --workloads P3,W5 \
-    --no-check --rounds 3 --variants "${FLAMIA_KV_VARIANTS:-g4,g4:reg,g2,g1}" \
+    --no-check --rounds 3 --variants "${FLAMIA_KV_VARIANTS:-g4:trace,g4,g4:reg,g2,g1}" \
     --name kv_in_kernel_ab_s33
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests

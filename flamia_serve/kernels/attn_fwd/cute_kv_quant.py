@@ -54,6 +54,12 @@ GROUP16 = 16
 K_CHUNK = 16
 #: a warp prefetches its next task's rows into L2 while it runs one, by default
 PREFETCH = True
+#: int32 words after the flags that ``trace`` writes: Σ task ns (from waiting for its rows
+#: to its flag's release), tasks, Σ ns the TMA warps spent in ``wait_tile``, its calls,
+#: then u64 the first task's start and the last task's end (globaltimer; the host sets the
+#: start to all ones)
+TRACE_FIELDS = ("task_ns", "tasks", "tma_wait_ns", "tma_waits", "first_start", "last_end")
+TRACE_WORDS = 8
 #: a warp copies its next task's rows into shared memory (bulk copies, one round trip)
 #: while it runs one, by default (instead of loading them into registers from L2)
 STAGE = True
@@ -201,6 +207,26 @@ def smem_reads_done(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def global_time(*, loc=None, ip=None) -> Int64:
+    """``%globaltimer`` (ns)."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True))
+
+
+@dsl_user_op
+def trace_add(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
+    """``red.add`` of ``value`` to the int32 at global ``addr`` (the trace's sums)."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+         "red.relaxed.gpu.global.add.s32 [$0], $1;", "l,r", side_effects=True)  # fmt: skip
+
+
+@dsl_user_op
+def trace_extreme(addr: Int64, value: Int64, op: str, *, loc=None, ip=None) -> None:
+    """``red.min``/``red.max`` (``op``) of the u64 ``value`` at global ``addr``."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int64(value).ir_value(loc=loc, ip=ip)],
+         f"red.relaxed.gpu.global.{op}.u64 [$0], $1;", "l,l", side_effects=True)  # fmt: skip
+
+
+@dsl_user_op
 def nanosleep(ns: int, *, loc=None, ip=None) -> None:
     _asm(None, [], f"nanosleep.u32 {ns};", "", side_effects=True)
 
@@ -265,6 +291,7 @@ class KVQuantizer:
         k_chunk: int = K_CHUNK,
         prefetch: bool = PREFETCH,
         stage: bool = STAGE,
+        trace: bool = False,
     ) -> None:
         if head_dim not in (64, 128):
             raise ValueError(f"quantize_kv needs head_dim 64 or 128, got {head_dim}")
@@ -278,6 +305,9 @@ class KVQuantizer:
         if BLOCK % k_chunk:
             raise ValueError(f"k_chunk {k_chunk} must divide {BLOCK}")
         self.k_chunk, self.prefetch_rows, self.stage = k_chunk, prefetch, stage
+        # trace (a diagnostic): TRACE_WORDS int32 after the flags take the sums of
+        # TRACE_FIELDS (globaltimer ns)
+        self.trace = trace
         # stage: each warp's two buffers of a block's rows (BF16/FP16) in shared memory
         self.buffer_bytes = BLOCK * 2 * head_dim
 
@@ -307,7 +337,13 @@ class KVQuantizer:
             cute.arch.sync_warp()
             if task < n_tasks:
                 self.stage_rows(kv, task, lane, n_slots, buffers, mbars)
+        if const_expr(self.trace):
+            if lane == 0:
+                trace_extreme(kv.trace_addr + 16, global_time(), "min")
         while task < n_tasks:
+            t0 = Int64(0)
+            if const_expr(self.trace):
+                t0 = global_time()
             if const_expr(self.stage):
                 if following < n_tasks:
                     other = 1 - buf
@@ -326,8 +362,15 @@ class KVQuantizer:
                     if following < n_tasks:
                         self.prefetch(kv, following, lane, n_slots)
                 self.task(kv, task, lane, n_slots, Int32(0))
+            if const_expr(self.trace):
+                if lane == 0:
+                    trace_add(kv.trace_addr, Int32(global_time() - t0))
+                    trace_add(kv.trace_addr + 4, Int32(1))
             task = following
             following = self.draw(kv, n_warps, lane)
+        if const_expr(self.trace):
+            if lane == 0:
+                trace_extreme(kv.trace_addr + 24, global_time(), "max")
 
     @cute.jit
     def stage_rows(self, kv, task: Int32, lane: Int32, n_slots: Int32, buffer: Int32,
@@ -522,6 +565,9 @@ class KVQuantizer:
         relaxed, with one acquire fence after."""
         last = (seqlen + BLOCK - 1) // BLOCK - 1
         row = kv.flags_addr + (Int64(head_kv) * kv.n_slots64 + first_slot) * 4
+        t0 = Int64(0)
+        if const_expr(self.trace):
+            t0 = global_time()
         ready = Int32(0)
         while ready == 0:
             ready = Int32(1)
@@ -532,3 +578,7 @@ class KVQuantizer:
                 nanosleep(64)
         acquire_fence()
         async_proxy_acquire()
+        if const_expr(self.trace):
+            if cute.arch.lane_idx() == 0:
+                trace_add(kv.trace_addr + 8, Int32(global_time() - t0))
+                trace_add(kv.trace_addr + 12, Int32(1))

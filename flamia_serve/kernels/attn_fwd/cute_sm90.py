@@ -51,7 +51,7 @@ from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels._common import BoundCall, sm_count
-from flamia_serve.kernels.attn_fwd.cute_kv_quant import KVQuantizer
+from flamia_serve.kernels.attn_fwd.cute_kv_quant import TRACE_WORDS, KVQuantizer
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
@@ -137,6 +137,7 @@ class FlamiaFwdSm90:
         # accumulator, and a warpgroup's tensor-core turn is only its MMA issues)
         self.promote_pv = promote_pv
         self.heads_q = heads_q
+        self.heads_kv_count = heads_kv
         self.group = heads_q // heads_kv
         self.causal = causal
         self.k_exp_block = k_exp_block if tile_n % k_exp_block == 0 else 1
@@ -419,6 +420,7 @@ class FlamiaFwdSm90:
             blk_start=mBlkStart, blk_len=mBlkLen, blk_col=mBlkCol, task_slot=mTaskSlot,
             doc_slot=mDocSlot, ticket=mTaskTicket, n_slots=kv_slots,
             n_slots64=Int64(kv_slots), t_pad64=Int64(kv_t_pad),
+            trace_addr=mFlags.iterator.toint() + Int64(kv_slots) * self.heads_kv_count * 4,
         )  # fmt: skip
         sched = SimpleNamespace(
             doc=mItemDoc, tile=mItemTile, cu=mCu, cu_k=mCuK, vt_start=mVtStart, ticket=mTicket,
@@ -1248,7 +1250,8 @@ class KVInKernel:
     token-block table; the task order and each document's first slot
     (``schedule.kv_task_order``); ``flags`` int32 ``[Hkv · slots]`` and ``task_ticket``
     int32 ``[1]``, zero at every launch; K/V heads per group of the work order;
-    ``options``: ``KVQuantizer``'s ``(k_chunk, prefetch)`` (empty: its defaults)."""
+    ``options``: ``KVQuantizer``'s ``(k_chunk, prefetch, stage, trace)`` (empty: its
+    defaults; ``trace``: ``flags`` holds ``cute_kv_quant.TRACE_WORDS`` more)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -1293,9 +1296,11 @@ def attn_fwd_sm90_quantizing_kv(
     work = build_work_list(cu_seqlens, total, block_m=tile, block_n=tile, causal=causal)
     task_slot, doc_slot = kv_task_order(cu_seqlens, total, 32, tile)
     dev = q.device
+    trace = len(options) > 3 and bool(options[3])
+    n_flags = heads_kv * blocks.num_slots
     kv = KVInKernel(
         k, v, blocks, task_slot, doc_slot,
-        torch.zeros(heads_kv * blocks.num_slots, dtype=torch.int32, device=dev),
+        torch.zeros(n_flags + (TRACE_WORDS if trace else 0), dtype=torch.int32, device=dev),
         torch.zeros(1, dtype=torch.int32, device=dev), group_heads, tuple(options),
     )  # fmt: skip
     out = torch.empty_like(q)
@@ -1312,8 +1317,12 @@ def attn_fwd_sm90_quantizing_kv(
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         for x in (kv.flags, kv.task_ticket, ticket):
             x.zero_()
+        if trace:  # the first task's start: a minimum, from all ones
+            kv.flags[n_flags + 4 : n_flags + 6] = -1
         call(q=q, out=out, m=m_rows, lse=lse_rows, ticket=ticket, k=k, v=v, flags=kv.flags,
              kv_ticket=kv.task_ticket)  # fmt: skip
         return out, m_rows, lse_rows
 
+    if trace:  # the last run's timers (``cute_kv_quant.TRACE_FIELDS``), int32 words
+        run.trace = lambda: kv.flags[n_flags:].clone()
     return run, qkv
