@@ -34,12 +34,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from flamia_serve.kernels.cute_sm90_common import TVM_FFI, compile_kernel
 
 
-def _fake_args(
-    total: int, heads_q: int, heads_kv: int, d: int, wide: bool = False, kv: bool = False
-) -> list:
+def _fake_args(total: int, heads_q: int, heads_kv: int, d: int, wide: bool = False) -> list:
     """(fake CUDA tensor, byte alignment) pairs with the launcher's shapes, dtypes, strides
-    and alignments (``wide``: NVFP4 Q/K widened to BF16, int8 second-level exponents;
-    ``kv``: the tensors of a forward that quantizes K/V itself, else their placeholders)."""
+    and alignments (``wide``: NVFP4 Q/K widened to BF16, int8 second-level exponents)."""
     t_pad = total + 16 + 64
     u8, i32 = torch.uint8, torch.int32
     qk = torch.bfloat16 if wide else u8
@@ -59,17 +56,6 @@ def _fake_args(
         (torch.empty(total, heads_q, d, dtype=torch.bfloat16), 16),  # O
         (torch.empty(total, heads_q), 4),  # M
         (torch.empty(total, heads_q), 4),  # lse
-    ]
-    slots = total // 32 + 2
-    kv_in = torch.bfloat16 if kv else qk
-    tensors += [
-        (torch.empty(total, heads_kv, d, dtype=kv_in), 16),  # K as given (quantize_kv)
-        (torch.empty(total, heads_kv, d, dtype=kv_in), 16),  # V as given
-        (torch.empty(heads_kv, t_pad, dtype=torch.int16), 4),  # K exponents
-        (torch.empty(heads_kv, t_pad, dtype=torch.int16), 4),  # V exponents
-        *((torch.empty(slots, dtype=i32), 4),) * 5,  # block table (3), task order, doc slots
-        (torch.empty(heads_kv * slots, dtype=i32), 4),  # flags
-        (torch.empty(1, dtype=i32), 4),  # task ticket
     ]
     return tensors
 

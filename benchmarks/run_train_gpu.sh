@@ -17,7 +17,7 @@
 #                                                   # s29-fwd-tests, w-table, per-wg-dq,
 #                                                   # s30-windows-q, s30-windows-kernel,
 #                                                   # fwd-item-profile, s32-d64-tests,
-#                                                   # s32-d64, s32-regs-ab, s33-kv
+#                                                   # s32-d64, s32-regs-ab
 # Expects the fa4 bundle installed with FLAMIA_SITE=/tmp/site_fa4 (../shared/device/stage.sh
 # fa4; the vllm bundle pins another apache-tvm-ffi, so they live in separate sites).
 set -uo pipefail
@@ -622,15 +622,6 @@ if [[ $steps == *,s32-regs-ab,* ]]; then  # the forward's consumers at 216 regis
       --workloads "${FLAMIA_AB_WORKLOADS:-W1,W3,W7,P3}" --prefill S4-8x512+8192 --rounds 3 \
       --name fwd_regs216_ab_s32
   fi
-fi
-if [[ $steps == *,s33-kv,* ]]; then  # the forward quantizing K/V in its producer warps
-  # (cute_kv_quant; thirty-third session): same bits as the launch + forward, then times
-  # against them and FA4 (P3: MHA; W5: GQA), the staged and register variants
-  run kv_in_kernel_check_s33 150 python benchmarks/kv_in_kernel_ab.py --workloads P3 \
-    --no-time --name kv_in_kernel_check_s33
-  run kv_in_kernel_ab_s33 300 python benchmarks/kv_in_kernel_ab.py --workloads P3,W5 \
-    --no-check --rounds 3 --variants "${FLAMIA_KV_VARIANTS:-g4:trace,g4,g4:reg,g2,g1}" \
-    --name kv_in_kernel_ab_s33
 fi
 if [[ $steps == *,s29-fwd-tests,* ]]; then  # the CuTe forward's and prefill's GPU tests
   run pytest_gpu_cute_fwd_s29 "${FLAMIA_TEST_SECS:-300}" python -m pytest -q \

@@ -103,28 +103,6 @@ def token_block_table(
     )
 
 
-def kv_task_order(
-    cu_seqlens: torch.Tensor, total_tokens: int, block: int, tile_n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a forward that quantizes K/V inside itself (``cute_kv_quant``): the slots of
-    :func:`token_block_table` in the order its consumers first need them under the work
-    list's longest-first order (documents by their key tiles, most first, ties by index;
-    a document's blocks from its last, as the consumers take its key tiles), empty slots
-    last; and each document's first slot. int32 ``[slots]``, ``[B]``; on the device."""
-    doc, local, length = _blocks_of_documents(cu_seqlens, total_tokens, block)
-    cu = cu_seqlens.long()
-    num_docs = cu.numel() - 1
-    lengths = cu[1:] - cu[:-1]
-    blocks = (lengths + block - 1) // block
-    first_slot = torch.cumsum(blocks, 0) - blocks
-    tiles = (lengths + tile_n - 1) // tile_n
-    span = int(total_tokens // block) + num_docs + 1  # more than any local block index
-    rank = tiles[doc] * (num_docs + 1) + (num_docs - doc)  # larger: needed earlier
-    key = torch.where(length > 0, rank * span + local, -1)
-    order = torch.argsort(key, descending=True, stable=True)
-    return order.to(torch.int32), first_slot.to(torch.int32)
-
-
 @dataclass(frozen=True)
 class ShortWindows:
     """Short documents (1 to ``limit`` tokens) grouped for the forward's window kernel: the

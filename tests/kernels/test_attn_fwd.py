@@ -535,27 +535,3 @@ def test_fwd_windows_through_the_custom_op(device) -> None:
     backend = "inductor" if device == "cuda" else "aot_eager"
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     assert torch.equal(compiled(q, k, v), step(q, k, v))
-
-
-def test_kv_task_order_follows_the_work_list() -> None:
-    """The in-kernel K/V quantization's task order (``schedule.kv_task_order``): every
-    non-empty slot once, documents by their key tiles (most first, ties by index), a
-    document's blocks from its last; empty slots after them; each document's first slot."""
-    lens = [300, 0, 1, 700, 33, 700]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    total = int(cu[-1])
-    order, first = schedule.kv_task_order(cu, total, 32, 128)
-    blocks = schedule.token_block_table(cu, total, 32, 128)
-    assert order.dtype == first.dtype == torch.int32
-    assert sorted(order.tolist()) == list(range(blocks.num_slots))
-    assert first.tolist() == [0, 10, 10, 11, 33, 35]
-    length = blocks.length[order.long()]
-    n = int((blocks.length > 0).sum())
-    assert bool((length[:n] > 0).all()) and bool((length[n:] == 0).all())
-    # documents 3 and 5 (6 key tiles each; 3 first), then 0 (3 tiles), then 2 and 4 (one)
-    docs = [3, 5, 0, 2, 4]
-    starts = blocks.start[order[:n].long()].tolist()
-    expected = []
-    for d in docs:
-        expected += [int(cu[d]) + 32 * b for b in range(-(-lens[d] // 32) - 1, -1, -1)]
-    assert starts == expected

@@ -32,9 +32,6 @@ Requires ``nvidia-cutlass-dsl`` and ``flash-attn-4`` (``quack``); imported lazil
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -51,7 +48,6 @@ from flash_attn.cute import utils as fa_utils
 from quack import copy_utils, layout_utils, sm90_utils
 
 from flamia_serve.kernels._common import BoundCall, sm_count
-from flamia_serve.kernels.attn_fwd.cute_kv_quant import TRACE_WORDS, KVQuantizer
 from flamia_serve.kernels.cute_sm90_common import (
     FP8,
     accumulator_to_a,
@@ -64,7 +60,7 @@ from flamia_serve.kernels.cute_sm90_common import (
     pow2,
     store_global_words,
 )
-from flamia_serve.kernels.schedule import TokenBlocks, WorkList
+from flamia_serve.kernels.schedule import WorkList
 from flamia_serve.kernels.workspace import PackWorkspace, zero_counter
 from flamia_serve.numerics import P_HAT_EXP
 from flamia_serve.numerics.exp2 import P_E4M3, RNE_MAGIC, RNE_MAGIC_BITS
@@ -109,10 +105,6 @@ class FlamiaFwdSm90:
         promote_pv: bool = True,
         q_block: int = 0,
         stage_o: bool = True,
-        quantize_kv: bool = False,
-        kv_group_heads: int = 4,
-        kv_fp16: bool = False,
-        kv_options: tuple = (),
     ) -> None:
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim}: the CuTe forward supports 64, 128 and 256")
@@ -137,7 +129,6 @@ class FlamiaFwdSm90:
         # accumulator, and a warpgroup's tensor-core turn is only its MMA issues)
         self.promote_pv = promote_pv
         self.heads_q = heads_q
-        self.heads_kv_count = heads_kv
         self.group = heads_q // heads_kv
         self.causal = causal
         self.k_exp_block = k_exp_block if tile_n % k_exp_block == 0 else 1
@@ -171,18 +162,6 @@ class FlamiaFwdSm90:
         self.num_threads = 128 * (self.num_wg + 1)
         self.gate_threads = 32 + 128 * self.num_wg  # _BAR_KV_GATE: producer warp, consumers
         self.mma_regs, self.producer_regs = {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.num_wg]
-        # quantize_kv: the producer warpgroup's three idle warps write K/V's operands while
-        # the consumers run (``cute_kv_quant``; with q_block, two consumer warpgroups, no
-        # extend); the work list is taken in groups of kv_group_heads K/V heads
-        self.kvq = None
-        if quantize_kv:
-            if not q_block or self.num_wg != 2 or extend or qk_wide or head_dim > 128:
-                raise ValueError(
-                    "quantize_kv needs q_block, tile_m 128, E4M3 Q/K, head_dim <= 128 and no extend"
-                )
-            group = kv_group_heads if heads_kv % kv_group_heads == 0 else 1
-            self.kvq = KVQuantizer(head_dim, heads_kv, group, kv_fp16, *kv_options)
-            self.mma_regs, self.producer_regs = 216, 72
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -203,27 +182,10 @@ class FlamiaFwdSm90:
         mO: cute.Tensor,  # (T, Hq, d) bf16 or fp16
         mM: cute.Tensor,  # (T, Hq) f32
         mLSE: cute.Tensor,  # (T, Hq) f32
-        # quantize_kv (else placeholders, never read): K/V as given, (T, Hkv, d) bf16/fp16
-        # contiguous; K/V's exponents (Hkv, t_pad) int16; the token-block table (NB,) int32
-        # (first token, tokens, first column); the task order (NB,) int32; each document's
-        # first slot (B,) int32; the flags (Hkv·NB,) int32 and the task ticket (1,) int32,
-        # zero at launch
-        mKin: cute.Tensor,
-        mVin: cute.Tensor,
-        mKexp: cute.Tensor,
-        mVexp: cute.Tensor,
-        mBlkStart: cute.Tensor,
-        mBlkLen: cute.Tensor,
-        mBlkCol: cute.Tensor,
-        mTaskSlot: cute.Tensor,
-        mDocSlot: cute.Tensor,
-        mFlags: cute.Tensor,
-        mTaskTicket: cute.Tensor,
         qk_scale: Float32,
         n_programs: Int32,
         stream: cuda.CUstream,
     ):
-        kv_out = (mK, mVt, mFactors)  # what quantize_kv writes (codes, v_t, factors)
         mQ = layout_utils.select(mQ, [0, 2, 1])  # (T, d, Hq)
         mK = layout_utils.select(mK, [0, 2, 1])  # (T, d, Hkv)
         qk = self.qk_dtype
@@ -275,7 +237,6 @@ class FlamiaFwdSm90:
         }  # fmt: skip
         self.tma_bytes["k"] += cute.size_in_bytes(Float32, cute.make_layout((self.tile_n, 3)))
         stages = self.num_stages
-        kv_words = self.kvq.shared_words() if self.kvq is not None else 4
 
         @cute.struct
         class Storage:
@@ -296,17 +257,12 @@ class FlamiaFwdSm90:
             sO: cute.struct.Align[
                 cute.struct.MemRange[Int32, self.num_wg * 64 * _O_ROW if self.stage_o else 4], 128
             ]
-            # quantize_kv: the producer warps' row buffers and their mbarriers
-            sKV: cute.struct.Align[cute.struct.MemRange[Int32, kv_words], 128]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 6]
 
         self.kernel(
             tma_q, tma_k, tma_v, tma_f, atom_q, atom_k, atom_v, atom_f, mQexp, mCu, mCuK,
             mVtStart,
             mItemDoc, mItemTile, mCount, mTicket, mO, mM, mLSE, qk_scale, sQ_layout, sQin_layout,
-            sK_layout, sV_layout, sF_layout, tiled_mma_qk, tiled_mma_pv, Storage, *kv_out, mKin,
-            mVin, mKexp, mVexp, mBlkStart, mBlkLen, mBlkCol, mTaskSlot, mDocSlot, mFlags,
-            mTaskTicket, mBlkStart.shape[0], mKexp.shape[1],
+            sK_layout, sV_layout, sF_layout, tiled_mma_qk, tiled_mma_pv, Storage,
         ).launch(
             grid=[n_programs, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
@@ -344,22 +300,6 @@ class FlamiaFwdSm90:
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         Storage: cutlass.Constexpr,
-        mKcodes: cute.Tensor,
-        mVtCodes: cute.Tensor,
-        mFactorsOut: cute.Tensor,
-        mKin: cute.Tensor,
-        mVin: cute.Tensor,
-        mKexp: cute.Tensor,
-        mVexp: cute.Tensor,
-        mBlkStart: cute.Tensor,
-        mBlkLen: cute.Tensor,
-        mBlkCol: cute.Tensor,
-        mTaskSlot: cute.Tensor,
-        mDocSlot: cute.Tensor,
-        mFlags: cute.Tensor,
-        mTaskTicket: cute.Tensor,
-        kv_slots: Int32,
-        kv_t_pad: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -408,25 +348,10 @@ class FlamiaFwdSm90:
 
         # work items w = item * Hq + head (items longest first): CTA b takes item b first,
         # then grid + (ticket drawn); sWork carries them from the producer warp
-        # quantize_kv: K/V's inputs and outputs, the token-block table, the task order, the
-        # flags (``cute_kv_quant``)
-        # (addresses taken here, once: an address first taken inside a branch would not
-        # be valid in another)
-        kv = SimpleNamespace(
-            k_in_addr=mKin.iterator.toint(), v_in_addr=mVin.iterator.toint(),
-            k_codes_addr=mKcodes.iterator.toint(), v_t_addr=mVtCodes.iterator.toint(),
-            factors_addr=mFactorsOut.iterator.toint(), k_exp_addr=mKexp.iterator.toint(),
-            v_exp_addr=mVexp.iterator.toint(), flags_addr=mFlags.iterator.toint(),
-            blk_start=mBlkStart, blk_len=mBlkLen, blk_col=mBlkCol, task_slot=mTaskSlot,
-            doc_slot=mDocSlot, ticket=mTaskTicket, n_slots=kv_slots,
-            n_slots64=Int64(kv_slots), t_pad64=Int64(kv_t_pad),
-            trace_addr=mFlags.iterator.toint() + Int64(kv_slots) * self.heads_kv_count * 4,
-        )  # fmt: skip
         sched = SimpleNamespace(
             doc=mItemDoc, tile=mItemTile, cu=mCu, cu_k=mCuK, vt_start=mVtStart, ticket=mTicket,
-            n_items=mCount[0], n_work=mCount[0] * self.heads_q, n_ctas=cute.arch.grid_dim()[0],
-            pipe=pipe_work, slots=storage.sWork.get_tensor(cute.make_layout(_WORK_STAGES)),
-            kv=kv,
+            n_work=mCount[0] * self.heads_q, n_ctas=cute.arch.grid_dim()[0], pipe=pipe_work,
+            slots=storage.sWork.get_tensor(cute.make_layout(_WORK_STAGES)),
         )  # fmt: skip
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         if warp_idx < 4:
@@ -436,12 +361,6 @@ class FlamiaFwdSm90:
                     sched, (tma_q, tma_k, tma_v, tma_f), (atom_q, atom_k, atom_v, atom_f),
                     (sQin, sK, sV, sF), pipe_q, pipe_k, pipe_v,
                 )  # fmt: skip
-            elif const_expr(self.kvq is not None):
-                n_ctas = cute.arch.grid_dim()[0]
-                w = warp_idx - 1
-                buffers = storage.sKV.data_ptr().toint() + w * (2 * self.kvq.buffer_bytes)
-                mbars = storage.mbar_kv.data_ptr().toint() + w * 16
-                self.kvq.run(kv, cute.arch.block_idx()[0] * 3 + w, n_ctas * 3, buffers, mbars)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(
@@ -458,14 +377,6 @@ class FlamiaFwdSm90:
         ``q_base`` = ``q_start − q_offset`` is the row of position 0."""
         item = work // self.heads_q
         head = work - item * self.heads_q
-        if const_expr(self.kvq is not None):
-            # group by group of K/V heads (the order their K/V are written in), the work
-            # list's items within a group, its query heads innermost
-            per_group = self.kvq.group_heads * self.group
-            group = work // (sched.n_items * per_group)
-            r = work - group * (sched.n_items * per_group)
-            item = r // per_group
-            head = group * per_group + (r - item * per_group)
         doc = sched.doc[item]
         tile = sched.tile[item]
         q_start = sched.cu[doc]
@@ -482,7 +393,7 @@ class FlamiaFwdSm90:
         return SimpleNamespace(
             q_start=q_start, k_start=k_start, q_offset=q_offset, q_base=q_start - q_offset,
             seqlen=seqlen, vt_start=sched.vt_start[doc], tile=tile, head=head,
-            head_kv=head // self.group, n_blocks=n_blocks, doc=doc,
+            head_kv=head // self.group, n_blocks=n_blocks,
         )  # fmt: skip
 
     @cute.jit
@@ -499,7 +410,7 @@ class FlamiaFwdSm90:
             work_state = self.publish_work(sched, work_state, work)
             w = self.work_item(sched, work)
             state = self.produce_item(w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase,
-                                      after_first, sched.kv)  # fmt: skip
+                                      after_first)  # fmt: skip
             after_first = Int32(1)
             q_phase ^= 1
             if const_expr(self.ticket):
@@ -533,13 +444,12 @@ class FlamiaFwdSm90:
 
     @cute.jit
     def produce_item(self, w, tma, atoms, smem, pipe_q, pipe_k, pipe_v, state, q_phase,
-                     after_first, kv):  # fmt: skip
+                     after_first):  # fmt: skip
         """One item's loads: the last key tile's K first, then Q, then the rest in order.
         With ``q_block``, Q first (its input buffer is free once the warpgroups quantized the
         item before), then the K/V tiles once every consumer warpgroup has passed that item's
         last Q̂·K̂ᵀ (``_BAR_KV_GATE``; ``after_first``: there was an item before), as they did
-        while Q's release came after that Q̂·K̂ᵀ (see ``release_k``). With ``quantize_kv``
-        each key tile's loads wait for its blocks' flags (``KVQuantizer.wait_tile``)."""
+        while Q's release came after that Q̂·K̂ᵀ (see ``release_k``)."""
         tma_q, tma_k, tma_v, tma_f = tma
         atom_q, atom_k, atom_v, atom_f = atoms
         sQ, sK, sV, sF = smem
@@ -571,16 +481,11 @@ class FlamiaFwdSm90:
         load_v, _, _ = copy_utils.tma_get_copy_fn(atom_v, 0, cute.make_layout(1), gV, sV)
         load_v = copy_utils.tma_producer_copy_fn(load_v, pipe_v)
         n = n_blocks - 1
-        first_slot = Int32(0)
-        if const_expr(self.kvq is not None):
-            first_slot = kv.doc_slot[w.doc]
         if const_expr(self.q_block > 0):
             pipe_q.producer_acquire_w_index_phase(0, q_phase)
             load_q(tma_bar_ptr=pipe_q.sync_object_full.get_barrier(0))
             if after_first > 0:
                 cute.arch.barrier(barrier_id=_BAR_KV_GATE, number_of_threads=self.gate_threads)
-            if const_expr(self.kvq is not None):
-                self.kvq.wait_tile(kv, head_kv, first_slot, w.seqlen, n, self.tile_n)
             pipe_k.producer_acquire(state)
             load_k(src_idx=n, producer_state=state)
         else:
@@ -593,8 +498,6 @@ class FlamiaFwdSm90:
         state.advance()
         for i in cutlass.range(n_blocks - 1, unroll=1):
             n = n_blocks - 2 - i
-            if const_expr(self.kvq is not None):
-                self.kvq.wait_tile(kv, head_kv, first_slot, w.seqlen, n, self.tile_n)
             pipe_k.producer_acquire(state)
             load_k(src_idx=n, producer_state=state)
             pipe_v.producer_acquire(state)
@@ -1180,14 +1083,11 @@ def attn_fwd_sm90_call(
     cu_seqlens_k: torch.Tensor | None = None,
     exp_mode: str = "exact",
     promote_pv: bool = True,
-    kv: KVInKernel | None = None,
 ) -> BoundCall:
     """:func:`attn_fwd_sm90` compiled and bound: ``call(q=qkv.q_input, out=, m=, lse=,
     ticket=)`` launches it, ``ticket`` an int32 zero (``zero_counter``; persistent grid
     only, ``persistent`` = the old ``ticket``); later calls may pass other tensors of the
-    same dtypes and layouts (``BoundCall``). ``kv``: the kernel quantizes K/V itself into
-    ``qkv``'s buffers (``cute_kv_quant``); the call then also takes ``k=, v=, flags=,
-    kv_ticket=`` (zeros at launch)."""
+    same dtypes and layouts (``BoundCall``)."""
     d = qkv.k_codes.shape[2]
     v_t = qkv.v_t.permute(1, 2, 0)  # (d, t_pad, Hkv), keys contiguous
     # NVFP4 Q/K: widened values, one K exponent per key (their second level)
@@ -1206,123 +1106,18 @@ def attn_fwd_sm90_call(
         (out, 16),
         (m_rows, 4), (lse_rows, 4),
     )  # fmt: skip
-    if kv is not None:
-        kv_aligned = (
-            (kv.k, 16), (kv.v, 16), (qkv.k_exp, 4), (qkv.v_exp, 4), (kv.blocks.start, 4),
-            (kv.blocks.length, 4), (kv.blocks.v_t_start, 4), (kv.task_slot, 4),
-            (kv.doc_slot, 4), (kv.flags, 4), (kv.task_ticket, 4),
-        )  # fmt: skip
-    else:  # placeholders of the right ranks, never read
-        kv_aligned = (
-            (k_in, 16), (k_in, 16), (qkv.k_exp, 4), (qkv.v_exp, 4), *((work.doc, 4),) * 6,
-            (ticket, 4),
-        )  # fmt: skip
-    aligned = aligned + kv_aligned
     heads_kv = qkv.k_codes.shape[1]
     stage_o = out.stride(0) % 8 == 0 and out.stride(1) % 8 == 0
     key = (d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
            persistent, out.dtype, extend, exp_mode, wide, promote_pv, q_block, q_in.dtype,
-           stage_o, None if kv is None else (kv.group_heads, kv.k.dtype, kv.options))  # fmt: skip
+           stage_o)  # fmt: skip
     if key not in _COMPILED:
         kernel = FlamiaFwdSm90(
             d, heads_q, heads_kv, causal, k_exp_block, tile_m, tile_n, num_stages, overlap,
             persistent, extend, exp_mode, wide, promote_pv, q_block, stage_o,
-            quantize_kv=kv is not None, kv_group_heads=kv.group_heads if kv else 4,
-            kv_fp16=kv is not None and kv.k.dtype == torch.float16,
-            kv_options=kv.options if kv else (),
         )  # fmt: skip
         _COMPILED[key] = compile_kernel(kernel, aligned, Float32(qk_scale), Int32(1))
     ctas = max(1, min(work.num_slots * heads_q, sm_count(out.device)))
     slots = {"q": qkv.q_input, "out": out, "m": m_rows, "lse": lse_rows, "ticket": ticket}
-    if kv is not None:
-        slots.update(k=kv.k, v=kv.v, flags=kv.flags, kv_ticket=kv.task_ticket)
     args = [*kernel_tensors(aligned), qk_scale, ctas]
     return BoundCall(_COMPILED[key], args, slots, fixed=ffi_tensor)
-
-
-_HALF = (torch.bfloat16, torch.float16)
-
-
-@dataclass
-class KVInKernel:
-    """What the forward reads to quantize K/V itself (``FlamiaFwdSm90(quantize_kv=True)``)
-    into the operands' buffers: K/V ``[T, Hkv, d]`` BF16/FP16, contiguous; the operands'
-    token-block table; the task order and each document's first slot
-    (``schedule.kv_task_order``); ``flags`` int32 ``[Hkv · slots]`` and ``task_ticket``
-    int32 ``[1]``, zero at every launch; K/V heads per group of the work order;
-    ``options``: ``KVQuantizer``'s ``(k_chunk, prefetch, stage, trace)`` (empty: its
-    defaults; ``trace``: ``flags`` holds ``cute_kv_quant.TRACE_WORDS`` more)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    blocks: TokenBlocks
-    task_slot: torch.Tensor
-    doc_slot: torch.Tensor
-    flags: torch.Tensor
-    task_ticket: torch.Tensor
-    group_heads: int = 4
-    options: tuple = ()
-
-
-def attn_fwd_sm90_quantizing_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    group_heads: int = 4,
-    options: tuple = (),
-) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], KernelQKV]:
-    """The ``mxfp8`` forward (token-block exponents, CuTe default tiles) with Q and K/V
-    quantized inside the kernel, no quantization launch (an experiment: not yet behind
-    ``flamia_attn_varlen``). Returns ``(run, qkv)``: ``run()`` launches it and returns
-    ``(O, M, lse)``; ``qkv`` holds the K/V operands the kernel writes (as
-    ``quantize_qkv(defer_q=True, column_align=128)`` would). ``q/k/v`` BF16/FP16
-    ``[T, H, d]`` contiguous, d 64 or 128, same dtype."""
-    from flamia_serve.kernels.quant.ops import quantize_qkv_launch
-    from flamia_serve.kernels.schedule import build_work_list, kv_task_order, token_block_table
-
-    total, heads_q, d = q.shape
-    heads_kv = k.shape[1]
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.is_contiguous() or x.dtype != q.dtype or q.dtype not in _HALF:
-            raise ValueError(f"{name}: expected contiguous BF16/FP16 like q, got {x.dtype}")
-    tile = 128
-    blocks = token_block_table(cu_seqlens, total, 32, tile)
-    qkv, _launch = quantize_qkv_launch(q, k, v, cu_seqlens, defer_q=True, column_align=tile,
-                                       blocks=blocks)  # fmt: skip
-    work = build_work_list(cu_seqlens, total, block_m=tile, block_n=tile, causal=causal)
-    task_slot, doc_slot = kv_task_order(cu_seqlens, total, 32, tile)
-    dev = q.device
-    trace = len(options) > 3 and bool(options[3])
-    n_flags = heads_kv * blocks.num_slots
-    kv = KVInKernel(
-        k, v, blocks, task_slot, doc_slot,
-        torch.zeros(n_flags + (TRACE_WORDS if trace else 0), dtype=torch.int32, device=dev),
-        torch.zeros(1, dtype=torch.int32, device=dev), group_heads, tuple(options),
-    )  # fmt: skip
-    out = torch.empty_like(q)
-    m_rows = torch.empty(total, heads_q, dtype=torch.float32, device=dev)
-    lse_rows = torch.empty_like(m_rows)
-    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
-    scale = softmax_scale if softmax_scale is not None else d**-0.5
-    call = attn_fwd_sm90_call(
-        qkv, cu_seqlens, work, out, m_rows, lse_rows, ticket, heads_q=heads_q, causal=causal,
-        qk_scale=scale * math.log2(math.e), tile_m=tile, tile_n=tile, num_stages=2,
-        overlap=False, promote_pv=False, kv=kv,
-    )  # fmt: skip
-
-    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        for x in (kv.flags, kv.task_ticket, ticket):
-            x.zero_()
-        if trace:  # the first task's start: a minimum, from all ones
-            kv.flags[n_flags + 4 : n_flags + 6] = -1
-        call(q=q, out=out, m=m_rows, lse=lse_rows, ticket=ticket, k=k, v=v, flags=kv.flags,
-             kv_ticket=kv.task_ticket)  # fmt: skip
-        return out, m_rows, lse_rows
-
-    if trace:  # the last run's timers (``cute_kv_quant.TRACE_FIELDS``), int32 words
-        run.trace = lambda: kv.flags[n_flags:].clone()
-    return run, qkv
